@@ -1,0 +1,36 @@
+# Set-up on a fresh machine is part of every target: `make demo` and `make test`
+# create .venv, install towers with TensorFlow and the test tools, then run.
+PYTHON ?= python3
+# cpu (tensorflow-cpu) or gpu (tensorflow[and-cuda]); see README.
+TF_EXTRA ?= cpu
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed-$(TF_EXTRA)
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(INSTALLED): setup.cfg pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[$(TF_EXTRA),test]"
+	touch $@
+
+demo: $(INSTALLED)
+	$(BIN)/towers demo
+
+test: $(INSTALLED)
+	$(BIN)/python -m pytest -q
+
+bench: $(INSTALLED)
+	$(BIN)/python -m pytest benchmarks -q -o python_files='bench_*.py' \
+		--benchmark-columns=median,iqr,rounds --benchmark-sort=name
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check towers tests benchmarks
+	$(BIN)/ruff format --check towers tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info

@@ -1,0 +1,14 @@
+"""Every tolerance the suite uses, with the reason it is what it is."""
+
+# T towers vs one device on the whole batch, float32. The towers add per-tower
+# partial sums where one device adds in one pass: the same numbers in a different
+# order, so they differ by float32 rounding (~1e-7 relative per add), which a few
+# SGD/Adam steps do not amplify beyond this. The design's promise is rtol 1e-5.
+EQUIVALENCE_RTOL = 1e-5
+# Absolute floor for values that should be ~0 (e.g. a weight that barely moved),
+# where a relative tolerance means nothing: ~100 ulps of the typical weight (0.1).
+EQUIVALENCE_ATOL = 1e-6
+
+# Hand-computed combine results: the arithmetic is a few float32 adds of small
+# integers and halves, exact in float32, so the tolerance is zero.
+EXACT = 0.0

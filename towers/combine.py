@@ -1,0 +1,201 @@
+"""combine_gradients: one gradient per variable from every tower's gradients.
+
+Pure: no optimizer, no variables written, no device chosen (the caller places it).
+The shape it takes and returns, in tf_cnn_benchmarks' vocabulary::
+
+    tower_grads = [[g_00, g_01, ..., g_0V],    # tower 0: one entry per variable
+                   [g_10, g_11, ..., g_1V],    # tower 1
+                   ...]                        # g_tv: Tensor, IndexedSlices or None
+      -> [g_0, g_1, ..., g_V]                  # one combined entry per variable
+
+or the same with ``(gradient, variable)`` pairs in place of each ``g_tv`` (the form
+the TF1 multi-GPU tutorials used), which returns ``[(g_0, var_0), ...]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import tensorflow as tf
+
+Reduction = Literal["mean", "sum"]
+REDUCTIONS = ("mean", "sum")
+
+
+def combine_gradients(
+    tower_grads: Sequence[Sequence[Any]],
+    reduction: Reduction = "mean",
+    weights: Sequence[float] | None = None,
+) -> list[Any]:
+    """Combines per-tower gradients into one gradient per variable.
+
+    Rules:
+      * ``"sum"``: ``sum_t w_t * g_tv``; ``"mean"``: that sum divided by ``sum_t w_t``
+        (``w_t = 1`` when ``weights`` is None, so the mean divides by T).
+      * ``None`` in every tower stays ``None``; ``None`` in some towers counts as
+        zero there (it is never dropped by position).
+      * IndexedSlices stay slices: values and indices are concatenated in tower
+        order and scaled, not densified. A variable whose towers mix slices and
+        dense tensors is combined dense.
+      * Towers are added in tower order, variables in list order: the same inputs
+        give the same bits.
+
+    Args:
+      tower_grads: ``tower_grads[t][v]``, gradients or ``(gradient, variable)``
+        pairs, one list per tower, the same length for every tower.
+      reduction: ``"mean"`` or ``"sum"``.
+      weights: optional per-tower weights (numbers or scalar tensors), one per tower.
+
+    Returns:
+      One combined gradient per variable, in the form given (pairs carry tower
+      0's variable).
+
+    Raises:
+      ValueError: no towers, an unknown reduction, weights of the wrong length, or
+        towers that disagree on the number, shape or dtype of gradients (the
+        message names the tower and the variable).
+
+    Example:
+      >>> import tensorflow as tf
+      >>> tower_grads = [[tf.constant([1.0, 2.0]), None],
+      ...                [tf.constant([3.0, 6.0]), None]]
+      >>> mean, unused = combine_gradients(tower_grads, reduction="mean")
+      >>> mean.numpy().tolist(), unused
+      ([2.0, 4.0], None)
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"reduction must be one of {list(REDUCTIONS)}; received {reduction!r}"
+        )
+    num_towers = len(tower_grads)
+    if num_towers == 0:
+        raise ValueError("tower_grads must hold at least one tower; received []")
+    as_pairs = _is_pairs(tower_grads[0])
+    grads, variables = _unzip(tower_grads, as_pairs)
+    scales, divisor = _tower_scales(num_towers, reduction, weights)
+    labels = [_label(v, variables) for v in range(len(grads[0]))]
+    combined = [
+        _combine_variable([grads[t][v] for t in range(num_towers)], scales, divisor, labels[v])
+        for v in range(len(grads[0]))
+    ]
+    return list(zip(combined, variables)) if as_pairs else combined
+
+
+def _is_pairs(tower: Sequence[Any]) -> bool:
+    return any(
+        isinstance(item, (tuple, list)) and len(item) == 2 and _is_variable(item[1])
+        for item in tower
+    )
+
+
+def _is_variable(obj: Any) -> bool:
+    return isinstance(obj, tf.Variable) or (
+        hasattr(obj, "assign") and hasattr(obj, "shape") and hasattr(obj, "dtype")
+    )
+
+
+def _unzip(tower_grads: Sequence[Sequence[Any]], as_pairs: bool):
+    """Returns ``grads[t][v]`` and tower 0's variables (or None)."""
+    num_vars = len(tower_grads[0])
+    grads, variables = [], None
+    for t, tower in enumerate(tower_grads):
+        if len(tower) != num_vars:
+            raise ValueError(
+                f"tower {t} has {len(tower)} gradients but tower 0 has {num_vars}: "
+                "every tower must list one gradient per variable, in the same order"
+            )
+        if as_pairs:
+            if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in tower):
+                raise ValueError(
+                    f"tower {t} mixes (gradient, variable) pairs with bare gradients; "
+                    "use one form for every tower"
+                )
+            grads.append([g for g, _ in tower])
+            tower_vars = [var for _, var in tower]
+            if variables is None:
+                variables = tower_vars
+            _check_same_variables(t, tower_vars, variables)
+        else:
+            grads.append(list(tower))
+    return grads, variables
+
+
+def _check_same_variables(t: int, tower_vars: list, variables: list) -> None:
+    for v, (var, first) in enumerate(zip(tower_vars, variables)):
+        if var is not first and _var_name(var) != _var_name(first):
+            raise ValueError(
+                f"tower {t} lists variable {_var_name(var)!r} at position {v} where "
+                f"tower 0 lists {_var_name(first)!r}: pairs must be in the same order"
+            )
+
+
+def _var_name(var: Any) -> str:
+    return getattr(var, "path", None) or getattr(var, "name", None) or repr(var)
+
+
+def _label(v: int, variables: list | None) -> str:
+    return f"variable {v}" + (f" ({_var_name(variables[v])!r})" if variables else "")
+
+
+def _tower_scales(num_towers: int, reduction: str, weights):
+    """Per-tower multipliers (None: no multiply) and the final divisor (or None)."""
+    if weights is None:
+        return [None] * num_towers, (num_towers if reduction == "mean" else None)
+    weights = list(weights)
+    if len(weights) != num_towers:
+        raise ValueError(
+            f"weights must have one entry per tower ({num_towers}); received "
+            f"{len(weights)}: {weights}"
+        )
+    numbers = [w for w in weights if isinstance(w, (int, float))]
+    if any(w < 0 for w in numbers):
+        raise ValueError(f"weights must be non-negative; received {weights}")
+    if reduction == "sum":
+        return weights, None
+    if len(numbers) < num_towers:  # some weights are tensors
+        return weights, tf.add_n([tf.cast(w, tf.float32) for w in weights])
+    if sum(numbers) == 0:
+        raise ValueError(f"mean needs weights with a positive sum; received {weights}")
+    return weights, sum(numbers)
+
+
+def _combine_variable(grads_v: list, scales: list, divisor, label: str):
+    present = [(t, g) for t, g in enumerate(grads_v) if g is not None]
+    if not present:
+        return None
+    _check_agree(present, label)
+    if all(isinstance(g, tf.IndexedSlices) for _, g in present):
+        return _combine_slices(present, scales, divisor)
+    dense = [_scaled(tf.convert_to_tensor(g), scales[t]) for t, g in present]
+    total = dense[0] if len(dense) == 1 else tf.add_n(dense)
+    return total if divisor is None else total / tf.cast(divisor, total.dtype)
+
+
+def _combine_slices(present: list, scales: list, divisor) -> tf.IndexedSlices:
+    values = [_scaled(g.values, scales[t]) for t, g in present]
+    indices = [tf.cast(g.indices, tf.int64) for _, g in present]
+    values = values[0] if len(values) == 1 else tf.concat(values, axis=0)
+    indices = indices[0] if len(indices) == 1 else tf.concat(indices, axis=0)
+    if divisor is not None:
+        values = values / tf.cast(divisor, values.dtype)
+    return tf.IndexedSlices(values, indices, present[0][1].dense_shape)
+
+
+def _scaled(value: tf.Tensor, scale) -> tf.Tensor:
+    return value if scale is None else value * tf.cast(scale, value.dtype)
+
+
+def _check_agree(present: list, label: str) -> None:
+    t0, first = present[0]
+    for t, g in present[1:]:
+        if g.dtype != first.dtype:
+            raise ValueError(
+                f"tower {t} {label}: gradient dtype {g.dtype.name} differs from "
+                f"tower {t0}'s {first.dtype.name}"
+            )
+        if not tf.TensorShape(g.shape).is_compatible_with(first.shape):
+            raise ValueError(
+                f"tower {t} {label}: gradient shape {g.shape} differs from tower "
+                f"{t0}'s {first.shape}"
+            )

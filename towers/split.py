@@ -1,0 +1,122 @@
+"""split_batch: cut one global batch into per-tower shards along the first axis.
+
+A batch of B examples goes to T towers in contiguous, ordered shards whose sizes
+differ by at most one (the first ``B % T`` towers get one more). When B < T the last
+towers get zero examples. Concatenating the shards in tower order gives the batch
+back, which is what makes T towers add up to one device on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+
+def split_sizes(batch_size: int, num_towers: int) -> list[int]:
+    """Returns how many examples each tower gets.
+
+    Args:
+      batch_size: B, the number of examples in the global batch (B >= 0).
+      num_towers: T >= 1.
+
+    Returns:
+      T sizes that sum to B and differ by at most one, larger first.
+
+    Example:
+      >>> split_sizes(10, 4)
+      [3, 3, 2, 2]
+      >>> split_sizes(2, 4)
+      [1, 1, 0, 0]
+    """
+    _check_num_towers(num_towers)
+    base, extra = divmod(int(batch_size), num_towers)
+    return [base + (1 if t < extra else 0) for t in range(num_towers)]
+
+
+def batch_size_of(batch: Any) -> int | tf.Tensor:
+    """The common first dimension of every leaf of ``batch``.
+
+    Returns a Python int when every leaf's first dimension is known, else a scalar
+    int32 tensor (inside a ``tf.function`` traced with an unknown batch size).
+
+    Raises:
+      ValueError: the batch has no leaves, a leaf is a scalar, or leaves disagree.
+    """
+    leaves = tf.nest.flatten(batch)
+    if not leaves:
+        raise ValueError(f"a batch needs at least one tensor; received {batch!r}")
+    static = []
+    for leaf in leaves:
+        shape = tf.TensorShape(np.shape(leaf) if _is_array(leaf) else leaf.shape)
+        if shape.rank == 0:
+            raise ValueError(
+                "every tensor in a batch needs a batch (first) dimension; received "
+                f"a scalar of shape {shape}"
+            )
+        static.append(shape[0] if shape.rank is not None else None)
+    known = {s for s in static if s is not None}
+    if len(known) > 1:
+        raise ValueError(
+            "every tensor in a batch must have the same number of examples; received "
+            f"first dimensions {static}"
+        )
+    if len(known) == 1 and None not in static:
+        return known.pop()
+    return tf.shape(leaves[0], out_type=tf.int32)[0]
+
+
+def split_batch(batch: Any, num_towers: int) -> list[Any]:
+    """Splits every tensor or array of a nested batch into per-tower shards.
+
+    Args:
+      batch: a tensor, a NumPy array, or any nest (tuple, list, dict) of them, all
+        with the same first dimension B >= 1.
+      num_towers: T >= 1.
+
+    Returns:
+      A list of T nests with the structure of ``batch``; tower t's leaves hold
+      examples ``[offset_t, offset_t + n_t)``. NumPy leaves stay NumPy views.
+
+    Raises:
+      ValueError: T < 1, B == 0, or leaves with different first dimensions.
+
+    Example:
+      >>> import numpy as np
+      >>> shards = split_batch({"x": np.arange(5), "y": np.arange(5) * 10}, 2)
+      >>> [s["x"].tolist() for s in shards], shards[1]["y"].tolist()
+      ([[0, 1, 2], [3, 4]], [30, 40])
+    """
+    _check_num_towers(num_towers)
+    size = batch_size_of(batch)
+    if isinstance(size, int):
+        if size == 0:
+            raise ValueError("a batch needs at least one example; received 0")
+        sizes = split_sizes(size, num_towers)
+    else:
+        # Unknown B at trace time: the same rule as split_sizes, as tensors.
+        base, extra = size // num_towers, size % num_towers
+        sizes = base + tf.cast(tf.range(num_towers) < extra, tf.int32)
+    per_leaf = [_split_leaf(leaf, sizes, num_towers) for leaf in tf.nest.flatten(batch)]
+    return [
+        tf.nest.pack_sequence_as(batch, [shards[t] for shards in per_leaf])
+        for t in range(num_towers)
+    ]
+
+
+def _split_leaf(leaf: Any, sizes: Any, num_towers: int) -> list[Any]:
+    if _is_array(leaf):
+        bounds = np.cumsum([0, *sizes])
+        leaf = np.asarray(leaf)
+        return [leaf[bounds[t] : bounds[t + 1]] for t in range(num_towers)]
+    return tf.split(leaf, sizes, num=num_towers, axis=0)
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic))
+
+
+def _check_num_towers(num_towers: int) -> None:
+    if isinstance(num_towers, bool) or not isinstance(num_towers, int) or num_towers < 1:
+        raise ValueError(f"num_towers must be a positive int; received {num_towers!r}")
