@@ -38,7 +38,10 @@ class Towers:
         ``variable_device``), or a Keras model whose variables already live there.
       loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name, or a
         function ``(y_true, y_pred) -> per-example losses``.
-      optimizer: a Keras optimizer; its slots are created on ``variable_device``.
+      optimizer: a Keras optimizer, or a zero-arg function that makes one (called
+        under ``variable_device``). Its slots are always created on
+        ``variable_device``; its iteration count and learning rate, which Keras
+        creates with the optimizer, live where it was made.
       devices: one device per tower; default every GPU, else the CPU.
       variable_device: where variables live, gradients are combined and applied.
 
@@ -69,12 +72,8 @@ class Towers:
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
         self.loss = TowerLoss(loss)
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise ValueError(
-                f"optimizer must be a keras.optimizers.Optimizer; received {optimizer!r}"
-            )
-        self.optimizer = optimizer
         self.model = self._build_model(model)
+        self.optimizer = self._build_optimizer(optimizer)
         self._step_fn = tf.function(self._step)
         if self.model.built and self.model.variables:
             self._finish_build()
@@ -181,6 +180,17 @@ class Towers:
             )
         return model
 
+    def _build_optimizer(self, optimizer: Any) -> keras.optimizers.Optimizer:
+        if not isinstance(optimizer, keras.optimizers.Optimizer) and callable(optimizer):
+            with tf.device(self.variable_device):
+                optimizer = optimizer()
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ValueError(
+                "optimizer must be a keras.optimizers.Optimizer or a zero-arg function "
+                f"that makes one; received {optimizer!r}"
+            )
+        return optimizer
+
     def _build_from_batch(self, x: Any) -> None:
         """Creates a lazily built model's variables from one example."""
         with tf.device(self.variable_device):
@@ -192,7 +202,12 @@ class Towers:
             with tf.device(self.variable_device):
                 self.optimizer.build(self.model.trainable_variables)
         self._check_placement(self.model.variables, "model")
-        self._check_placement(self.optimizer.variables, "optimizer")
+        self._check_placement(self._slot_variables(), "optimizer slot")
+
+    def _slot_variables(self) -> list:
+        """The optimizer's variables except the scalars Keras made with it."""
+        own = {id(self.optimizer.iterations), id(self.optimizer._learning_rate)}
+        return [v for v in self.optimizer.variables if id(v) not in own]
 
     def _check_placement(self, variables: Sequence[Any], owner: str) -> None:
         for var in variables:

@@ -1,0 +1,239 @@
+"""Structure and contract of the Towers engine (exactness is test_equivalence.py)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.models import build_dense_sparse_unused, build_mlp, dense_sparse_batch
+from towers import Towers
+
+
+def mlp_batch(batch=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((batch, 6)).astype("float32"),
+        rng.standard_normal((batch, 2)).astype("float32"),
+    )
+
+
+def snapshot(engine):
+    return [v.numpy().copy() for v in engine.model.variables + engine.optimizer.variables]
+
+
+def assert_unchanged(engine, before):
+    after = snapshot(engine)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+
+
+def step_graph(engine, x, y):
+    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+    return engine._step_fn.get_concrete_function(x, y).graph
+
+
+def test_variables_and_optimizer_slots_live_on_the_variable_device():
+    engine = Towers(build_mlp, "mse", keras.optimizers.Adam, devices=["/cpu:0", "/cpu:1"],
+                    variable_device="/cpu:3")
+    engine.train_step(*mlp_batch())
+
+    devices = {v.path: v.handle.device for v in engine.model.variables}
+    slots = {v.path: v.handle.device for v in engine.optimizer.variables}
+    assert len(slots) == 2 + 2 * len(devices)  # iteration, learning rate, m and v
+    for name, device in {**devices, **slots}.items():
+        assert device.endswith("/device:CPU:3"), (name, device)
+
+
+def test_each_tower_computes_on_its_device_and_combine_apply_on_variable_device():
+    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(0.1),
+                    devices=["/cpu:1", "/cpu:2", "/cpu:5"], variable_device="/cpu:0")
+    graph = step_graph(engine, *mlp_batch(9))
+
+    forward, per_device = {}, {}
+    for op in graph.get_operations():
+        if op.type == "MatMul":
+            forward.setdefault(op.name.split("/")[0], set()).add(op.device)
+            per_device[op.device] = per_device.get(op.device, 0) + 1
+    # Forward ops are in the tower's scope, backward ops in TF's gradient_tape scope:
+    # both on the tower's device, none anywhere else.
+    assert forward.pop("gradient_tape") == {"/device:CPU:1", "/device:CPU:2", "/device:CPU:5"}
+    assert forward == {
+        "tower_0": {"/device:CPU:1"},
+        "tower_1": {"/device:CPU:2"},
+        "tower_2": {"/device:CPU:5"},
+    }
+    # Two forward and three backward matmuls (no input gradient for layer 1) each.
+    assert per_device == {"/device:CPU:1": 5, "/device:CPU:2": 5, "/device:CPU:5": 5}
+    updates = [op for op in graph.get_operations() if op.type.startswith("AssignSub")]
+    adds = [op for op in graph.get_operations() if op.name.startswith("combine/AddN")]
+    assert updates and adds
+    assert {op.device for op in updates + adds} == {"/device:CPU:0"}
+
+
+def test_towers_without_examples_build_no_ops():
+    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(0.1), devices=[
+        f"/cpu:{t}" for t in range(4)])
+    graph = step_graph(engine, *mlp_batch(2))
+
+    scopes = {op.name.split("/")[0] for op in graph.get_operations()}
+    assert {"tower_0", "tower_1"} <= scopes
+    assert not {"tower_2", "tower_3"} & scopes
+
+
+def test_one_apply_per_step_advances_iterations_by_one():
+    engine = Towers(build_mlp, "mse", keras.optimizers.Adam(), devices=[
+        f"/cpu:{t}" for t in range(4)])
+
+    for step in range(1, 4):
+        engine.train_step(*mlp_batch(seed=step))
+        assert int(engine.optimizer.iterations.numpy()) == step
+
+
+def test_step_traces_once_per_input_signature():
+    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(0.1), devices=["/cpu:0", "/cpu:1"])
+
+    for seed in range(4):
+        engine.train_step(*mlp_batch(8, seed))
+    assert engine.trace_count == 1
+    engine.train_step(*mlp_batch(5))  # a new batch size is a new signature
+    engine.train_step(*mlp_batch(5, seed=1))
+    assert engine.trace_count == 2
+
+
+def test_sparse_gradients_reach_the_combine_as_indexed_slices():
+    engine = Towers(build_dense_sparse_unused,
+                    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    keras.optimizers.SGD(0.1), devices=["/cpu:0", "/cpu:1"])
+    x, y = dense_sparse_batch(np.random.default_rng(0), 4)
+    kinds = {}
+
+    @tf.function
+    def tower_grads(x, y):
+        _, grads = engine._tower(x, y, 4)
+        for var, grad in zip(engine.model.trainable_variables, grads):
+            kind = "slices" if isinstance(grad, tf.IndexedSlices) else "dense"
+            kinds[var.path.split("/")[-1]] = None if grad is None else kind
+        return 0
+
+    tower_grads(x, y)
+    assert kinds["embeddings"] == "slices"
+    assert kinds["kernel"] == "dense"
+    assert kinds["unused"] is None
+
+
+def test_builder_runs_under_the_variable_device():
+    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(), devices=["/cpu:0"],
+                    variable_device="/cpu:6")
+
+    assert {v.handle.device.split("/")[-1] for v in engine.model.variables} == {"device:CPU:6"}
+
+
+def test_optimizer_made_elsewhere_still_gets_its_slots_on_the_variable_device():
+    optimizer = keras.optimizers.Adam()  # its iteration count lives on CPU:0
+    engine = Towers(build_mlp, "mse", optimizer, devices=["/cpu:0"], variable_device="/cpu:6")
+
+    slots = [v for v in optimizer.variables if "momentum" in v.path or "velocity" in v.path]
+    assert len(slots) == 2 * len(engine.model.trainable_variables)
+    assert {v.handle.device[-5:] for v in slots} == {"CPU:6"}
+
+
+def test_lazily_built_model_is_built_on_the_variable_device():
+    def build():
+        return keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(2)])
+
+    engine = Towers(build, "mse", keras.optimizers.SGD, devices=["/cpu:0", "/cpu:1"],
+                    variable_device="/cpu:2")
+    assert not engine.model.variables
+    engine.train_step(*mlp_batch())
+
+    assert len(engine.model.variables) == 4
+    assert {v.handle.device[-5:] for v in engine.model.variables + engine.optimizer.variables} == {
+        "CPU:2"
+    }
+
+
+def test_built_model_off_the_variable_device_is_refused():
+    with tf.device("/cpu:1"):
+        model = build_mlp()
+
+    with pytest.raises(ValueError) as error:
+        Towers(model, "mse", keras.optimizers.SGD(), devices=["/cpu:0"])
+
+    message = str(error.value)
+    assert "model variables must live on the variable device /device:CPU:0" in message
+    assert "received 'sequential" in message and "on /job:localhost" in message
+    assert message.rstrip().endswith("`with tf.device('/device:CPU:0')`.")
+
+
+def test_x_and_y_with_different_batch_sizes_raise_and_change_nothing():
+    engine = Towers(build_mlp, "mse", keras.optimizers.Adam(), devices=["/cpu:0", "/cpu:1"])
+    before = snapshot(engine)
+    x, _ = mlp_batch(8)
+    _, y = mlp_batch(7)
+
+    with pytest.raises(ValueError, match=r"received x with 8 examples and y with 7"):
+        engine.train_step(x, y)
+    assert_unchanged(engine, before)
+
+
+def test_loss_returning_a_mean_raises_and_changes_nothing():
+    engine = Towers(build_mlp, lambda y, p: tf.reduce_mean(tf.square(y - p)),
+                    keras.optimizers.Adam(), devices=["/cpu:0", "/cpu:1"])
+    before = snapshot(engine)
+
+    with pytest.raises(ValueError, match=r"one value per example, shape \[4\]; received "
+                                         r"shape \(\)"):
+        engine.train_step(*mlp_batch(8))
+    assert_unchanged(engine, before)
+
+
+def test_loss_returning_too_many_values_raises():
+    engine = Towers(build_mlp, lambda y, p: tf.reshape(tf.square(y - p), [-1]),
+                    keras.optimizers.SGD(), devices=["/cpu:0", "/cpu:1"])
+
+    with pytest.raises(ValueError, match=r"4 predictions gave 8 loss values"):
+        engine.train_step(*mlp_batch(8))
+
+
+def test_step_that_fails_at_run_time_changes_nothing():
+    # The number of loss values is only known when the step runs, and is wrong.
+    def positive_only(y, p):
+        per_example = tf.reduce_mean(tf.square(y - p), axis=-1)
+        return tf.boolean_mask(per_example, per_example > 1.0)
+
+    engine = Towers(build_mlp, positive_only, keras.optimizers.Adam(),
+                    devices=["/cpu:0", "/cpu:1"])
+    before = snapshot(engine)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one value per example"):
+        engine.train_step(*mlp_batch(64))
+    assert_unchanged(engine, before)
+
+
+def test_loss_that_ignores_the_model_raises():
+    engine = Towers(build_mlp, lambda y, p: tf.reduce_sum(y, axis=-1),
+                    keras.optimizers.SGD(), devices=["/cpu:0"])
+
+    with pytest.raises(ValueError, match=r"no trainable variable gets a gradient"):
+        engine.train_step(*mlp_batch())
+    assert int(engine.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"model": "resnet"}, r"model must be a Keras model .*received 'resnet'"),
+        ({"loss": 3}, r"loss must be a keras.losses.Loss.*received 3"),
+        ({"optimizer": "sgd"}, r"optimizer must be a keras.optimizers.Optimizer .*received 'sgd'"),
+        ({"devices": ["/cpu:0", "/gpu:3"]}, r"received '/gpu:3', available"),
+        ({"variable_device": "/cpu:9"}, r"received '/cpu:9', available"),
+    ],
+)
+def test_bad_arguments_name_what_was_received(kwargs, message):
+    args = {"model": build_mlp, "loss": "mse", "optimizer": keras.optimizers.SGD(),
+            "devices": ["/cpu:0"]}
+    args.update(kwargs)
+
+    with pytest.raises(ValueError, match=message):
+        Towers(**args)
