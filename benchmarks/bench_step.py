@@ -1,0 +1,76 @@
+"""The T-tower step against the plain single-device step, same model, same batch.
+
+MLP 784-512-512-10, global batch 256, SGD, logical CPU devices. Both steps run in
+this process, in alternating rounds; the ratio is towers / single device.
+Targets (issue 2): 2 towers <= 1.02, 4 towers <= 1.10, 8 towers <= 1.25.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from benchmarks.conftest import RESULTS
+from benchmarks.timing import interleaved_ratio
+from towers import Towers
+
+BATCH = 256
+TARGETS = {2: 1.02, 4: 1.10, 8: 1.25}
+
+
+def build_mlp():
+    return keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def batch():
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((BATCH, 784)), tf.float32)
+    y = tf.constant(rng.integers(0, 10, BATCH), tf.int32)
+    return x, y
+
+
+def single_device_step(loss):
+    """The baseline: one device, whole batch, the textbook tf.function step."""
+    with tf.device("/cpu:0"):
+        model = build_mlp()
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.device("/cpu:0"):
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return value
+
+    return step
+
+
+@pytest.mark.parametrize("num_towers", [2, 4, 8])
+def test_towers_step_vs_single_device(benchmark, num_towers):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = batch()
+    single = single_device_step(loss)
+    engine = Towers(
+        build_mlp, loss, lambda: keras.optimizers.SGD(0.01),
+        devices=[f"/cpu:{t}" for t in range(num_towers)],
+    )
+
+    result = interleaved_ratio(lambda: engine.train_step(x, y), lambda: single(x, y))
+    benchmark.extra_info.update(result, num_towers=num_towers, batch=BATCH)
+    RESULTS.append(
+        {"name": f"{num_towers}-tower step / single-device step", **result,
+         "target": TARGETS[num_towers]}
+    )
+    benchmark.pedantic(
+        lambda: engine.train_step(x, y)["loss"].numpy(), rounds=30, warmup_rounds=3
+    )

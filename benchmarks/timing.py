@@ -1,0 +1,52 @@
+"""Ratios of step times measured side by side in one process.
+
+Shared, noisy machines make a lone time meaningless; a ratio of two steps timed in
+alternating rounds cancels most of the noise both see.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def time_steps(step: Callable[[], object], steps: int) -> float:
+    """Seconds per step over ``steps`` calls; the last result is read back."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        result = step()
+    _read_back(result)
+    return (time.perf_counter() - started) / steps
+
+
+def interleaved_ratio(
+    contender: Callable[[], object],
+    baseline: Callable[[], object],
+    rounds: int = 15,
+    steps: int = 20,
+    warmup: int = 5,
+) -> dict[str, float]:
+    """Median step times of both, alternating rounds, and contender / baseline."""
+    for step in (contender, baseline):
+        for _ in range(warmup):  # traces, then settles allocators and thread pools
+            _read_back(step())
+    contender_times, baseline_times = [], []
+    for _ in range(rounds):
+        contender_times.append(time_steps(contender, steps))
+        baseline_times.append(time_steps(baseline, steps))
+    contender_s, baseline_s = np.median(contender_times), np.median(baseline_times)
+    return {
+        "contender_ms": 1e3 * contender_s,
+        "baseline_ms": 1e3 * baseline_s,
+        "ratio": contender_s / baseline_s,
+    }
+
+
+def _read_back(result: object) -> None:
+    """Forces the step to finish: a value read to the host has been computed."""
+    if isinstance(result, dict):
+        result = next(iter(result.values()))
+    if hasattr(result, "numpy"):
+        result.numpy()
