@@ -61,15 +61,20 @@ def test_towers_step_vs_single_device(benchmark, num_towers):
     x, y = batch()
     single = single_device_step(loss)
     engine = Towers(
-        build_mlp, loss, lambda: keras.optimizers.SGD(0.01),
+        build_mlp,
+        loss,
+        lambda: keras.optimizers.SGD(0.01),
         devices=[f"/cpu:{t}" for t in range(num_towers)],
     )
 
     result = interleaved_ratio(lambda: engine.train_step(x, y), lambda: single(x, y))
     benchmark.extra_info.update(result, num_towers=num_towers, batch=BATCH)
     RESULTS.append(
-        {"name": f"{num_towers}-tower step / single-device step", **result,
-         "target": TARGETS[num_towers]}
+        {
+            "name": f"{num_towers}-tower step / single-device step",
+            **result,
+            "target": TARGETS[num_towers],
+        }
     )
     benchmark.pedantic(
         lambda: engine.train_step(x, y)["loss"].numpy(), rounds=30, warmup_rounds=3

@@ -10,6 +10,7 @@ def pytest_terminal_summary(terminalreporter):
     for row in RESULTS:
         verdict = "meets" if row["ratio"] <= row["target"] else "MISSES"
         terminalreporter.write_line(
-            f"{row['name']:<44} {row['contender_ms']:8.3f} ms vs {row['baseline_ms']:8.3f}"
-            f" ms  ratio {row['ratio']:.3f}  target <= {row['target']:.2f}  {verdict}"
+            f"{row['name']:<44} {row['contender_ms']:8.3f} ms vs "
+            f"{row['baseline_ms']:8.3f} ms  ratio {row['ratio']:.3f}  "
+            f"target <= {row['target']:.2f}  {verdict}"
         )

@@ -10,7 +10,9 @@ from towers.cli import build_parser, main
 def run_cli(*args, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "towers.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -19,8 +21,10 @@ def test_devices_lists_physical_and_logical_with_kinds(capsys):
 
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["level", "kind", "name"]
-    assert ["physical", "CPU", "/physical_device:CPU:0"] in [l.split() for l in lines]
-    logical = [l.split()[2] for l in lines if l.startswith("logical")]
+    assert ["physical", "CPU", "/physical_device:CPU:0"] in [
+        line.split() for line in lines
+    ]
+    logical = [line.split()[2] for line in lines if line.startswith("logical")]
     assert logical == [f"/device:CPU:{i}" for i in range(8)]
 
 
@@ -61,5 +65,7 @@ def test_demo_trains_and_matches_one_device():
     assert "each step splits 20 examples as [7, 7, 6]" in result.stdout
     difference = float(re.search(r"largest weight difference (\S+)", result.stdout)[1])
     assert difference < 1e-5
-    accuracy = float(re.search(r"accuracy on 1000 new examples: (\S+)", result.stdout)[1])
+    accuracy = float(
+        re.search(r"accuracy on 1000 new examples: (\S+)", result.stdout)[1]
+    )
     assert accuracy > 0.8

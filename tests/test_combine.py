@@ -99,7 +99,9 @@ def test_pairs_in_pairs_out_with_tower_zero_variable():
 
     combined = combine_gradients(tower_grads, reduction="mean")
 
-    assert [var is expected for (_, var), expected in zip(combined, [kernel, bias])] == [
+    assert [
+        var is expected for (_, var), expected in zip(combined, [kernel, bias])
+    ] == [
         True,
         True,
     ]
@@ -145,7 +147,11 @@ def test_different_lengths_name_the_tower():
 def test_different_shapes_name_tower_and_variable():
     with pytest.raises(ValueError, match=r"tower 2 variable 1: gradient shape \(3,\)"):
         combine_gradients(
-            [[tf.ones(1), tf.ones(2)], [tf.ones(1), tf.ones(2)], [tf.ones(1), tf.ones(3)]]
+            [
+                [tf.ones(1), tf.ones(2)],
+                [tf.ones(1), tf.ones(2)],
+                [tf.ones(1), tf.ones(3)],
+            ]
         )
 
 
@@ -168,7 +174,9 @@ def test_negative_or_all_zero_weights_raise():
     with pytest.raises(ValueError, match=r"non-negative; received \[1, -1\]"):
         combine_gradients([[tf.ones(1)], [tf.ones(1)]], weights=[1, -1])
     with pytest.raises(ValueError, match=r"positive sum; received \[0, 0\]"):
-        combine_gradients([[tf.ones(1)], [tf.ones(1)]], reduction="mean", weights=[0, 0])
+        combine_gradients(
+            [[tf.ones(1)], [tf.ones(1)]], reduction="mean", weights=[0, 0]
+        )
 
 
 def test_no_towers_raises():

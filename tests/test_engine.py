@@ -18,7 +18,9 @@ def mlp_batch(batch=8, seed=0):
 
 
 def snapshot(engine):
-    return [v.numpy().copy() for v in engine.model.variables + engine.optimizer.variables]
+    return [
+        v.numpy().copy() for v in engine.model.variables + engine.optimizer.variables
+    ]
 
 
 def assert_unchanged(engine, before):
@@ -34,8 +36,13 @@ def step_graph(engine, x, y):
 
 
 def test_variables_and_optimizer_slots_live_on_the_variable_device():
-    engine = Towers(build_mlp, "mse", keras.optimizers.Adam, devices=["/cpu:0", "/cpu:1"],
-                    variable_device="/cpu:3")
+    engine = Towers(
+        build_mlp,
+        "mse",
+        keras.optimizers.Adam,
+        devices=["/cpu:0", "/cpu:1"],
+        variable_device="/cpu:3",
+    )
     engine.train_step(*mlp_batch())
 
     devices = {v.path: v.handle.device for v in engine.model.variables}
@@ -46,8 +53,13 @@ def test_variables_and_optimizer_slots_live_on_the_variable_device():
 
 
 def test_each_tower_computes_on_its_device_and_combine_apply_on_variable_device():
-    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(0.1),
-                    devices=["/cpu:1", "/cpu:2", "/cpu:5"], variable_device="/cpu:0")
+    engine = Towers(
+        build_mlp,
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=["/cpu:1", "/cpu:2", "/cpu:5"],
+        variable_device="/cpu:0",
+    )
     graph = step_graph(engine, *mlp_batch(9))
 
     forward, per_device = {}, {}
@@ -57,7 +69,11 @@ def test_each_tower_computes_on_its_device_and_combine_apply_on_variable_device(
             per_device[op.device] = per_device.get(op.device, 0) + 1
     # Forward ops are in the tower's scope, backward ops in TF's gradient_tape scope:
     # both on the tower's device, none anywhere else.
-    assert forward.pop("gradient_tape") == {"/device:CPU:1", "/device:CPU:2", "/device:CPU:5"}
+    assert forward.pop("gradient_tape") == {
+        "/device:CPU:1",
+        "/device:CPU:2",
+        "/device:CPU:5",
+    }
     assert forward == {
         "tower_0": {"/device:CPU:1"},
         "tower_1": {"/device:CPU:2"},
@@ -72,8 +88,12 @@ def test_each_tower_computes_on_its_device_and_combine_apply_on_variable_device(
 
 
 def test_towers_without_examples_build_no_ops():
-    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(0.1), devices=[
-        f"/cpu:{t}" for t in range(4)])
+    engine = Towers(
+        build_mlp,
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=[f"/cpu:{t}" for t in range(4)],
+    )
     graph = step_graph(engine, *mlp_batch(2))
 
     scopes = {op.name.split("/")[0] for op in graph.get_operations()}
@@ -82,8 +102,12 @@ def test_towers_without_examples_build_no_ops():
 
 
 def test_one_apply_per_step_advances_iterations_by_one():
-    engine = Towers(build_mlp, "mse", keras.optimizers.Adam(), devices=[
-        f"/cpu:{t}" for t in range(4)])
+    engine = Towers(
+        build_mlp,
+        "mse",
+        keras.optimizers.Adam(),
+        devices=[f"/cpu:{t}" for t in range(4)],
+    )
 
     for step in range(1, 4):
         engine.train_step(*mlp_batch(seed=step))
@@ -91,7 +115,9 @@ def test_one_apply_per_step_advances_iterations_by_one():
 
 
 def test_step_traces_once_per_input_signature():
-    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(0.1), devices=["/cpu:0", "/cpu:1"])
+    engine = Towers(
+        build_mlp, "mse", keras.optimizers.SGD(0.1), devices=["/cpu:0", "/cpu:1"]
+    )
 
     for seed in range(4):
         engine.train_step(*mlp_batch(8, seed))
@@ -102,9 +128,12 @@ def test_step_traces_once_per_input_signature():
 
 
 def test_sparse_gradients_reach_the_combine_as_indexed_slices():
-    engine = Towers(build_dense_sparse_unused,
-                    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    keras.optimizers.SGD(0.1), devices=["/cpu:0", "/cpu:1"])
+    engine = Towers(
+        build_dense_sparse_unused,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.1),
+        devices=["/cpu:0", "/cpu:1"],
+    )
     x, y = dense_sparse_batch(np.random.default_rng(0), 4)
     kinds = {}
 
@@ -123,17 +152,28 @@ def test_sparse_gradients_reach_the_combine_as_indexed_slices():
 
 
 def test_builder_runs_under_the_variable_device():
-    engine = Towers(build_mlp, "mse", keras.optimizers.SGD(), devices=["/cpu:0"],
-                    variable_device="/cpu:6")
+    engine = Towers(
+        build_mlp,
+        "mse",
+        keras.optimizers.SGD(),
+        devices=["/cpu:0"],
+        variable_device="/cpu:6",
+    )
 
-    assert {v.handle.device.split("/")[-1] for v in engine.model.variables} == {"device:CPU:6"}
+    assert {v.handle.device.split("/")[-1] for v in engine.model.variables} == {
+        "device:CPU:6"
+    }
 
 
 def test_optimizer_made_elsewhere_still_gets_its_slots_on_the_variable_device():
     optimizer = keras.optimizers.Adam()  # its iteration count lives on CPU:0
-    engine = Towers(build_mlp, "mse", optimizer, devices=["/cpu:0"], variable_device="/cpu:6")
+    engine = Towers(
+        build_mlp, "mse", optimizer, devices=["/cpu:0"], variable_device="/cpu:6"
+    )
 
-    slots = [v for v in optimizer.variables if "momentum" in v.path or "velocity" in v.path]
+    slots = [
+        v for v in optimizer.variables if "momentum" in v.path or "velocity" in v.path
+    ]
     assert len(slots) == 2 * len(engine.model.trainable_variables)
     assert {v.handle.device[-5:] for v in slots} == {"CPU:6"}
 
@@ -142,15 +182,21 @@ def test_lazily_built_model_is_built_on_the_variable_device():
     def build():
         return keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(2)])
 
-    engine = Towers(build, "mse", keras.optimizers.SGD, devices=["/cpu:0", "/cpu:1"],
-                    variable_device="/cpu:2")
+    engine = Towers(
+        build,
+        "mse",
+        keras.optimizers.SGD,
+        devices=["/cpu:0", "/cpu:1"],
+        variable_device="/cpu:2",
+    )
     assert not engine.model.variables
     engine.train_step(*mlp_batch())
 
     assert len(engine.model.variables) == 4
-    assert {v.handle.device[-5:] for v in engine.model.variables + engine.optimizer.variables} == {
-        "CPU:2"
-    }
+    assert {
+        v.handle.device[-5:]
+        for v in engine.model.variables + engine.optimizer.variables
+    } == {"CPU:2"}
 
 
 def test_built_model_off_the_variable_device_is_refused():
@@ -167,7 +213,9 @@ def test_built_model_off_the_variable_device_is_refused():
 
 
 def test_x_and_y_with_different_batch_sizes_raise_and_change_nothing():
-    engine = Towers(build_mlp, "mse", keras.optimizers.Adam(), devices=["/cpu:0", "/cpu:1"])
+    engine = Towers(
+        build_mlp, "mse", keras.optimizers.Adam(), devices=["/cpu:0", "/cpu:1"]
+    )
     before = snapshot(engine)
     x, _ = mlp_batch(8)
     _, y = mlp_batch(7)
@@ -178,19 +226,30 @@ def test_x_and_y_with_different_batch_sizes_raise_and_change_nothing():
 
 
 def test_loss_returning_a_mean_raises_and_changes_nothing():
-    engine = Towers(build_mlp, lambda y, p: tf.reduce_mean(tf.square(y - p)),
-                    keras.optimizers.Adam(), devices=["/cpu:0", "/cpu:1"])
+    engine = Towers(
+        build_mlp,
+        lambda y, p: tf.reduce_mean(tf.square(y - p)),
+        keras.optimizers.Adam(),
+        devices=["/cpu:0", "/cpu:1"],
+    )
     before = snapshot(engine)
 
-    with pytest.raises(ValueError, match=r"one value per example, shape \[4\]; received "
-                                         r"shape \(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"one value per example, shape \[4\]; received "
+        r"shape \(\)",
+    ):
         engine.train_step(*mlp_batch(8))
     assert_unchanged(engine, before)
 
 
 def test_loss_returning_too_many_values_raises():
-    engine = Towers(build_mlp, lambda y, p: tf.reshape(tf.square(y - p), [-1]),
-                    keras.optimizers.SGD(), devices=["/cpu:0", "/cpu:1"])
+    engine = Towers(
+        build_mlp,
+        lambda y, p: tf.reshape(tf.square(y - p), [-1]),
+        keras.optimizers.SGD(),
+        devices=["/cpu:0", "/cpu:1"],
+    )
 
     with pytest.raises(ValueError, match=r"4 predictions gave 8 loss values"):
         engine.train_step(*mlp_batch(8))
@@ -202,8 +261,9 @@ def test_step_that_fails_at_run_time_changes_nothing():
         per_example = tf.reduce_mean(tf.square(y - p), axis=-1)
         return tf.boolean_mask(per_example, per_example > 1.0)
 
-    engine = Towers(build_mlp, positive_only, keras.optimizers.Adam(),
-                    devices=["/cpu:0", "/cpu:1"])
+    engine = Towers(
+        build_mlp, positive_only, keras.optimizers.Adam(), devices=["/cpu:0", "/cpu:1"]
+    )
     before = snapshot(engine)
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="one value per example"):
@@ -212,8 +272,12 @@ def test_step_that_fails_at_run_time_changes_nothing():
 
 
 def test_loss_that_ignores_the_model_raises():
-    engine = Towers(build_mlp, lambda y, p: tf.reduce_sum(y, axis=-1),
-                    keras.optimizers.SGD(), devices=["/cpu:0"])
+    engine = Towers(
+        build_mlp,
+        lambda y, p: tf.reduce_sum(y, axis=-1),
+        keras.optimizers.SGD(),
+        devices=["/cpu:0"],
+    )
 
     with pytest.raises(ValueError, match=r"no trainable variable gets a gradient"):
         engine.train_step(*mlp_batch())
@@ -225,14 +289,21 @@ def test_loss_that_ignores_the_model_raises():
     [
         ({"model": "resnet"}, r"model must be a Keras model .*received 'resnet'"),
         ({"loss": 3}, r"loss must be a keras.losses.Loss.*received 3"),
-        ({"optimizer": "sgd"}, r"optimizer must be a keras.optimizers.Optimizer .*received 'sgd'"),
+        (
+            {"optimizer": "sgd"},
+            r"optimizer must be a keras.optimizers.Optimizer .*received 'sgd'",
+        ),
         ({"devices": ["/cpu:0", "/gpu:3"]}, r"received '/gpu:3', available"),
         ({"variable_device": "/cpu:9"}, r"received '/cpu:9', available"),
     ],
 )
 def test_bad_arguments_name_what_was_received(kwargs, message):
-    args = {"model": build_mlp, "loss": "mse", "optimizer": keras.optimizers.SGD(),
-            "devices": ["/cpu:0"]}
+    args = {
+        "model": build_mlp,
+        "loss": "mse",
+        "optimizer": keras.optimizers.SGD(),
+        "devices": ["/cpu:0"],
+    }
     args.update(kwargs)
 
     with pytest.raises(ValueError, match=message):

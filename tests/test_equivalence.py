@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.models import build_dense_sparse_unused, build_mlp, copy_of, dense_sparse_batch
+from tests.models import (
+    build_dense_sparse_unused,
+    build_mlp,
+    copy_of,
+    dense_sparse_batch,
+)
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
 
@@ -32,7 +37,9 @@ def reference_trainer(model, loss, optimizer):
             if model.losses:
                 value += tf.add_n(model.losses)
         grads = tape.gradient(value, model.trainable_variables)
-        pairs = [(g, v) for g, v in zip(grads, model.trainable_variables) if g is not None]
+        pairs = [
+            (g, v) for g, v in zip(grads, model.trainable_variables) if g is not None
+        ]
         optimizer.apply_gradients(pairs)
         return value
 
@@ -54,10 +61,12 @@ def run_both(builder, loss, optimizer_name, num_towers, batches):
         reference = builder()
         towers_model = copy_of(reference, builder)
     ref_opt = OPTIMIZERS[optimizer_name]()
-    ref_step = reference_trainer(reference, keras.losses.get(loss) if isinstance(
-        loss, str) else loss, ref_opt)
-    engine = Towers(towers_model, loss, OPTIMIZERS[optimizer_name](),
-                    devices=devices(num_towers))
+    ref_step = reference_trainer(
+        reference, keras.losses.get(loss) if isinstance(loss, str) else loss, ref_opt
+    )
+    engine = Towers(
+        towers_model, loss, OPTIMIZERS[optimizer_name](), devices=devices(num_towers)
+    )
     for x, y in batches:
         ref_loss = ref_step(x, y)
         logs = engine.train_step(x, y)
@@ -71,7 +80,9 @@ def run_both(builder, loss, optimizer_name, num_towers, batches):
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 @pytest.mark.parametrize("batch", [1, 3, 10, 16])
 @pytest.mark.parametrize("num_towers", [1, 2, 3, 4, 8])
-def test_towers_equal_one_device_dense_sparse_and_unused(num_towers, batch, optimizer_name):
+def test_towers_equal_one_device_dense_sparse_and_unused(
+    num_towers, batch, optimizer_name
+):
     rng = np.random.default_rng(batch * 100 + num_towers)
     batches = [dense_sparse_batch(rng, batch) for _ in range(STEPS)]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -99,8 +110,10 @@ def test_towers_equal_one_device_dense_sparse_and_unused(num_towers, batch, opti
 def test_towers_equal_one_device_for_every_keras_loss_reduction(loss):
     rng = np.random.default_rng(1)
     batches = [
-        (rng.standard_normal((11, 6)).astype("float32"),
-         rng.standard_normal((11, 2)).astype("float32"))
+        (
+            rng.standard_normal((11, 6)).astype("float32"),
+            rng.standard_normal((11, 2)).astype("float32"),
+        )
         for _ in range(STEPS)
     ]
 
@@ -115,8 +128,10 @@ def test_towers_equal_one_device_for_a_per_example_function():
 
     rng = np.random.default_rng(2)
     batches = [
-        (rng.standard_normal((7, 6)).astype("float32"),
-         rng.standard_normal((7, 2)).astype("float32"))
+        (
+            rng.standard_normal((7, 6)).astype("float32"),
+            rng.standard_normal((7, 2)).astype("float32"),
+        )
         for _ in range(STEPS)
     ]
     with tf.device("/cpu:0"):
@@ -150,8 +165,10 @@ def build_regularised():
 def test_regularisation_losses_count_once_not_once_per_tower(num_towers):
     rng = np.random.default_rng(3)
     batches = [
-        (rng.standard_normal((9, 6)).astype("float32"),
-         rng.standard_normal((9, 2)).astype("float32"))
+        (
+            rng.standard_normal((9, 6)).astype("float32"),
+            rng.standard_normal((9, 2)).astype("float32"),
+        )
         for _ in range(STEPS)
     ]
 

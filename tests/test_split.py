@@ -68,7 +68,9 @@ def test_split_batch_fewer_examples_than_towers_gives_empty_shards():
 
 
 def test_split_batch_leaves_with_different_sizes_raise():
-    with pytest.raises(ValueError, match=r"same number of examples; received .*\[4, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"same number of examples; received .*\[4, 3\]"
+    ):
         split_batch((np.zeros((4, 1)), np.zeros((3,))), 2)
 
 
@@ -78,7 +80,9 @@ def test_split_batch_empty_batch_raises():
 
 
 def test_split_batch_scalar_leaf_raises():
-    with pytest.raises(ValueError, match=r"batch \(first\) dimension; received a scalar"):
+    with pytest.raises(
+        ValueError, match=r"batch \(first\) dimension; received a scalar"
+    ):
         split_batch((np.zeros((4,)), np.float32(1.0)), 2)
 
 

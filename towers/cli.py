@@ -55,11 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     devices.add_argument(
-        "--virtual", type=positive_int, metavar="N",
+        "--virtual",
+        type=positive_int,
+        metavar="N",
         help="split one device into N logical devices before listing",
     )
     devices.add_argument(
-        "--kind", choices=["CPU", "GPU"], default="CPU",
+        "--kind",
+        choices=["CPU", "GPU"],
+        default="CPU",
         help="which device --virtual splits (default: CPU)",
     )
     devices.set_defaults(run=run_devices)
@@ -71,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument(
-        "--towers", type=positive_int, default=4, metavar="N",
+        "--towers",
+        type=positive_int,
+        default=4,
+        metavar="N",
         help="number of towers; uses N GPUs if there are, else N logical CPUs "
         "(default: 4)",
     )
@@ -79,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=positive_int, default=30, help="training steps (default: 30)"
     )
     demo.add_argument(
-        "--batch", type=positive_int, default=50,
+        "--batch",
+        type=positive_int,
+        default=50,
         help="global batch size; need not divide by --towers (default: 50)",
     )
     demo.set_defaults(run=run_demo)

@@ -76,7 +76,9 @@ def combine_gradients(
     scales, divisor = _tower_scales(num_towers, reduction, weights)
     labels = [_label(v, variables) for v in range(len(grads[0]))]
     combined = [
-        _combine_variable([grads[t][v] for t in range(num_towers)], scales, divisor, labels[v])
+        _combine_variable(
+            [grads[t][v] for t in range(num_towers)], scales, divisor, labels[v]
+        )
         for v in range(len(grads[0]))
     ]
     return list(zip(combined, variables)) if as_pairs else combined

@@ -58,7 +58,9 @@ def run(num_towers: int = 4, steps: int = 30, batch: int = 50) -> int:
 
     keras.utils.set_random_seed(0)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    engine = Towers(build_model, loss, lambda: keras.optimizers.Adam(0.01), devices=devices)
+    engine = Towers(
+        build_model, loss, lambda: keras.optimizers.Adam(0.01), devices=devices
+    )
     with tf.device(engine.variable_device):
         reference = build_model()
         reference.set_weights(engine.model.get_weights())

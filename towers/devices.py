@@ -180,9 +180,9 @@ def resolve_devices(devices: Sequence[str] | None = None) -> list[str]:
 def same_device(a: str, b: str) -> bool:
     """Whether two device strings (full or short form) name the same local device."""
     spec_a, spec_b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (spec_a.device_type or "").upper() == (spec_b.device_type or "").upper() and (
-        spec_a.device_index or 0
-    ) == (spec_b.device_index or 0)
+    return (spec_a.device_type or "").upper() == (
+        spec_b.device_type or ""
+    ).upper() and (spec_a.device_index or 0) == (spec_b.device_index or 0)
 
 
 def describe_devices() -> list[dict[str, str]]:

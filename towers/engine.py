@@ -121,9 +121,11 @@ class Towers:
         with tf.device(_HOST), tf.name_scope("split"):
             global_batch = batch_size_of(x)
             shards = split_batch((x, y), self.num_towers)
-        sizes = split_sizes(global_batch, self.num_towers) if isinstance(
-            global_batch, int
-        ) else [None] * self.num_towers
+        sizes = (
+            split_sizes(global_batch, self.num_towers)
+            if isinstance(global_batch, int)
+            else [None] * self.num_towers
+        )
         tower_losses, tower_grads = [], []
         for t, device in enumerate(self.devices):
             if sizes[t] == 0:
@@ -158,7 +160,9 @@ class Towers:
 
     def _apply(self, grads: list) -> None:
         pairs = [
-            (g, v) for g, v in zip(grads, self.model.trainable_variables) if g is not None
+            (g, v)
+            for g, v in zip(grads, self.model.trainable_variables)
+            if g is not None
         ]
         if not pairs:
             raise ValueError(
@@ -181,7 +185,9 @@ class Towers:
         return model
 
     def _build_optimizer(self, optimizer: Any) -> keras.optimizers.Optimizer:
-        if not isinstance(optimizer, keras.optimizers.Optimizer) and callable(optimizer):
+        if not isinstance(optimizer, keras.optimizers.Optimizer) and callable(
+            optimizer
+        ):
             with tf.device(self.variable_device):
                 optimizer = optimizer()
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -213,9 +219,10 @@ class Towers:
         for var in variables:
             device = var.handle.device
             if not same_device(device, self.variable_device):
+                name = getattr(var, "path", var.name)
                 raise ValueError(
                     f"{owner} variables must live on the variable device "
-                    f"{self.variable_device}; received {getattr(var, 'path', var.name)!r}"
+                    f"{self.variable_device}; received {name!r}"
                     f" on {device}. Pass a zero-arg function that builds the model "
                     "(towers builds it there), or build it inside "
                     f"`with tf.device({self.variable_device!r})`."

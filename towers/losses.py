@@ -16,7 +16,13 @@ import numpy as np
 import tensorflow as tf
 
 # Keras reductions that divide the summed loss by the number of loss elements.
-_MEAN_REDUCTIONS = (None, "none", "sum_over_batch_size", "mean", "mean_with_sample_weight")
+_MEAN_REDUCTIONS = (
+    None,
+    "none",
+    "sum_over_batch_size",
+    "mean",
+    "mean_with_sample_weight",
+)
 
 
 class TowerLoss:
@@ -102,4 +108,3 @@ def _leading_dim(nest: Any) -> int | None:
 def as_tower_loss(loss: Any) -> TowerLoss:
     """Wraps ``loss`` unless it already is a :class:`TowerLoss`."""
     return loss if isinstance(loss, TowerLoss) else TowerLoss(loss)
-

@@ -118,5 +118,9 @@ def _is_array(leaf: Any) -> bool:
 
 
 def _check_num_towers(num_towers: int) -> None:
-    if isinstance(num_towers, bool) or not isinstance(num_towers, int) or num_towers < 1:
+    if (
+        isinstance(num_towers, bool)
+        or not isinstance(num_towers, int)
+        or num_towers < 1
+    ):
         raise ValueError(f"num_towers must be a positive int; received {num_towers!r}")
