@@ -43,6 +43,13 @@ def dense_sparse_batch(rng: np.random.Generator, batch: int):
     return x, y
 
 
+def regression_batch(rng: np.random.Generator, batch: int, inputs=6, outputs=2):
+    """(x: f32[batch, inputs], y: f32[batch, outputs]), standard normal."""
+    x = rng.standard_normal((batch, inputs)).astype("float32")
+    y = rng.standard_normal((batch, outputs)).astype("float32")
+    return x, y
+
+
 def build_mlp(inputs: int = 6, hidden: int = 16, outputs: int = 2) -> keras.Model:
     return keras.Sequential(
         [

@@ -5,16 +5,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.models import build_dense_sparse_unused, build_mlp, dense_sparse_batch
+from tests.models import (
+    build_dense_sparse_unused,
+    build_mlp,
+    dense_sparse_batch,
+    regression_batch,
+)
 from towers import Towers
 
 
 def mlp_batch(batch=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return (
-        rng.standard_normal((batch, 6)).astype("float32"),
-        rng.standard_normal((batch, 2)).astype("float32"),
-    )
+    return regression_batch(np.random.default_rng(seed), batch)
 
 
 def snapshot(engine):

@@ -10,6 +10,7 @@ from tests.models import (
     build_mlp,
     copy_of,
     dense_sparse_batch,
+    regression_batch,
 )
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
@@ -109,13 +110,7 @@ def test_towers_equal_one_device_dense_sparse_and_unused(
 )
 def test_towers_equal_one_device_for_every_keras_loss_reduction(loss):
     rng = np.random.default_rng(1)
-    batches = [
-        (
-            rng.standard_normal((11, 6)).astype("float32"),
-            rng.standard_normal((11, 2)).astype("float32"),
-        )
-        for _ in range(STEPS)
-    ]
+    batches = [regression_batch(rng, 11) for _ in range(STEPS)]
 
     engine, reference = run_both(build_mlp, loss, "adam", 4, batches)
 
@@ -127,13 +122,7 @@ def test_towers_equal_one_device_for_a_per_example_function():
         return tf.reduce_mean(tf.square(y_true - y_pred), axis=-1)  # f32[B_t]
 
     rng = np.random.default_rng(2)
-    batches = [
-        (
-            rng.standard_normal((7, 6)).astype("float32"),
-            rng.standard_normal((7, 2)).astype("float32"),
-        )
-        for _ in range(STEPS)
-    ]
+    batches = [regression_batch(rng, 7) for _ in range(STEPS)]
     with tf.device("/cpu:0"):
         reference = build_mlp()
         twin = copy_of(reference, build_mlp)
@@ -164,13 +153,7 @@ def build_regularised():
 @pytest.mark.parametrize("num_towers", [2, 8])
 def test_regularisation_losses_count_once_not_once_per_tower(num_towers):
     rng = np.random.default_rng(3)
-    batches = [
-        (
-            rng.standard_normal((9, 6)).astype("float32"),
-            rng.standard_normal((9, 2)).astype("float32"),
-        )
-        for _ in range(STEPS)
-    ]
+    batches = [regression_batch(rng, 9) for _ in range(STEPS)]
 
     engine, reference = run_both(build_regularised, "mse", "sgd", num_towers, batches)
 
