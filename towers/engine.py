@@ -44,6 +44,9 @@ class Towers:
         creates with the optimizer, live where it was made.
       devices: one device per tower; default every GPU, else the CPU.
       variable_device: where variables live, gradients are combined and applied.
+      metrics: Keras metrics (objects or names such as ``"accuracy"``), updated
+        with every tower's predictions of the step, so they equal the full-batch
+        metric exactly.
 
     Raises:
       ValueError: unknown or repeated devices, a model that is not a Keras model,
@@ -68,13 +71,19 @@ class Towers:
         optimizer: keras.optimizers.Optimizer,
         devices: Sequence[str] | None = None,
         variable_device: str = "/cpu:0",
+        metrics: Sequence[Any] | None = None,
     ):
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
         self.loss = TowerLoss(loss)
         self.model = self._build_model(model)
         self.optimizer = self._build_optimizer(optimizer)
+        with tf.device(self.variable_device):
+            self.metrics = [_as_metric(m) for m in metrics or []]
+            # Keras' fit reports the epoch's loss as a mean weighted by batch size.
+            self.loss_tracker = keras.metrics.Mean(name="loss")
         self._step_fn = tf.function(self._step)
+        self._eval_fn = tf.function(self._eval_step)
         if self.model.built and self.model.variables:
             self._finish_build()
 
@@ -101,6 +110,36 @@ class Towers:
           ValueError: x and y disagree on B, B == 0, or the loss does not return one
             value per example. Nothing is updated when a step fails.
         """
+        x, y = self._prepare(x, y)
+        return self._step_fn(x, y)
+
+    def evaluate_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+        """Updates the loss and metric trackers with one batch; no training.
+
+        Returns:
+          The running ``{"loss": mean so far, metric name: value so far}``.
+        """
+        x, y = self._prepare(x, y)
+        return self._eval_fn(x, y)
+
+    def reset_metrics(self) -> None:
+        """Starts the loss tracker and every metric afresh (each epoch does)."""
+        for metric in [self.loss_tracker, *self.metrics]:
+            metric.reset_state()
+
+    def fit(self, data: Any, **kwargs: Any) -> dict[str, list[float]]:
+        """Trains on ``data``; see :func:`towers.loop.fit` for the arguments."""
+        from towers.loop import fit
+
+        return fit(self, data, **kwargs)
+
+    def evaluate(self, data: Any, **kwargs: Any) -> dict[str, float]:
+        """Evaluates on ``data``; see :func:`towers.loop.evaluate`."""
+        from towers.loop import evaluate
+
+        return evaluate(self, data, **kwargs)
+
+    def _prepare(self, x: Any, y: Any):
         x_size, y_size = batch_size_of(x), batch_size_of(y)
         if x_size != y_size:
             raise ValueError(
@@ -113,27 +152,19 @@ class Towers:
             x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
         if not self.model.variables:
             self._build_from_batch(x)
-        return self._step_fn(x, y)
+        return x, y
 
     # -- the step -----------------------------------------------------------------
 
     def _step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
-        with tf.device(_HOST), tf.name_scope("split"):
-            global_batch = batch_size_of(x)
-            shards = split_batch((x, y), self.num_towers)
-        sizes = (
-            split_sizes(global_batch, self.num_towers)
-            if isinstance(global_batch, int)
-            else [None] * self.num_towers
-        )
-        tower_losses, tower_grads = [], []
-        for t, device in enumerate(self.devices):
-            if sizes[t] == 0:
-                continue  # B < T: this tower has no examples and does no work.
+        global_batch, shards = self._split(x, y)
+        tower_losses, tower_grads, tower_preds = [], [], []
+        for t, device in self._working_towers(global_batch):
             with tf.device(device), tf.name_scope(f"tower_{t}"):
-                loss_t, grads_t = self._tower(*shards[t], global_batch)
+                loss_t, grads_t, y_pred = self._tower(*shards[t], global_batch)
             tower_losses.append(loss_t)
             tower_grads.append(grads_t)
+            tower_preds.append(y_pred)
         with tf.device(self.variable_device), tf.name_scope("combine"):
             grads = combine_gradients(tower_grads, reduction="sum")
             loss = tf.add_n(tower_losses)
@@ -141,22 +172,69 @@ class Towers:
             # Every tower (and every check in it) has finished before any update.
             with tf.control_dependencies([loss]):
                 self._apply(grads)
-        return {"loss": loss}
+        return self._track(loss, global_batch, y, tower_preds, batch_loss=True)
+
+    def _eval_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+        global_batch, shards = self._split(x, y)
+        tower_losses, tower_preds = [], []
+        for t, device in self._working_towers(global_batch):
+            with tf.device(device), tf.name_scope(f"tower_{t}"):
+                loss_t, y_pred = self._forward(*shards[t], global_batch, False)
+            tower_losses.append(loss_t)
+            tower_preds.append(y_pred)
+        with tf.device(self.variable_device), tf.name_scope("combine"):
+            loss = tf.add_n(tower_losses)
+        return self._track(loss, global_batch, y, tower_preds, batch_loss=False)
+
+    def _split(self, x: Any, y: Any):
+        with tf.device(_HOST), tf.name_scope("split"):
+            return batch_size_of(x), split_batch((x, y), self.num_towers)
+
+    def _working_towers(self, global_batch: Any):
+        """(tower id, device) of every tower that gets examples in this step."""
+        sizes = (
+            split_sizes(global_batch, self.num_towers)
+            if isinstance(global_batch, int)
+            else [None] * self.num_towers
+        )
+        # B < T: the towers past B have no examples and build no ops at all.
+        return [(t, d) for t, d in enumerate(self.devices) if sizes[t] != 0]
+
+    def _track(self, loss, global_batch, y, tower_preds, batch_loss: bool) -> dict:
+        """Updates loss and metrics with the whole batch's predictions."""
+        with tf.device(self.variable_device), tf.name_scope("metrics"):
+            self.loss_tracker.update_state(
+                loss, sample_weight=tf.cast(global_batch, tf.float32)
+            )
+            logs = {"loss": loss if batch_loss else self.loss_tracker.result()}
+            if self.metrics:
+                # Towers' predictions in tower order are the batch's predictions.
+                y_pred = tf.nest.map_structure(
+                    lambda *parts: tf.concat(parts, axis=0), *tower_preds
+                )
+                for metric in self.metrics:
+                    metric.update_state(y, y_pred)
+                    logs[metric.name] = metric.result()
+        return logs
+
+    def _forward(self, x_t: Any, y_t: Any, global_batch: Any, training: bool):
+        """One tower's predictions and its share of the full-batch loss."""
+        y_pred = self.model(x_t, training=training)
+        loss_t = self.loss.tower_loss(y_t, y_pred, global_batch)
+        if self.model.losses:
+            # Regularisers are per-batch means in Keras 3: weight by n_t / B so
+            # the towers' shares add up to the full batch's one.
+            share = tf.cast(batch_size_of(x_t), tf.float32) / tf.cast(
+                global_batch, tf.float32
+            )
+            loss_t += tf.add_n(self.model.losses) * share
+        return loss_t, y_pred
 
     def _tower(self, x_t: Any, y_t: Any, global_batch: Any):
-        """One tower: forward, this tower's share of the loss, and its gradients."""
-        variables = self.model.trainable_variables
+        """One tower: its loss share, its gradients and its predictions."""
         with tf.GradientTape() as tape:
-            y_pred = self.model(x_t, training=True)
-            loss_t = self.loss.tower_loss(y_t, y_pred, global_batch)
-            if self.model.losses:
-                # Regularisers are per-batch means in Keras 3: weight by n_t / B so
-                # the towers' shares add up to the full batch's one.
-                share = tf.cast(batch_size_of(x_t), tf.float32) / tf.cast(
-                    global_batch, tf.float32
-                )
-                loss_t += tf.add_n(self.model.losses) * share
-        return loss_t, tape.gradient(loss_t, variables)
+            loss_t, y_pred = self._forward(x_t, y_t, global_batch, True)
+        return loss_t, tape.gradient(loss_t, self.model.trainable_variables), y_pred
 
     def _apply(self, grads: list) -> None:
         pairs = [
@@ -227,3 +305,18 @@ class Towers:
                     "(towers builds it there), or build it inside "
                     f"`with tf.device({self.variable_device!r})`."
                 )
+
+
+def _as_metric(metric: Any) -> keras.metrics.Metric:
+    if isinstance(metric, str):
+        # Keras resolves "accuracy" by the loss at compile time; here the name must
+        # say which one (e.g. "sparse_categorical_accuracy").
+        metric = keras.metrics.get(metric)
+        if not isinstance(metric, keras.metrics.Metric):
+            metric = keras.metrics.MeanMetricWrapper(metric, name=metric.__name__)
+    if not isinstance(metric, keras.metrics.Metric):
+        raise ValueError(
+            "metrics must be keras.metrics.Metric objects or names; "
+            f"received {metric!r}"
+        )
+    return metric

@@ -1,0 +1,103 @@
+"""Checkpoints of a training run: model, optimizer, epoch and step in the epoch.
+
+Saved with ``tf.train.Checkpoint`` and ``tf.train.CheckpointManager``, which write
+each checkpoint's files first and point the directory's ``checkpoint`` index at them
+last: a run killed while saving leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+
+if TYPE_CHECKING:
+    from towers.engine import Towers
+
+
+class TrainingCheckpoint:
+    """Saves and restores one engine's training state in ``directory``.
+
+    Args:
+      engine: the Towers engine whose model and optimizer are saved.
+      directory: the checkpoint directory, or None for no checkpoints.
+      keep: how many checkpoints to keep.
+    """
+
+    def __init__(self, engine: Towers, directory: str | None, keep: int = 3):
+        self.directory = directory
+        if directory is None:
+            return
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1; received {keep!r}")
+        with tf.device(engine.variable_device):
+            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._checkpoint = tf.train.Checkpoint(
+            model=engine.model,
+            optimizer=engine.optimizer,
+            epoch=self.epoch,
+            step=self.step,
+        )
+        self._manager = tf.train.CheckpointManager(
+            self._checkpoint, directory, max_to_keep=keep
+        )
+        self._engine = engine
+
+    def restore(self) -> tuple[int, int]:
+        """Restores the latest checkpoint if there is one.
+
+        Returns:
+          ``(epoch, step)`` to resume from: the epoch to run and how many of its
+          batches are done. ``(0, 0)`` for a fresh start.
+
+        Raises:
+          ValueError: the checkpoint was written by a different model or optimizer;
+            nothing is restored into the engine in that case.
+        """
+        if self.directory is None or self._manager.latest_checkpoint is None:
+            return 0, 0
+        path = self._manager.latest_checkpoint
+        self._check_matches(path)
+        status = self._checkpoint.restore(path)
+        status.assert_existing_objects_matched()
+        return int(self.epoch.numpy()), int(self.step.numpy())
+
+    def save(self, epoch: int, step: int) -> None:
+        """Saves the state after ``step`` batches of ``epoch`` (0-based)."""
+        if self.directory is None:
+            return
+        self.epoch.assign(epoch)
+        self.step.assign(step)
+        self._manager.save(checkpoint_number=self._engine.optimizer.iterations)
+
+    def _check_matches(self, path: str) -> None:
+        """Compares every saved variable's shape before anything is restored."""
+        saved = {key: list(shape) for key, shape in tf.train.list_variables(path)}
+        mine = _variable_shapes(self._checkpoint)
+        missing = sorted(set(mine) - set(saved))
+        wrong = [
+            f"{key}: saved {saved[key]}, this model {mine[key]}"
+            for key in sorted(set(mine) & set(saved))
+            if saved[key] != mine[key]
+        ]
+        if missing or wrong:
+            details = "; ".join(wrong[:3] + [f"not saved: {k}" for k in missing[:3]])
+            raise ValueError(
+                f"the checkpoint in {self.directory} was written by a different model "
+                f"or optimizer; received {path} with {details}. Use a new "
+                "checkpoint_dir for a new model."
+            )
+
+
+def _variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:
+    """Checkpoint key -> shape of every variable ``checkpoint`` saves.
+
+    Read off a throwaway write of the current state, so the keys are exactly the
+    ones TensorFlow would save (done once per resume, never per step).
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        path = checkpoint.write(os.path.join(scratch, "probe"))
+        return {key: list(shape) for key, shape in tf.train.list_variables(path)}
