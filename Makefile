@@ -15,7 +15,7 @@ $(BIN)/python:
 
 $(INSTALLED): setup.cfg pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[$(TF_EXTRA),test]"
+	$(BIN)/python -m pip install -q -e ".[$(TF_EXTRA),test,demo]"
 	touch $@
 
 demo: $(INSTALLED)

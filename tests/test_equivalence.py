@@ -12,13 +12,13 @@ from tests.models import (
     dense_sparse_batch,
     regression_batch,
 )
-from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from tests.tolerances import ADAM_EPSILON, EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
 
 STEPS = 3
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(learning_rate=0.1),
-    "adam": lambda: keras.optimizers.Adam(learning_rate=0.01),
+    "adam": lambda: keras.optimizers.Adam(learning_rate=0.01, epsilon=ADAM_EPSILON),
 }
 
 

@@ -26,9 +26,11 @@ does in a script, so you can see the names your towers would get.
 """
 
 DEMO_HELP = """\
-Train a small classifier on synthetic data with N towers on logical devices, and
-print what happened: where the variables live, the loss per step, and a check that
-the towers' weights equal one device trained on the same batches.
+Train a small convolutional network on scikit-learn's bundled handwritten digits
+(no download) with N towers, then print the test accuracy, where every variable
+and each tower's work lived, and what one step costs phase by phase (towers'
+forward + backward, combine, apply). Uses N GPUs if there are, else the CPU split
+into N logical devices.
 """
 
 
@@ -83,13 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 4)",
     )
     demo.add_argument(
-        "--steps", type=positive_int, default=30, help="training steps (default: 30)"
+        "--epochs", type=positive_int, default=12, help="epochs (default: 12)"
     )
     demo.add_argument(
         "--batch",
         type=positive_int,
-        default=50,
-        help="global batch size; need not divide by --towers (default: 50)",
+        default=64,
+        help="global batch size; need not divide by --towers (default: 64)",
     )
     demo.set_defaults(run=run_demo)
     return parser
@@ -111,7 +113,7 @@ def run_devices(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from towers.demo import run
 
-    return run(num_towers=args.towers, steps=args.steps, batch=args.batch)
+    return run(num_towers=args.towers, epochs=args.epochs, batch=args.batch)
 
 
 def main(argv: list[str] | None = None) -> int:

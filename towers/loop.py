@@ -215,7 +215,7 @@ def _results(engine: Towers) -> dict[str, float]:
 
 def _bar_values(engine: Towers, rate: float) -> list[tuple[str, float]]:
     values = [(name, value) for name, value in _results(engine).items()]
-    return [*values, ("examples/s", rate)]
+    return [*values, ("examples/s", round(rate))]
 
 
 def _progress_bar(epoch, epochs, total, engine, verbose):

@@ -1,0 +1,1 @@
+"""Measuring what a tower step costs, phase by phase."""
