@@ -7,6 +7,7 @@ where a killed run stopped (see ``checkpoint.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -112,23 +113,22 @@ def fit(
     callback_list = keras.callbacks.CallbackList(
         callbacks, model=engine.model, epochs=epochs, steps=steps_per_epoch, verbose=0
     )
+    run = _Run(
+        engine,
+        dataset,
+        epochs,
+        steps_per_epoch,
+        verbose,
+        callback_list,
+        checkpoint,
+        checkpoint_every,
+    )
     engine.model.stop_training = False
     callback_list.on_train_begin()
     for epoch in range(start_epoch, epochs):
         callback_list.on_epoch_begin(epoch)
         skip = start_step if epoch == start_epoch else 0
-        logs = _train_epoch(
-            engine,
-            dataset,
-            epoch,
-            epochs,
-            skip,
-            steps_per_epoch,
-            verbose,
-            callback_list,
-            checkpoint,
-            checkpoint_every,
-        )
+        logs = _train_epoch(run, epoch, skip)
         checkpoint.save(epoch + 1, 0)
         if validation_data is not None:
             val = evaluate(engine, validation_data, batch_size=batch_size)
@@ -144,33 +144,36 @@ def fit(
     return history
 
 
-def _train_epoch(
-    engine,
-    dataset,
-    epoch,
-    epochs,
-    skip,
-    steps_per_epoch,
-    verbose,
-    callbacks,
-    checkpoint,
-    checkpoint_every,
-) -> dict[str, float]:
+@dataclasses.dataclass
+class _Run:
+    """What stays the same for every epoch of one fit."""
+
+    engine: Towers
+    dataset: tf.data.Dataset
+    epochs: int
+    steps_per_epoch: int | None
+    verbose: int
+    callbacks: keras.callbacks.CallbackList
+    checkpoint: TrainingCheckpoint
+    checkpoint_every: int | None
+
+
+def _train_epoch(run: _Run, epoch: int, skip: int) -> dict[str, float]:
     """One epoch from batch ``skip`` on; returns the epoch's loss and metrics."""
+    engine, steps_per_epoch = run.engine, run.steps_per_epoch
     engine.reset_metrics()
-    batches = dataset.take(steps_per_epoch) if steps_per_epoch else dataset
-    total = steps_per_epoch or _known_length(dataset)
-    bar = _progress_bar(epoch, epochs, total, engine, verbose)
+    batches = run.dataset.take(steps_per_epoch) if steps_per_epoch else run.dataset
+    total = steps_per_epoch or _known_length(run.dataset)
+    bar = _progress_bar(epoch, run.epochs, total, engine, run.verbose)
     examples, started = 0, time.perf_counter()
-    logs: dict[str, Any] = {}
     step = skip
     for x, y in batches.skip(skip):
         logs = engine.train_step(x, y)
         step += 1
         examples += int(tf.nest.flatten(x)[0].shape[0])
-        callbacks.on_train_batch_end(step - 1, logs)
-        if checkpoint_every and step % checkpoint_every == 0:
-            checkpoint.save(epoch, step)
+        run.callbacks.on_train_batch_end(step - 1, logs)
+        if run.checkpoint_every and step % run.checkpoint_every == 0:
+            run.checkpoint.save(epoch, step)
         if bar is not None:
             rate = examples / max(time.perf_counter() - started, 1e-9)
             bar.update(step, _bar_values(engine, rate))
