@@ -103,8 +103,3 @@ class TowerLoss:
 
 def _leading_dim(nest: Any) -> int | None:
     return tf.nest.flatten(nest)[0].shape[0]
-
-
-def as_tower_loss(loss: Any) -> TowerLoss:
-    """Wraps ``loss`` unless it already is a :class:`TowerLoss`."""
-    return loss if isinstance(loss, TowerLoss) else TowerLoss(loss)
