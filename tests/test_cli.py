@@ -57,8 +57,8 @@ def test_no_command_is_a_usage_error():
     assert exit_info.value.code == 2
 
 
-def test_demo_learns_the_digits_and_shows_placement_and_phases():
-    result = run_cli("demo", timeout=600)
+def test_demo_learns_the_digits_and_shows_placement_and_phases(tmp_path):
+    result = run_cli("demo", "--log-dir", str(tmp_path), timeout=600)
 
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -75,3 +75,6 @@ def test_demo_learns_the_digits_and_shows_placement_and_phases():
         ["towers' forward + backward", "combine", "apply (optimizer)", "whole step"]
     )
     assert all(float(ms) > 0 for ms in phases.values())
+    # TensorBoard gets the run's summaries and a trace of steps 10-12.
+    assert list((tmp_path / "train").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "plugins" / "profile").glob("*/*.xplane.pb"))

@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="global batch size; need not divide by --towers (default: 64)",
     )
+    demo.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="write TensorBoard summaries (loss, accuracy, step time, examples/s, "
+        "learning rate) and a profiler trace of steps 10-12 to DIR; view them with "
+        "`tensorboard --logdir DIR`",
+    )
     demo.set_defaults(run=run_demo)
     return parser
 
@@ -113,7 +120,12 @@ def run_devices(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from towers.demo import run
 
-    return run(num_towers=args.towers, epochs=args.epochs, batch=args.batch)
+    return run(
+        num_towers=args.towers,
+        epochs=args.epochs,
+        batch=args.batch,
+        log_dir=args.log_dir,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,9 @@ def build_cnn():
     )
 
 
-def run(num_towers: int = 4, epochs: int = 12, batch: int = 64) -> int:
+def run(
+    num_towers: int = 4, epochs: int = 12, batch: int = 64, log_dir: str | None = None
+) -> int:
     devices = tower_devices(num_towers)  # before TensorFlow initialises
     import keras
 
@@ -79,7 +81,14 @@ def run(num_towers: int = 4, epochs: int = 12, batch: int = 64) -> int:
         f"splits as {split_sizes(batch, num_towers)}"
     )
     started = time.perf_counter()
-    engine.fit((x_train, y_train), batch_size=batch, epochs=epochs, verbose=1)
+    engine.fit(
+        (x_train, y_train),
+        batch_size=batch,
+        epochs=epochs,
+        verbose=1,
+        log_dir=log_dir,
+        profile_steps=(10, 12) if log_dir else None,
+    )
     elapsed = time.perf_counter() - started
     results = engine.evaluate((x_test, y_test), batch_size=256)
     print(

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.checkpoint import TrainingCheckpoint
+from towers.summaries import TrainingLog
 
 if TYPE_CHECKING:
     from towers.engine import Towers
@@ -77,6 +78,8 @@ def fit(
     keep_checkpoints: int = 3,
     checkpoint_every: int | None = None,
     batch_size: int | None = None,
+    log_dir: str | None = None,
+    profile_steps: tuple[int, int] | None = None,
 ) -> dict[str, list[float]]:
     """Trains for ``epochs`` epochs; resumes from ``checkpoint_dir`` if it has one.
 
@@ -99,11 +102,17 @@ def fit(
       keep_checkpoints: how many checkpoints to keep.
       checkpoint_every: save every this many steps as well as at each epoch's end.
       batch_size: for array input.
+      log_dir: write TensorBoard summaries here (see ``towers/summaries.py``):
+        per step loss, metrics, step time, examples/s and learning rate; per epoch
+        the epoch's and validation results.
+      profile_steps: ``(N, M)``: record a profiler trace of steps N..M (optimizer
+        iterations counted from 1) into ``log_dir``.
 
     Returns:
       The history: per epoch, the epoch's loss and metrics (and ``val_`` ones).
     """
     dataset = as_dataset(data, batch_size)
+    log = TrainingLog(engine, log_dir, profile_steps)
     if not engine.model.variables:
         # Build a lazily built model first, so a checkpoint's shapes can be checked.
         engine._prepare(*next(iter(dataset)))
@@ -122,24 +131,29 @@ def fit(
         callback_list,
         checkpoint,
         checkpoint_every,
+        log,
     )
     engine.model.stop_training = False
     callback_list.on_train_begin()
-    for epoch in range(start_epoch, epochs):
-        callback_list.on_epoch_begin(epoch)
-        skip = start_step if epoch == start_epoch else 0
-        logs = _train_epoch(run, epoch, skip)
-        checkpoint.save(epoch + 1, 0)
-        if validation_data is not None:
-            val = evaluate(engine, validation_data, batch_size=batch_size)
-            logs.update({f"val_{name}": value for name, value in val.items()})
-            if verbose:
-                print("  " + "  ".join(f"val_{k}: {v:.4f}" for k, v in val.items()))
-        for name, value in logs.items():
-            history.setdefault(name, []).append(value)
-        callback_list.on_epoch_end(epoch, logs)
-        if engine.model.stop_training:
-            break
+    try:
+        for epoch in range(start_epoch, epochs):
+            callback_list.on_epoch_begin(epoch)
+            skip = start_step if epoch == start_epoch else 0
+            logs = _train_epoch(run, epoch, skip)
+            checkpoint.save(epoch + 1, 0)
+            if validation_data is not None:
+                val = evaluate(engine, validation_data, batch_size=batch_size)
+                logs.update({f"val_{name}": value for name, value in val.items()})
+                if verbose:
+                    print("  " + "  ".join(f"val_{k}: {v:.4f}" for k, v in val.items()))
+            for name, value in logs.items():
+                history.setdefault(name, []).append(value)
+            log.after_epoch(logs)
+            callback_list.on_epoch_end(epoch, logs)
+            if engine.model.stop_training:
+                break
+    finally:
+        log.close()
     callback_list.on_train_end(history)
     return history
 
@@ -156,6 +170,7 @@ class _Run:
     callbacks: keras.callbacks.CallbackList
     checkpoint: TrainingCheckpoint
     checkpoint_every: int | None
+    log: TrainingLog
 
 
 def _train_epoch(run: _Run, epoch: int, skip: int) -> dict[str, float]:
@@ -168,9 +183,15 @@ def _train_epoch(run: _Run, epoch: int, skip: int) -> dict[str, float]:
     examples, started = 0, time.perf_counter()
     step = skip
     for x, y in batches.skip(skip):
+        batch = int(tf.nest.flatten(x)[0].shape[0])
+        run.log.before_step()
+        step_started = time.perf_counter()
         logs = engine.train_step(x, y)
+        # Reading the loss back waits for the step, so the time is the step's.
+        logs = {name: float(np.asarray(value)) for name, value in logs.items()}
+        run.log.after_step(logs, time.perf_counter() - step_started, batch)
         step += 1
-        examples += int(tf.nest.flatten(x)[0].shape[0])
+        examples += batch
         run.callbacks.on_train_batch_end(step - 1, logs)
         if run.checkpoint_every and step % run.checkpoint_every == 0:
             run.checkpoint.save(epoch, step)

@@ -1,0 +1,141 @@
+"""TensorBoard logs of a training run: scalars per step and per epoch, and a trace.
+
+``log_dir/train`` gets, at every step (x axis: the optimizer's iteration count, so a
+resumed run continues the same curves), the batch's ``loss``, the running metrics,
+``step_time`` in seconds, ``examples_per_second`` and the ``learning_rate``; and at
+each epoch's end ``epoch_loss`` and ``epoch_<metric>``. ``log_dir/validation`` gets
+the validation results as ``epoch_<name>``, so TensorBoard draws train and validation
+on one chart as it does for Keras. With ``profile_steps=(N, M)`` the TensorFlow
+profiler records steps N..M into ``log_dir/plugins/profile`` (TensorBoard's Profile
+tab; ``pip install "towers[tensorboard]"``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import tensorflow as tf
+
+if TYPE_CHECKING:
+    from towers.engine import Towers
+
+
+class TrainingLog:
+    """Writes one fit's summaries to ``log_dir``; does nothing without one.
+
+    Args:
+      engine: the Towers engine being trained.
+      log_dir: the TensorBoard log directory, or None for no logs.
+      profile_steps: ``(N, M)``: trace steps N to M (optimizer iterations, counted
+        from 1, both included), or None.
+
+    Raises:
+      ValueError: ``profile_steps`` is not two integers with 1 <= N <= M, or is given
+        without ``log_dir``.
+    """
+
+    def __init__(
+        self,
+        engine: Towers,
+        log_dir: str | None,
+        profile_steps: tuple[int, int] | None = None,
+    ):
+        self._engine = engine
+        self._profile = _check_profile_steps(profile_steps, log_dir)
+        self._profiling = False
+        self._rate = 0.0
+        self.log_dir = log_dir
+        if log_dir is None:
+            return
+        self._train = tf.summary.create_file_writer(os.path.join(log_dir, "train"))
+        self._validation = tf.summary.create_file_writer(
+            os.path.join(log_dir, "validation")
+        )
+
+    def before_step(self) -> None:
+        """Notes the step's learning rate; starts the profiler at step N."""
+        if self.log_dir is None:
+            return
+        # Keras evaluates a LearningRateSchedule at the current iteration: read it
+        # before the step advances the count, so it is the rate this step uses.
+        self._rate = _scalar(self._engine.optimizer.learning_rate)
+        if self._profile and self._next_step() == self._profile[0]:
+            tf.profiler.experimental.start(self.log_dir)
+            self._profiling = True
+
+    def after_step(self, logs: dict, seconds: float, examples: int) -> None:
+        """Writes the step's scalars; stops the profiler after the last traced step.
+
+        Args:
+          logs: the engine's step logs (loss, metrics).
+          seconds: the step's wall time, host to result.
+          examples: the step's global batch size.
+        """
+        if self.log_dir is None:
+            return
+        step = self._next_step() - 1
+        if self._profiling and step >= self._profile[1]:
+            self.close_profile()
+        with self._train.as_default(step=step):
+            for name, value in logs.items():
+                tf.summary.scalar(name, _scalar(value))
+            tf.summary.scalar("step_time", seconds)
+            tf.summary.scalar("examples_per_second", examples / max(seconds, 1e-9))
+            tf.summary.scalar("learning_rate", self._rate)
+
+    def after_epoch(self, logs: dict[str, float]) -> None:
+        """Writes the epoch's results; ``val_`` ones go to the validation run."""
+        if self.log_dir is None:
+            return
+        step = self._next_step() - 1
+        for name, value in logs.items():
+            validation = name.startswith("val_")
+            writer = self._validation if validation else self._train
+            tag = "epoch_" + (name[len("val_") :] if validation else name)
+            with writer.as_default(step=step):
+                tf.summary.scalar(tag, value)
+        self._train.flush()
+        self._validation.flush()
+
+    def close_profile(self) -> None:
+        """Stops a running trace (a fit that ends before step M stops it too)."""
+        if self._profiling:
+            tf.profiler.experimental.stop()
+            self._profiling = False
+
+    def close(self) -> None:
+        self.close_profile()
+        if self.log_dir is not None:
+            self._train.close()
+            self._validation.close()
+
+    def _next_step(self) -> int:
+        return int(self._engine.optimizer.iterations.numpy()) + 1
+
+
+def _scalar(value) -> float:
+    return float(np.asarray(value))
+
+
+def _check_profile_steps(profile_steps, log_dir):
+    if profile_steps is None:
+        return None
+    ok = (
+        isinstance(profile_steps, (tuple, list))
+        and len(profile_steps) == 2
+        and all(isinstance(s, int) for s in profile_steps)
+        and 1 <= profile_steps[0] <= profile_steps[1]
+    )
+    if not ok:
+        raise ValueError(
+            "profile_steps must be (N, M), two step numbers with 1 <= N <= M; "
+            f"received {profile_steps!r}"
+        )
+    if log_dir is None:
+        raise ValueError(
+            f"profile_steps={tuple(profile_steps)} needs a log_dir to write the trace "
+            "to; received log_dir=None"
+        )
+    return tuple(profile_steps)
