@@ -21,6 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
 from towers.combine import combine_gradients
 from towers.devices import canonical_device, resolve_devices, same_device
 from towers.losses import TowerLoss
@@ -47,6 +48,11 @@ class Towers:
       metrics: Keras metrics (objects or names such as ``"accuracy"``), updated
         with every tower's predictions of the step, so they equal the full-batch
         metric exactly.
+      moving_statistics: how BatchNormalization layers update their moving mean
+        and variance from the towers' shards, once per step: ``"batch"`` (the
+        whole batch's moments, combined exactly), ``"tower0"`` (tower 0's, as
+        tf_cnn_benchmarks) or ``"mean"`` (the mean of the towers', as
+        MirroredStrategy). See ``towers/batchnorm.py``.
 
     Raises:
       ValueError: unknown or repeated devices, a model that is not a Keras model,
@@ -72,11 +78,13 @@ class Towers:
         devices: Sequence[str] | None = None,
         variable_device: str = "/cpu:0",
         metrics: Sequence[Any] | None = None,
+        moving_statistics: MovingStatisticsPolicy = "batch",
     ):
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
         self.loss = TowerLoss(loss)
         self.model = self._build_model(model)
+        self.moving_statistics = MovingStatistics(self.model, moving_statistics)
         self.optimizer = self._build_optimizer(optimizer)
         with tf.device(self.variable_device):
             self.metrics = [_as_metric(m) for m in metrics or []]
@@ -158,13 +166,16 @@ class Towers:
 
     def _step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
         global_batch, shards = self._split(x, y)
-        tower_losses, tower_grads, tower_preds = [], [], []
+        tower_losses, tower_grads, tower_preds, tower_moments = [], [], [], []
         for t, device in self._working_towers(global_batch):
             with tf.device(device), tf.name_scope(f"tower_{t}"):
-                loss_t, grads_t, y_pred = self._tower(*shards[t], global_batch)
+                loss_t, grads_t, y_pred, moments_t = self._tower(
+                    *shards[t], global_batch
+                )
             tower_losses.append(loss_t)
             tower_grads.append(grads_t)
             tower_preds.append(y_pred)
+            tower_moments.append(moments_t)
         with tf.device(self.variable_device), tf.name_scope("combine"):
             grads = combine_gradients(tower_grads, reduction="sum")
             loss = tf.add_n(tower_losses)
@@ -172,6 +183,7 @@ class Towers:
             # Every tower (and every check in it) has finished before any update.
             with tf.control_dependencies([loss]):
                 self._apply(grads)
+                self.moving_statistics.update(tower_moments)
         return self._track(loss, global_batch, y, tower_preds, batch_loss=True)
 
     def _eval_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
@@ -231,10 +243,11 @@ class Towers:
         return loss_t, y_pred
 
     def _tower(self, x_t: Any, y_t: Any, global_batch: Any):
-        """One tower: its loss share, its gradients and its predictions."""
-        with tf.GradientTape() as tape:
+        """One tower: its loss share, gradients, predictions and BN moments."""
+        with tf.GradientTape() as tape, self.moving_statistics.recording() as moments:
             loss_t, y_pred = self._forward(x_t, y_t, global_batch, True)
-        return loss_t, tape.gradient(loss_t, self.model.trainable_variables), y_pred
+        grads_t = tape.gradient(loss_t, self.model.trainable_variables)
+        return loss_t, grads_t, y_pred, moments
 
     def _apply(self, grads: list) -> None:
         pairs = [
