@@ -16,9 +16,10 @@ gradients is the full-batch gradient: T towers give one device's update.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
@@ -29,6 +30,11 @@ from towers.split import batch_size_of, split_batch, split_sizes
 
 # Input arrives on the host and is split there, whatever the compute devices are.
 _HOST = "/device:CPU:0"
+
+NonfinitePolicy = Literal["ignore", "raise", "skip"]
+NONFINITE_POLICIES = ("ignore", "raise", "skip")
+# The step's output that carries, per applied gradient, whether it was finite.
+_FINITE = "_finite"
 
 
 class Towers:
@@ -53,6 +59,19 @@ class Towers:
         whole batch's moments, combined exactly), ``"tower0"`` (tower 0's, as
         tf_cnn_benchmarks) or ``"mean"`` (the mean of the towers', as
         MirroredStrategy). See ``towers/batchnorm.py``.
+      on_nonfinite: what a step does when a combined gradient has an inf or NaN:
+        ``"ignore"`` applies it as Keras does (no check, no cost); ``"skip"``
+        applies nothing that step (no variable, slot, iteration count or moving
+        statistic changes); ``"raise"`` applies nothing and raises
+        ``FloatingPointError`` naming the first such variable. With a
+        ``LossScaleOptimizer`` (mixed_float16) the optimizer skips such steps
+        and lowers its scale itself; ``"raise"`` is refused there.
+
+    Mixed precision: under a ``mixed_float16`` dtype policy the optimizer is wrapped
+    in a ``keras.optimizers.LossScaleOptimizer`` (as Keras' ``compile`` does) unless
+    it is one already. Each tower's loss is multiplied by the current scale, the
+    scaled gradients are combined, and the optimizer unscales them once, checks
+    them and applies or skips. ``mixed_bfloat16`` needs no scaling.
 
     Raises:
       ValueError: unknown or repeated devices, a model that is not a Keras model,
@@ -79,6 +98,7 @@ class Towers:
         variable_device: str = "/cpu:0",
         metrics: Sequence[Any] | None = None,
         moving_statistics: MovingStatisticsPolicy = "batch",
+        on_nonfinite: NonfinitePolicy = "ignore",
     ):
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
@@ -86,6 +106,8 @@ class Towers:
         self.model = self._build_model(model)
         self.moving_statistics = MovingStatistics(self.model, moving_statistics)
         self.optimizer = self._build_optimizer(optimizer)
+        self.on_nonfinite = self._check_nonfinite_policy(on_nonfinite)
+        self._applied_variables: list = []  # set when the step is traced
         with tf.device(self.variable_device):
             self.metrics = [_as_metric(m) for m in metrics or []]
             # Keras' fit reports the epoch's loss as a mean weighted by batch size.
@@ -117,9 +139,20 @@ class Towers:
         Raises:
           ValueError: x and y disagree on B, B == 0, or the loss does not return one
             value per example. Nothing is updated when a step fails.
+          FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
+            is not finite; nothing was updated.
         """
         x, y = self._prepare(x, y)
-        return self._step_fn(x, y)
+        logs = dict(self._step_fn(x, y))
+        finite = logs.pop(_FINITE, None)
+        if finite is not None and not np.all(finite):
+            var = self._applied_variables[int(np.argmin(finite))]
+            raise FloatingPointError(
+                f"the combined gradient of {var.path!r} is not finite (inf or NaN); "
+                "nothing was applied (on_nonfinite='raise'). Received a batch of "
+                f"{batch_size_of(x)} examples with loss {float(logs['loss'])}."
+            )
+        return logs
 
     def evaluate_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
         """Updates the loss and metric trackers with one batch; no training.
@@ -182,9 +215,11 @@ class Towers:
         with tf.device(self.variable_device), tf.name_scope("apply"):
             # Every tower (and every check in it) has finished before any update.
             with tf.control_dependencies([loss]):
-                self._apply(grads)
-                self.moving_statistics.update(tower_moments)
-        return self._track(loss, global_batch, y, tower_preds, batch_loss=True)
+                finite = self._apply(grads, tower_moments)
+        logs = self._track(loss, global_batch, y, tower_preds, batch_loss=True)
+        if self.on_nonfinite == "raise":
+            logs[_FINITE] = finite
+        return logs
 
     def _eval_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
         global_batch, shards = self._split(x, y)
@@ -243,13 +278,27 @@ class Towers:
         return loss_t, y_pred
 
     def _tower(self, x_t: Any, y_t: Any, global_batch: Any):
-        """One tower: its loss share, gradients, predictions and BN moments."""
+        """One tower: its loss share, gradients, predictions and BN moments.
+
+        Under loss scaling the gradients are of ``scale * loss_t``; the optimizer
+        divides their combination by the scale once.
+        """
         with tf.GradientTape() as tape, self.moving_statistics.recording() as moments:
             loss_t, y_pred = self._forward(x_t, y_t, global_batch, True)
-        grads_t = tape.gradient(loss_t, self.model.trainable_variables)
+            scaled = self.optimizer.scale_loss(loss_t) if self._loss_scaled else loss_t
+        grads_t = tape.gradient(scaled, self.model.trainable_variables)
         return loss_t, grads_t, y_pred, moments
 
-    def _apply(self, grads: list) -> None:
+    @property
+    def _loss_scaled(self) -> bool:
+        return isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def _apply(self, grads: list, tower_moments: list) -> tf.Tensor | None:
+        """Applies the combined gradients and the BN update, or neither.
+
+        Returns:
+          Per applied gradient, whether it is finite (None when not checked).
+        """
         pairs = [
             (g, v)
             for g, v in zip(grads, self.model.trainable_variables)
@@ -260,7 +309,30 @@ class Towers:
                 "no trainable variable gets a gradient from the loss; received a loss "
                 f"({self.loss.name}) that does not depend on the model's variables"
             )
-        self.optimizer.apply_gradients(pairs)
+        self._applied_variables = [v for _, v in pairs]
+
+        def update_moving_statistics():
+            self.moving_statistics.update(tower_moments)
+
+        if self.on_nonfinite == "ignore" and not self._loss_scaled:
+            self.optimizer.apply_gradients(pairs)
+            update_moving_statistics()
+            return None
+        finite = _finite_flags([g for g, _ in pairs])  # bool[V]
+        all_finite = tf.reduce_all(finite)
+        if self._loss_scaled:
+            # The optimizer unscales, checks, and applies or skips and lowers its
+            # scale; the moving statistics follow the same decision.
+            self.optimizer.apply_gradients(pairs)
+            tf.cond(all_finite, update_moving_statistics, lambda: None)
+        else:
+
+            def update():
+                self.optimizer.apply_gradients(pairs)
+                update_moving_statistics()
+
+            tf.cond(all_finite, update, lambda: None)
+        return finite
 
     # -- building and placement ---------------------------------------------------
 
@@ -286,7 +358,26 @@ class Towers:
                 "optimizer must be a keras.optimizers.Optimizer or a zero-arg function "
                 f"that makes one; received {optimizer!r}"
             )
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        if self.model.dtype_policy.name == "mixed_float16" and not scaled:
+            # As Keras' compile does: float16 gradients underflow without it.
+            with tf.device(self.variable_device):
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         return optimizer
+
+    def _check_nonfinite_policy(self, policy: Any) -> str:
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite must be one of {list(NONFINITE_POLICIES)}; "
+                f"received {policy!r}"
+            )
+        if policy == "raise" and self._loss_scaled:
+            raise ValueError(
+                "on_nonfinite='raise' cannot be used with a LossScaleOptimizer, which "
+                "expects some non-finite steps and skips them itself; received "
+                f"{type(self.optimizer).__name__}. Use 'skip' or 'ignore'."
+            )
+        return policy
 
     def _build_from_batch(self, x: Any) -> None:
         """Creates a lazily built model's variables from one example."""
@@ -303,7 +394,13 @@ class Towers:
 
     def _slot_variables(self) -> list:
         """The optimizer's variables except the scalars Keras made with it."""
-        own = {id(self.optimizer.iterations), id(self.optimizer._learning_rate)}
+        optimizers = [self.optimizer, getattr(self.optimizer, "inner_optimizer", None)]
+        own = {
+            id(v)
+            for opt in optimizers
+            if opt is not None
+            for v in (opt.iterations, opt._learning_rate)
+        }
         return [v for v in self.optimizer.variables if id(v) not in own]
 
     def _check_placement(self, variables: Sequence[Any], owner: str) -> None:
@@ -318,6 +415,18 @@ class Towers:
                     "(towers builds it there), or build it inside "
                     f"`with tf.device({self.variable_device!r})`."
                 )
+
+
+def _finite_flags(grads: list) -> tf.Tensor:
+    """Per gradient, whether every value is finite (slices: their values)."""
+    return tf.stack(
+        [
+            tf.reduce_all(
+                tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
+            )
+            for g in grads
+        ]
+    )
 
 
 def _as_metric(metric: Any) -> keras.metrics.Metric:
