@@ -6,7 +6,7 @@ import pytest
 
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.engine import _finite_flags
+from towers.update import finite_flags
 
 
 def build():
@@ -141,7 +141,7 @@ def test_finite_flags_point_at_the_first_bad_gradient():
         tf.IndexedSlices(tf.constant([[1.0], [np.nan]]), tf.constant([0, 3])),
         tf.constant([np.inf]),
     ]
-    flags = _finite_flags(grads).numpy()
+    flags = finite_flags(grads).numpy()
     assert flags.tolist() == [True, False, False]
     assert int(np.argmin(flags)) == 1
 

@@ -1,5 +1,7 @@
 """Checkpoints of a training run: model, optimizer, epoch and step in the epoch.
 
+With ``accumulate_steps`` the gradient accumulators are saved too.
+
 Saved with ``tf.train.Checkpoint`` and ``tf.train.CheckpointManager``, which write
 each checkpoint's files first and point the directory's ``checkpoint`` index at them
 last: a run killed while saving leaves the previous checkpoint as the latest.
@@ -35,12 +37,17 @@ class TrainingCheckpoint:
         with tf.device(engine.variable_device):
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self._checkpoint = tf.train.Checkpoint(
+        state = dict(
             model=engine.model,
             optimizer=engine.optimizer,
             epoch=self.epoch,
             step=self.step,
+            steps_done=engine.update.steps,
         )
+        if engine.update.accumulator is not None:
+            # A run stopped inside an accumulate_steps window resumes inside it.
+            state["accumulator"] = engine.update.accumulator
+        self._checkpoint = tf.train.Checkpoint(**state)
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, directory, max_to_keep=keep
         )
@@ -71,7 +78,7 @@ class TrainingCheckpoint:
             return
         self.epoch.assign(epoch)
         self.step.assign(step)
-        self._manager.save(checkpoint_number=self._engine.optimizer.iterations)
+        self._manager.save(checkpoint_number=self._engine.steps_done)
 
     def _check_matches(self, path: str) -> None:
         """Compares every saved variable's shape before anything is restored."""

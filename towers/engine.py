@@ -16,10 +16,9 @@ gradients is the full-batch gradient: T towers give one device's update.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
@@ -27,12 +26,11 @@ from towers.combine import combine_gradients
 from towers.devices import canonical_device, resolve_devices, same_device
 from towers.losses import TowerLoss
 from towers.split import batch_size_of, split_batch, split_sizes
+from towers.update import NonfinitePolicy, Update, first_nonfinite
 
 # Input arrives on the host and is split there, whatever the compute devices are.
 _HOST = "/device:CPU:0"
 
-NonfinitePolicy = Literal["ignore", "raise", "skip"]
-NONFINITE_POLICIES = ("ignore", "raise", "skip")
 # The step's output that carries, per applied gradient, whether it was finite.
 _FINITE = "_finite"
 
@@ -66,6 +64,11 @@ class Towers:
         ``FloatingPointError`` naming the first such variable. With a
         ``LossScaleOptimizer`` (mixed_float16) the optimizer skips such steps
         and lowers its scale itself; ``"raise"`` is refused there.
+      accumulate_steps: apply once every k steps, the examples-weighted mean of
+        their gradients: exactly one step on the k batches together (uneven sizes
+        included), one optimizer iteration per apply. ``fit`` applies a partial
+        window at each epoch's end. Moving statistics update every step. See
+        ``towers/update.py``.
 
     Mixed precision: under a ``mixed_float16`` dtype policy the optimizer is wrapped
     in a ``keras.optimizers.LossScaleOptimizer`` (as Keras' ``compile`` does) unless
@@ -99,6 +102,7 @@ class Towers:
         metrics: Sequence[Any] | None = None,
         moving_statistics: MovingStatisticsPolicy = "batch",
         on_nonfinite: NonfinitePolicy = "ignore",
+        accumulate_steps: int = 1,
     ):
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
@@ -106,8 +110,13 @@ class Towers:
         self.model = self._build_model(model)
         self.moving_statistics = MovingStatistics(self.model, moving_statistics)
         self.optimizer = self._build_optimizer(optimizer)
-        self.on_nonfinite = self._check_nonfinite_policy(on_nonfinite)
-        self._applied_variables: list = []  # set when the step is traced
+        self.update = Update(
+            self.optimizer,
+            self.variable_device,
+            on_nonfinite,
+            accumulate_steps,
+            normalised_by_batch=self.loss.normalised_by_batch,
+        )
         with tf.device(self.variable_device):
             self.metrics = [_as_metric(m) for m in metrics or []]
             # Keras' fit reports the epoch's loss as a mean weighted by batch size.
@@ -144,15 +153,32 @@ class Towers:
         """
         x, y = self._prepare(x, y)
         logs = dict(self._step_fn(x, y))
-        finite = logs.pop(_FINITE, None)
-        if finite is not None and not np.all(finite):
-            var = self._applied_variables[int(np.argmin(finite))]
-            raise FloatingPointError(
-                f"the combined gradient of {var.path!r} is not finite (inf or NaN); "
-                "nothing was applied (on_nonfinite='raise'). Received a batch of "
-                f"{batch_size_of(x)} examples with loss {float(logs['loss'])}."
-            )
+        self._raise_if_nonfinite(logs.pop(_FINITE, None), logs["loss"])
         return logs
+
+    def apply_accumulated(self) -> None:
+        """Applies the gradients of a partly filled ``accumulate_steps`` window.
+
+        ``fit`` calls this at the end of each epoch; a no-op when nothing waits.
+        """
+        self._raise_if_nonfinite(self.update.flush(), None)
+
+    @property
+    def steps_done(self) -> int:
+        """Steps trained, skipped ones and accumulated micro-batches included."""
+        return 0 if self.update.steps is None else int(self.update.steps.numpy())
+
+    def _raise_if_nonfinite(self, finite: Any, loss: Any) -> None:
+        if finite is None or self.update.on_nonfinite != "raise":
+            return
+        name = first_nonfinite(finite, self.update.applied)
+        if name is not None:
+            raise FloatingPointError(
+                f"the combined gradient of {name!r} is not finite (inf or NaN); "
+                "nothing was applied (on_nonfinite='raise'). Received "
+                + ("" if loss is None else f"a batch with loss {float(loss)} and ")
+                + "gradients with inf or NaN."
+            )
 
     def evaluate_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
         """Updates the loss and metric trackers with one batch; no training.
@@ -215,9 +241,14 @@ class Towers:
         with tf.device(self.variable_device), tf.name_scope("apply"):
             # Every tower (and every check in it) has finished before any update.
             with tf.control_dependencies([loss]):
-                finite = self._apply(grads, tower_moments)
+                finite = self.update.apply(
+                    grads,
+                    also=lambda: self.moving_statistics.update(tower_moments),
+                    global_batch=global_batch,
+                    has_regularisers=bool(self.model.losses),
+                )
         logs = self._track(loss, global_batch, y, tower_preds, batch_loss=True)
-        if self.on_nonfinite == "raise":
+        if finite is not None:
             logs[_FINITE] = finite
         return logs
 
@@ -285,54 +316,9 @@ class Towers:
         """
         with tf.GradientTape() as tape, self.moving_statistics.recording() as moments:
             loss_t, y_pred = self._forward(x_t, y_t, global_batch, True)
-            scaled = self.optimizer.scale_loss(loss_t) if self._loss_scaled else loss_t
+            scaled = self.update.scale_loss(loss_t)
         grads_t = tape.gradient(scaled, self.model.trainable_variables)
         return loss_t, grads_t, y_pred, moments
-
-    @property
-    def _loss_scaled(self) -> bool:
-        return isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-
-    def _apply(self, grads: list, tower_moments: list) -> tf.Tensor | None:
-        """Applies the combined gradients and the BN update, or neither.
-
-        Returns:
-          Per applied gradient, whether it is finite (None when not checked).
-        """
-        pairs = [
-            (g, v)
-            for g, v in zip(grads, self.model.trainable_variables)
-            if g is not None
-        ]
-        if not pairs:
-            raise ValueError(
-                "no trainable variable gets a gradient from the loss; received a loss "
-                f"({self.loss.name}) that does not depend on the model's variables"
-            )
-        self._applied_variables = [v for _, v in pairs]
-
-        def update_moving_statistics():
-            self.moving_statistics.update(tower_moments)
-
-        if self.on_nonfinite == "ignore" and not self._loss_scaled:
-            self.optimizer.apply_gradients(pairs)
-            update_moving_statistics()
-            return None
-        finite = _finite_flags([g for g, _ in pairs])  # bool[V]
-        all_finite = tf.reduce_all(finite)
-        if self._loss_scaled:
-            # The optimizer unscales, checks, and applies or skips and lowers its
-            # scale; the moving statistics follow the same decision.
-            self.optimizer.apply_gradients(pairs)
-            tf.cond(all_finite, update_moving_statistics, lambda: None)
-        else:
-
-            def update():
-                self.optimizer.apply_gradients(pairs)
-                update_moving_statistics()
-
-            tf.cond(all_finite, update, lambda: None)
-        return finite
 
     # -- building and placement ---------------------------------------------------
 
@@ -365,20 +351,6 @@ class Towers:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         return optimizer
 
-    def _check_nonfinite_policy(self, policy: Any) -> str:
-        if policy not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"on_nonfinite must be one of {list(NONFINITE_POLICIES)}; "
-                f"received {policy!r}"
-            )
-        if policy == "raise" and self._loss_scaled:
-            raise ValueError(
-                "on_nonfinite='raise' cannot be used with a LossScaleOptimizer, which "
-                "expects some non-finite steps and skips them itself; received "
-                f"{type(self.optimizer).__name__}. Use 'skip' or 'ignore'."
-            )
-        return policy
-
     def _build_from_batch(self, x: Any) -> None:
         """Creates a lazily built model's variables from one example."""
         with tf.device(self.variable_device):
@@ -389,6 +361,7 @@ class Towers:
         if not self.optimizer.built:
             with tf.device(self.variable_device):
                 self.optimizer.build(self.model.trainable_variables)
+        self.update.build(self.model.trainable_variables)
         self._check_placement(self.model.variables, "model")
         self._check_placement(self._slot_variables(), "optimizer slot")
 
@@ -415,18 +388,6 @@ class Towers:
                     "(towers builds it there), or build it inside "
                     f"`with tf.device({self.variable_device!r})`."
                 )
-
-
-def _finite_flags(grads: list) -> tf.Tensor:
-    """Per gradient, whether every value is finite (slices: their values)."""
-    return tf.stack(
-        [
-            tf.reduce_all(
-                tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
-            )
-            for g in grads
-        ]
-    )
 
 
 def _as_metric(metric: Any) -> keras.metrics.Metric:

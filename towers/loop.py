@@ -105,8 +105,8 @@ def fit(
       log_dir: write TensorBoard summaries here (see ``towers/summaries.py``):
         per step loss, metrics, step time, examples/s and learning rate; per epoch
         the epoch's and validation results.
-      profile_steps: ``(N, M)``: record a profiler trace of steps N..M (optimizer
-        iterations counted from 1) into ``log_dir``.
+      profile_steps: ``(N, M)``: record a profiler trace of steps N..M (counted
+        from 1 as ``engine.steps_done``) into ``log_dir``.
 
     Returns:
       The history: per epoch, the epoch's loss and metrics (and ``val_`` ones).
@@ -140,6 +140,8 @@ def fit(
             callback_list.on_epoch_begin(epoch)
             skip = start_step if epoch == start_epoch else 0
             logs = _train_epoch(run, epoch, skip)
+            # An epoch ends with its last accumulate_steps window applied.
+            engine.apply_accumulated()
             checkpoint.save(epoch + 1, 0)
             if validation_data is not None:
                 val = evaluate(engine, validation_data, batch_size=batch_size)

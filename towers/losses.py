@@ -60,6 +60,11 @@ class TowerLoss:
                 f"(y_true, y_pred) -> per-example losses; received {loss!r}"
             )
 
+    @property
+    def normalised_by_batch(self) -> bool:
+        """Whether the loss divides by the batch size (every reduction but sum)."""
+        return not self._sum
+
     def tower_loss(self, y_true: Any, y_pred: Any, global_batch: Any) -> tf.Tensor:
         """This tower's share of the full-batch loss (a float32 scalar).
 

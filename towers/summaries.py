@@ -1,7 +1,8 @@
 """TensorBoard logs of a training run: scalars per step and per epoch, and a trace.
 
-``log_dir/train`` gets, at every step (x axis: the optimizer's iteration count, so a
-resumed run continues the same curves), the batch's ``loss``, the running metrics,
+``log_dir/train`` gets, at every step (x axis: the engine's ``steps_done``, which
+counts every batch trained and is checkpointed, so a resumed run continues the same
+curves), the batch's ``loss``, the running metrics,
 ``step_time`` in seconds, ``examples_per_second`` and the ``learning_rate``; and at
 each epoch's end ``epoch_loss`` and ``epoch_<metric>``. ``log_dir/validation`` gets
 the validation results as ``epoch_<name>``, so TensorBoard draws train and validation
@@ -28,8 +29,8 @@ class TrainingLog:
     Args:
       engine: the Towers engine being trained.
       log_dir: the TensorBoard log directory, or None for no logs.
-      profile_steps: ``(N, M)``: trace steps N to M (optimizer iterations, counted
-        from 1, both included), or None.
+      profile_steps: ``(N, M)``: trace steps N to M (``steps_done`` counted from
+        1, both included), or None.
 
     Raises:
       ValueError: ``profile_steps`` is not two integers with 1 <= N <= M, or is given
@@ -112,7 +113,7 @@ class TrainingLog:
             self._validation.close()
 
     def _next_step(self) -> int:
-        return int(self._engine.optimizer.iterations.numpy()) + 1
+        return self._engine.steps_done + 1
 
 
 def _scalar(value) -> float:

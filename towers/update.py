@@ -1,0 +1,284 @@
+"""The update: one optimizer apply per step (or per k micro-batches), or none.
+
+After the combine, a step's update is all or nothing: the optimizer's apply (which
+also advances its iteration count) and the BatchNormalization moving statistics
+run together, or, when the policy says to skip, neither does.
+
+- ``on_nonfinite``: ``"ignore"`` applies whatever the gradients are (Keras'
+  behaviour, no check); ``"skip"`` and ``"raise"`` check every combined gradient and
+  apply nothing if one is inf or NaN (``"raise"`` then names it).
+- Loss scaling: with a ``keras.optimizers.LossScaleOptimizer`` each tower's loss is
+  multiplied by the scale; the optimizer unscales the combined gradient once,
+  applies or skips, and adjusts the scale.
+- ``accumulate_steps=k``: each step adds its combined gradient, weighted by its
+  examples, to accumulators on the variable device; every k-th step applies their
+  weighted mean. That is exactly one step on the k batches together, uneven
+  sizes included, with one optimizer iteration per apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+NonfinitePolicy = Literal["ignore", "raise", "skip"]
+NONFINITE_POLICIES = ("ignore", "raise", "skip")
+
+
+class Update:
+    """Applies combined gradients for one engine, by its policies.
+
+    Call ``build`` with the model's trainable variables before the first step.
+
+    Args:
+      optimizer: the Keras optimizer (a ``LossScaleOptimizer`` for loss scaling).
+      device: the variable device (accumulators live there).
+      on_nonfinite: ``"ignore"``, ``"skip"`` or ``"raise"``.
+      accumulate_steps: apply every this many steps.
+      normalised_by_batch: whether the loss divides by the batch size (every
+        reduction but ``"sum"``); decides how accumulated steps are weighted.
+
+    Raises:
+      ValueError: an unknown policy, ``"raise"`` with a LossScaleOptimizer, or
+        ``accumulate_steps`` that is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        device: str,
+        on_nonfinite: NonfinitePolicy = "ignore",
+        accumulate_steps: int = 1,
+        normalised_by_batch: bool = True,
+    ):
+        self.optimizer = optimizer
+        self.device = device
+        self.variables: list = []
+        self.on_nonfinite = _check_policy(on_nonfinite, self.loss_scaled, optimizer)
+        if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+            raise ValueError(
+                f"accumulate_steps must be a positive integer; received "
+                f"{accumulate_steps!r}"
+            )
+        self.accumulate_steps = accumulate_steps
+        self.normalised_by_batch = normalised_by_batch
+        self.accumulator: Accumulator | None = None
+        # Steps (batches) trained, skipped ones and micro-batches included: the x
+        # axis of the logs and the checkpoints' number.
+        self.steps: tf.Variable | None = None
+        self.applied: list = []  # the variables with a gradient, set when traced
+        self._flush_fn = tf.function(self._apply_window)
+
+    def build(self, variables: Sequence[Any]) -> None:
+        """Takes the trainable variables; makes the accumulators if accumulating."""
+        self.variables = list(variables)
+        if self.steps is None:
+            with tf.device(self.device):
+                self.steps = tf.Variable(0, dtype=tf.int64, trainable=False)
+        if self.accumulate_steps > 1 and self.accumulator is None:
+            self.accumulator = Accumulator(self.variables, self.device)
+
+    @property
+    def loss_scaled(self) -> bool:
+        return isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+
+    @property
+    def checks(self) -> bool:
+        """Whether the step checks its gradients (and so returns flags)."""
+        return self.on_nonfinite != "ignore" or self.loss_scaled
+
+    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+        """A tower's loss as its gradient should see it (scaled, if scaling)."""
+        return self.optimizer.scale_loss(loss) if self.loss_scaled else loss
+
+    def apply(
+        self,
+        grads: list,
+        also: Callable[[], Any],
+        global_batch: Any,
+        has_regularisers: bool,
+    ) -> tf.Tensor | None:
+        """Applies (or accumulates) one step's combined gradients.
+
+        Args:
+          grads: the combined gradient per variable (None for no gradient).
+          also: the step's other update (BN moving statistics), run with it.
+          global_batch: B of this step.
+          has_regularisers: whether the loss includes model regularisation.
+
+        Returns:
+          Per applied variable, whether its gradient was finite, or None when the
+          policy does not check.
+        """
+        pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
+        if not pairs:
+            raise ValueError(
+                "no trainable variable gets a gradient from the loss; received a "
+                "loss that does not depend on the model's variables"
+            )
+        self.applied = [v for _, v in pairs]
+        self.steps.assign_add(1)
+        if self.accumulator is None:
+            return self._apply_or_skip(pairs, also)
+        if has_regularisers and not self.normalised_by_batch:
+            raise ValueError(
+                "accumulate_steps > 1 cannot be exact with a loss reduction='sum' "
+                "and regularisation losses: the regulariser would count once per "
+                "micro-batch; received a 'sum' loss and a model with losses. Use a "
+                "mean reduction."
+            )
+        return self._accumulate(pairs, also, global_batch)
+
+    def flush(self) -> tf.Tensor | None:
+        """Applies a partly filled accumulation window now (fit: at epoch end).
+
+        Returns:
+          The finiteness flags of the applied gradients, or None if nothing was
+          pending or the policy does not check.
+        """
+        if self.accumulator is None or not int(self.accumulator.count.numpy()):
+            return None
+        finite = self._flush_fn()
+        return finite if self.checks else None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _apply_or_skip(self, pairs: list, also: Callable[[], Any]):
+        also = _returning_none(also)  # tf.cond's branches must match
+        if not self.checks:
+            self.optimizer.apply_gradients(pairs)
+            also()
+            return None
+        finite = finite_flags([g for g, _ in pairs])  # bool[V]
+        all_finite = tf.reduce_all(finite)
+        if self.loss_scaled:
+            # The optimizer unscales, checks, applies or skips and adjusts its
+            # scale; the other update follows the same decision.
+            self.optimizer.apply_gradients(pairs)
+            tf.cond(all_finite, also, lambda: None)
+        else:
+
+            def update():
+                self.optimizer.apply_gradients(pairs)
+                also()
+
+            tf.cond(all_finite, update, lambda: None)
+        return finite
+
+    def _accumulate(self, pairs: list, also: Callable[[], Any], global_batch: Any):
+        # A mean loss was divided by this step's B: weight it back by B, and
+        # divide the window's sum by its total B, as one step on all of it would.
+        weight = tf.cast(global_batch, tf.float32) if self.normalised_by_batch else 1.0
+        also = _returning_none(also)
+        if self.checks:
+            # The moving statistics update per micro-batch (each is a forward
+            # pass), unless its own gradients are not finite.
+            tf.cond(
+                tf.reduce_all(finite_flags([g for g, _ in pairs])), also, lambda: None
+            )
+        else:
+            also()
+        self.accumulator.add(pairs, weight)
+        ready = self.accumulator.count >= self.accumulate_steps
+        finite = tf.cond(ready, self._apply_window, self._all_finite)
+        return finite if self.checks else None
+
+    def _apply_window(self) -> tf.Tensor:
+        """Applies the accumulated mean and empties the accumulators."""
+        divisor = self.accumulator.weight if self.normalised_by_batch else 1.0
+        pairs = [(self.accumulator.read(v) / divisor, v) for v in self.applied]
+        finite = self._apply_or_skip(pairs, lambda: None)
+        deps = [finite] if finite is not None else []
+        with tf.control_dependencies(deps + [g for g, _ in pairs]):
+            self.accumulator.reset()
+        return finite if finite is not None else self._all_finite()
+
+    def _all_finite(self) -> tf.Tensor:
+        return tf.ones([len(self.applied)], tf.bool)
+
+
+class Accumulator(tf.Module):
+    """Gradient sums on the variable device, saved with checkpoints.
+
+    Attributes:
+      sums: per trainable variable, the weighted sum of this window's gradients.
+      weight: the sum of the weights (examples, for a mean loss).
+      count: steps in the current window.
+    """
+
+    def __init__(self, variables: Sequence[Any], device: str):
+        super().__init__(name="gradient_accumulator")
+        self._index = {id(v): i for i, v in enumerate(variables)}
+        with tf.device(device):
+            self.sums = [
+                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                for v in variables
+            ]
+            self.weight = tf.Variable(0.0, trainable=False)
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def add(self, pairs: list, weight: Any) -> None:
+        for grad, var in pairs:
+            total = self.sums[self._index[id(var)]]
+            if isinstance(grad, tf.IndexedSlices):
+                # Slices stay slices: only the rows this step touched are added.
+                total.scatter_add(tf.IndexedSlices(grad.values * weight, grad.indices))
+            else:
+                total.assign_add(grad * weight)
+        self.weight.assign_add(weight)
+        self.count.assign_add(1)
+
+    def read(self, var: Any) -> tf.Tensor:
+        return self.sums[self._index[id(var)]].read_value()
+
+    def reset(self) -> None:
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+        self.weight.assign(0.0)
+        self.count.assign(0)
+
+
+def finite_flags(grads: list) -> tf.Tensor:
+    """Per gradient, whether every value is finite (slices: their values)."""
+    return tf.stack(
+        [
+            tf.reduce_all(
+                tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
+            )
+            for g in grads
+        ]
+    )
+
+
+def first_nonfinite(flags: Any, variables: Sequence[Any]) -> str | None:
+    """The path of the first variable whose flag is False, or None."""
+    flags = np.asarray(flags)
+    if flags.all():
+        return None
+    return variables[int(np.argmin(flags))].path
+
+
+def _returning_none(fn: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        fn()
+
+    return run
+
+
+def _check_policy(policy: Any, loss_scaled: bool, optimizer: Any) -> str:
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"on_nonfinite must be one of {list(NONFINITE_POLICIES)}; "
+            f"received {policy!r}"
+        )
+    if policy == "raise" and loss_scaled:
+        raise ValueError(
+            "on_nonfinite='raise' cannot be used with a LossScaleOptimizer, which "
+            "expects some non-finite steps and skips them itself; received "
+            f"{type(optimizer).__name__}. Use 'skip' or 'ignore'."
+        )
+    return policy
