@@ -19,6 +19,17 @@ from typing import Any, Literal
 
 import tensorflow as tf
 
+from towers.reducers import Cast, Packed, PerTensor, Sharded, get_reducer
+
+__all__ = [
+    "Cast",
+    "Packed",
+    "PerTensor",
+    "Sharded",
+    "combine_gradients",
+    "get_reducer",
+]
+
 Reduction = Literal["mean", "sum"]
 REDUCTIONS = ("mean", "sum")
 
@@ -27,6 +38,7 @@ def combine_gradients(
     tower_grads: Sequence[Sequence[Any]],
     reduction: Reduction = "mean",
     weights: Sequence[float] | None = None,
+    reducer: Any = "per_tensor",
 ) -> list[Any]:
     """Combines per-tower gradients into one gradient per variable.
 
@@ -46,13 +58,19 @@ def combine_gradients(
         pairs, one list per tower, the same length for every tower.
       reduction: ``"mean"`` or ``"sum"``.
       weights: optional per-tower weights (numbers or scalar tensors), one per tower.
+      reducer: how dense gradients are summed: a name (``"per_tensor"``,
+        ``"packed"``, ``"sharded"``, ``"bf16+packed"``, ...) or a reducer object
+        (``PerTensor()``, ``Packed(bytes_per_pack)``, ``Sharded()``,
+        ``Cast("bfloat16", inner)``); see ``towers/reducers.py``. Variables that
+        only some towers have a gradient for are summed per tensor.
 
     Returns:
       One combined gradient per variable, in the form given (pairs carry tower
       0's variable).
 
     Raises:
-      ValueError: no towers, an unknown reduction, weights of the wrong length, or
+      ValueError: no towers, an unknown reduction or reducer, weights of the wrong
+        length, or
         towers that disagree on the number, shape or dtype of gradients (the
         message names the tower and the variable).
 
@@ -71,16 +89,24 @@ def combine_gradients(
     num_towers = len(tower_grads)
     if num_towers == 0:
         raise ValueError("tower_grads must hold at least one tower; received []")
+    reducer = get_reducer(reducer)
     as_pairs = _is_pairs(tower_grads[0])
     grads, variables = _unzip(tower_grads, as_pairs)
     scales, divisor = _tower_scales(num_towers, reduction, weights)
-    labels = [_label(v, variables) for v in range(len(grads[0]))]
-    combined = [
-        _combine_variable(
-            [grads[t][v] for t in range(num_towers)], scales, divisor, labels[v]
-        )
-        for v in range(len(grads[0]))
-    ]
+    combined: list[Any] = []
+    pending: dict[int, list[tf.Tensor]] = {}  # v -> every tower's scaled dense grad
+    for v in range(len(grads[0])):
+        grads_v = [grads[t][v] for t in range(num_towers)]
+        result = _combine_variable(grads_v, scales, _label(v, variables))
+        if isinstance(result, list) and len(result) == num_towers:
+            pending[v] = result  # summed below, all together, by the reducer
+        elif isinstance(result, list):
+            result = PerTensor().reduce([result])[0]
+        combined.append(result)
+    if pending:
+        for v, total in zip(pending, reducer.reduce(list(pending.values()))):
+            combined[v] = total
+    combined = [_divide(g, divisor) for g in combined]
     return list(zip(combined, variables)) if as_pairs else combined
 
 
@@ -162,26 +188,32 @@ def _tower_scales(num_towers: int, reduction: str, weights):
     return weights, sum(numbers)
 
 
-def _combine_variable(grads_v: list, scales: list, divisor, label: str):
+def _combine_variable(grads_v: list, scales: list, label: str):
+    """None, the concatenated slices, or the towers' scaled dense gradients."""
     present = [(t, g) for t, g in enumerate(grads_v) if g is not None]
     if not present:
         return None
     _check_agree(present, label)
     if all(isinstance(g, tf.IndexedSlices) for _, g in present):
-        return _combine_slices(present, scales, divisor)
-    dense = [_scaled(tf.convert_to_tensor(g), scales[t]) for t, g in present]
-    total = dense[0] if len(dense) == 1 else tf.add_n(dense)
-    return total if divisor is None else total / tf.cast(divisor, total.dtype)
+        return _combine_slices(present, scales)
+    return [_scaled(tf.convert_to_tensor(g), scales[t]) for t, g in present]
 
 
-def _combine_slices(present: list, scales: list, divisor) -> tf.IndexedSlices:
+def _combine_slices(present: list, scales: list) -> tf.IndexedSlices:
     values = [_scaled(g.values, scales[t]) for t, g in present]
     indices = [tf.cast(g.indices, tf.int64) for _, g in present]
     values = values[0] if len(values) == 1 else tf.concat(values, axis=0)
     indices = indices[0] if len(indices) == 1 else tf.concat(indices, axis=0)
-    if divisor is not None:
-        values = values / tf.cast(divisor, values.dtype)
     return tf.IndexedSlices(values, indices, present[0][1].dense_shape)
+
+
+def _divide(grad: Any, divisor: Any) -> Any:
+    if grad is None or divisor is None:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        values = grad.values / tf.cast(divisor, grad.values.dtype)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return grad / tf.cast(divisor, grad.dtype)
 
 
 def _scaled(value: tf.Tensor, scale) -> tf.Tensor:

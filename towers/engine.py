@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
-from towers.combine import combine_gradients
+from towers.combine import combine_gradients, get_reducer
 from towers.devices import canonical_device, resolve_devices, same_device
 from towers.losses import TowerLoss
 from towers.split import batch_size_of, split_batch, split_sizes
@@ -69,6 +69,9 @@ class Towers:
         included), one optimizer iteration per apply. ``fit`` applies a partial
         window at each epoch's end. Moving statistics update every step. See
         ``towers/update.py``.
+      reducer: how the towers' dense gradients are summed: ``"per_tensor"``,
+        ``"packed"``, ``"sharded"``, a ``"bf16+"``/``"fp16+"`` cast of one of them,
+        or a reducer object; see ``towers/reducers.py``.
 
     Mixed precision: under a ``mixed_float16`` dtype policy the optimizer is wrapped
     in a ``keras.optimizers.LossScaleOptimizer`` (as Keras' ``compile`` does) unless
@@ -103,8 +106,10 @@ class Towers:
         moving_statistics: MovingStatisticsPolicy = "batch",
         on_nonfinite: NonfinitePolicy = "ignore",
         accumulate_steps: int = 1,
+        reducer: Any = "per_tensor",
     ):
         self.devices = resolve_devices(devices)
+        self.reducer = get_reducer(reducer)
         self.variable_device = canonical_device(variable_device)
         self.loss = TowerLoss(loss)
         self.model = self._build_model(model)
@@ -236,7 +241,9 @@ class Towers:
             tower_preds.append(y_pred)
             tower_moments.append(moments_t)
         with tf.device(self.variable_device), tf.name_scope("combine"):
-            grads = combine_gradients(tower_grads, reduction="sum")
+            grads = combine_gradients(
+                tower_grads, reduction="sum", reducer=self.reducer
+            )
             loss = tf.add_n(tower_losses)
         with tf.device(self.variable_device), tf.name_scope("apply"):
             # Every tower (and every check in it) has finished before any update.

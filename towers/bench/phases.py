@@ -45,7 +45,9 @@ def time_phases(engine: Towers, x: Any, y: Any, repeats: int = 20) -> dict[str, 
     @tf.function
     def combine():
         with tf.device(engine.variable_device):
-            return combine_gradients(tower_grads, reduction="sum")
+            return combine_gradients(
+                tower_grads, reduction="sum", reducer=engine.reducer
+            )
 
     grads = combine()
 
