@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from towers.split import split_sizes
+
 # Packing pays for small tensors (fewer transfers and ops); a tensor of a MiB or
 # more gains nothing and costs a copy, so by default it stays a bucket of its own.
 # Measured on the 8-tower MLP step (benchmarks/bench_reducers.py): 32 MiB packs
@@ -80,23 +82,13 @@ class Packed:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sharded:
+class Sharded(Packed):
     """Packed buckets, each reduce-scattered over the towers' devices, gathered."""
-
-    bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
-    wire_dtype: tf.DType | None = None
-
-    def __post_init__(self):
-        _check_bytes(self.bytes_per_pack)
-
-    def reduce(self, per_var: list[list[tf.Tensor]]) -> list[tf.Tensor]:
-        return _reduce_buckets(per_var, self.bytes_per_pack, self._sum_bucket)
 
     def _sum_bucket(self, packed: list[tf.Tensor]) -> tf.Tensor:
         # packed[t]: f32[n] on tower t's device. Slice s is summed on tower s.
         num = len(packed)
-        size = int(packed[0].shape[0])
-        sizes = [size // num + (1 if s < size % num else 0) for s in range(num)]
+        sizes = split_sizes(int(packed[0].shape[0]), num)
         pieces = []
         for tensor in packed:
             with tf.device(tensor.device):
