@@ -11,7 +11,7 @@ import keras
 import pytest
 
 from benchmarks.bench_step import batch, build_mlp
-from benchmarks.conftest import RESULTS
+from benchmarks.conftest import record_ratio
 from benchmarks.timing import interleaved_ratio
 from towers import Towers
 
@@ -37,14 +37,12 @@ def test_reducer_step_vs_per_tensor_step(benchmark, reducer):
     result = interleaved_ratio(
         lambda: contender.train_step(x, y), lambda: reference.train_step(x, y)
     )
-    benchmark.extra_info.update(result, reducer=reducer, num_towers=NUM_TOWERS)
-    RESULTS.append(
-        {
-            "name": f"8-tower step, {reducer} / per_tensor",
-            **result,
-            "target": TARGETS[reducer],
-        }
-    )
-    benchmark.pedantic(
-        lambda: contender.train_step(x, y)["loss"].numpy(), rounds=30, warmup_rounds=3
+    record_ratio(
+        benchmark,
+        f"8-tower step, {reducer} / per_tensor",
+        result,
+        TARGETS[reducer],
+        lambda: contender.train_step(x, y),
+        reducer=reducer,
+        num_towers=NUM_TOWERS,
     )

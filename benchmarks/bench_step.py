@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from benchmarks.conftest import RESULTS
+from benchmarks.conftest import record_ratio
 from benchmarks.timing import interleaved_ratio
 from towers import Towers
 
@@ -68,14 +68,12 @@ def test_towers_step_vs_single_device(benchmark, num_towers):
     )
 
     result = interleaved_ratio(lambda: engine.train_step(x, y), lambda: single(x, y))
-    benchmark.extra_info.update(result, num_towers=num_towers, batch=BATCH)
-    RESULTS.append(
-        {
-            "name": f"{num_towers}-tower step / single-device step",
-            **result,
-            "target": TARGETS[num_towers],
-        }
-    )
-    benchmark.pedantic(
-        lambda: engine.train_step(x, y)["loss"].numpy(), rounds=30, warmup_rounds=3
+    record_ratio(
+        benchmark,
+        f"{num_towers}-tower step / single-device step",
+        result,
+        TARGETS[num_towers],
+        lambda: engine.train_step(x, y),
+        num_towers=num_towers,
+        batch=BATCH,
     )

@@ -3,6 +3,17 @@
 RESULTS: list[dict] = []
 
 
+def record_ratio(benchmark, name: str, result: dict, target: float, step, **info):
+    """Reports a measured ratio against its target, then times ``step`` alone.
+
+    ``result`` comes from ``interleaved_ratio``; it goes to pytest-benchmark's
+    ``extra_info`` (with ``info``) and to the summary printed at the end.
+    """
+    benchmark.extra_info.update(result, **info)
+    RESULTS.append({"name": name, **result, "target": target})
+    benchmark.pedantic(lambda: step()["loss"].numpy(), rounds=30, warmup_rounds=3)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not RESULTS:
         return
