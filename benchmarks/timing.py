@@ -24,7 +24,7 @@ def time_steps(step: Callable[[], object], steps: int) -> float:
 def interleaved_ratio(
     contender: Callable[[], object],
     baseline: Callable[[], object],
-    rounds: int = 15,
+    rounds: int = 16,
     steps: int = 20,
     warmup: int = 5,
 ) -> dict[str, float]:
@@ -33,14 +33,25 @@ def interleaved_ratio(
         for _ in range(warmup):  # traces, then settles allocators and thread pools
             _read_back(step())
     contender_times, baseline_times = [], []
-    for _ in range(rounds):
-        contender_times.append(time_steps(contender, steps))
-        baseline_times.append(time_steps(baseline, steps))
+    for r in range(rounds):
+        # ABBA order: whichever runs first in a round pays for any warm-up the
+        # other leaves behind, so the first place alternates.
+        if r % 2 == 0:
+            contender_times.append(time_steps(contender, steps))
+            baseline_times.append(time_steps(baseline, steps))
+        else:
+            baseline_times.append(time_steps(baseline, steps))
+            contender_times.append(time_steps(contender, steps))
     contender_s, baseline_s = np.median(contender_times), np.median(baseline_times)
+    # Each round's pair saw the same machine state: the spread of their ratios is
+    # the noise the verdict must allow for (an A/A run here spreads about +-4 %).
+    low, high = np.percentile(np.divide(contender_times, baseline_times), [25, 75])
     return {
         "contender_ms": 1e3 * contender_s,
         "baseline_ms": 1e3 * baseline_s,
         "ratio": contender_s / baseline_s,
+        "ratio_q25": float(low),
+        "ratio_q75": float(high),
     }
 
 
