@@ -140,7 +140,7 @@ def test_sparse_gradients_reach_the_combine_as_indexed_slices():
 
     @tf.function
     def tower_grads(x, y):
-        _, grads, _, _ = engine._tower(x, y, 4)
+        _, grads, _, _ = engine._tower(engine.model, x, y, 4)
         for var, grad in zip(engine.model.trainable_variables, grads):
             kind = "slices" if isinstance(grad, tf.IndexedSlices) else "dense"
             kinds[var.path.split("/")[-1]] = None if grad is None else kind

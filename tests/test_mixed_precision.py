@@ -119,9 +119,9 @@ def test_float16_each_tower_scales_its_loss_before_the_gradient(policy):
     x, y = engine._prepare(*batch(1, examples=3))
 
     engine.optimizer.dynamic_scale.assign(1.0)
-    _, unscaled, _, _ = engine._tower(x, y, 3)
+    _, unscaled, _, _ = engine._tower(engine.model, x, y, 3)
     engine.optimizer.dynamic_scale.assign(1024.0)
-    _, scaled, _, _ = engine._tower(x, y, 3)
+    _, scaled, _, _ = engine._tower(engine.model, x, y, 3)
 
     for a, b in zip(scaled, unscaled):
         np.testing.assert_allclose(a.numpy(), 1024.0 * b.numpy(), rtol=1e-2, atol=1e-3)

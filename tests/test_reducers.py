@@ -8,7 +8,7 @@ import tensorflow as tf
 from tests.models import build_dense_sparse_unused, dense_sparse_batch
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers, combine_gradients
-from towers.reducers import Cast, Packed, PerTensor, Sharded, _buckets, get_reducer
+from towers.reducers import Cast, Packed, PerTensor, Sharded, buckets, get_reducer
 
 SHAPES = [(3, 5), (7,), (2, 2, 3), (1,), (11, 4)]  # 15 + 7 + 12 + 1 + 44 floats
 
@@ -91,7 +91,7 @@ def test_buckets_follow_list_order_dtype_and_the_byte_cap():
         grads((10,), tf.float32),  # 40: over the cap with anything else
         grads((1,), tf.float32),  # 4
     ]
-    assert _buckets(per_var, bytes_per_pack=32) == [[0, 1], [2], [3], [4]]
+    assert buckets(per_var, bytes_per_pack=32) == [[0, 1], [2], [3], [4]]
 
 
 @pytest.mark.parametrize("reducer", ["packed", "sharded"])

@@ -70,6 +70,8 @@ class TrainingCheckpoint:
         self._check_matches(path)
         status = self._checkpoint.restore(path)
         status.assert_existing_objects_matched()
+        if self._engine.replicas is not None:
+            self._engine.replicas.sync()  # the checkpoint holds copy 0
         return int(self.epoch.numpy()), int(self.step.numpy())
 
     def save(self, epoch: int, step: int) -> None:

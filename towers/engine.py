@@ -15,6 +15,7 @@ gradients is the full-batch gradient: T towers give one device's update.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,13 @@ from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
 from towers.combine import combine_gradients, get_reducer
 from towers.devices import canonical_device, resolve_devices, same_device
 from towers.losses import TowerLoss
+from towers.placement import (
+    Placement,
+    build_balanced,
+    check_placement,
+    updates_where_variables_live,
+)
+from towers.replicas import Replicas
 from towers.split import batch_size_of, split_batch, split_sizes
 from towers.update import NonfinitePolicy, Update, first_nonfinite
 
@@ -72,6 +80,13 @@ class Towers:
       reducer: how the towers' dense gradients are summed: ``"per_tensor"``,
         ``"packed"``, ``"sharded"``, a ``"bf16+"``/``"fp16+"`` cast of one of them,
         or a reducer object; see ``towers/reducers.py``.
+      placement: where the variables live: ``"central"`` (all on
+        ``variable_device``), ``"balanced"`` (spread over ``devices`` by bytes;
+        each variable combined and updated where it lives), ``"replicated"`` (a
+        copy per tower, all-reduced with TensorFlow's collective ops) or
+        ``"independent"`` (a copy per tower, never synchronised: a measurement
+        baseline, not training). All but ``"central"`` need ``model`` as a
+        zero-arg function. See ``towers/placement.py``.
 
     Mixed precision: under a ``mixed_float16`` dtype policy the optimizer is wrapped
     in a ``keras.optimizers.LossScaleOptimizer`` (as Keras' ``compile`` does) unless
@@ -107,11 +122,16 @@ class Towers:
         on_nonfinite: NonfinitePolicy = "ignore",
         accumulate_steps: int = 1,
         reducer: Any = "per_tensor",
+        placement: Placement = "central",
     ):
         self.devices = resolve_devices(devices)
         self.reducer = get_reducer(reducer)
+        self.placement = check_placement(placement)
         self.variable_device = canonical_device(variable_device)
         self.loss = TowerLoss(loss)
+        self.replicas: Replicas | None = None
+        self._optimizer_arg = optimizer
+        self._builder = model if self.placement != "central" else None
         self.model = self._build_model(model)
         self.moving_statistics = MovingStatistics(self.model, moving_statistics)
         self.optimizer = self._build_optimizer(optimizer)
@@ -126,6 +146,7 @@ class Towers:
             self.metrics = [_as_metric(m) for m in metrics or []]
             # Keras' fit reports the epoch's loss as a mean weighted by batch size.
             self.loss_tracker = keras.metrics.Mean(name="loss")
+        self._check_replica_options()
         self._step_fn = tf.function(self._step)
         self._eval_fn = tf.function(self._eval_step)
         if self.model.built and self.model.variables:
@@ -229,42 +250,97 @@ class Towers:
     # -- the step -----------------------------------------------------------------
 
     def _step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+        global_batch, towers = self._compute(x, y)
+        tower_losses, tower_grads, tower_preds, tower_moments = towers
+        with tf.device(self.variable_device), tf.name_scope("combine"):
+            loss = tf.add_n(tower_losses)
+        grads = self._combine(tower_grads)
+        # Every tower (and every check in it) has finished before any update.
+        with tf.control_dependencies([loss]):
+            finite = self._apply(grads, tower_moments, global_batch)
+        logs = self._track(loss, global_batch, y, tower_preds, batch_loss=True)
+        if finite is not None:
+            logs[_FINITE] = finite
+        return logs
+
+    # The step's three phases, also timed one by one (towers/bench/phases.py).
+
+    def _compute(self, x: Any, y: Any):
+        """Every working tower's forward and backward pass.
+
+        Returns:
+          ``(B, (losses, grads, predictions, moments))``, one entry per tower.
+        """
         global_batch, shards = self._split(x, y)
-        tower_losses, tower_grads, tower_preds, tower_moments = [], [], [], []
+        towers = [], [], [], []
         for t, device in self._working_towers(global_batch):
             with tf.device(device), tf.name_scope(f"tower_{t}"):
-                loss_t, grads_t, y_pred, moments_t = self._tower(
-                    *shards[t], global_batch
+                results = self._tower(self._model_of(t), *shards[t], global_batch)
+            for collected, result in zip(towers, results):
+                collected.append(result)
+        return global_batch, towers
+
+    def _combine(self, tower_grads: list[list[Any]]) -> list[Any]:
+        """Shared variables: one sum per variable, each on its variable's device.
+        A copy per tower: each tower's list of sums (replicated) or its own
+        gradients (independent)."""
+        if self.replicas is not None:
+            return self.replicas.reduce(tower_grads)
+        if self.placement == "central":
+            with tf.device(self.variable_device), tf.name_scope("combine"):
+                return combine_gradients(
+                    tower_grads, reduction="sum", reducer=self.reducer
                 )
-            tower_losses.append(loss_t)
-            tower_grads.append(grads_t)
-            tower_preds.append(y_pred)
-            tower_moments.append(moments_t)
-        with tf.device(self.variable_device), tf.name_scope("combine"):
-            grads = combine_gradients(
-                tower_grads, reduction="sum", reducer=self.reducer
-            )
-            loss = tf.add_n(tower_losses)
+        combined: list[Any] = [None] * len(tower_grads[0])
+        for device, indices in self._groups_by_device():
+            with tf.device(device), tf.name_scope("combine"):
+                part = combine_gradients(
+                    [[grads[v] for v in indices] for grads in tower_grads],
+                    reduction="sum",
+                    reducer=self.reducer,
+                )
+            for v, grad in zip(indices, part):
+                combined[v] = grad
+        return combined
+
+    def _apply(self, grads: list[Any], tower_moments: list, global_batch: Any):
+        """Applies the combined gradients; returns the finiteness flags or None."""
+        if self.replicas is not None:
+            self.update.steps.assign_add(1)
+            self.replicas.apply(grads)
+            return None
         with tf.device(self.variable_device), tf.name_scope("apply"):
-            # Every tower (and every check in it) has finished before any update.
-            with tf.control_dependencies([loss]):
-                finite = self.update.apply(
+            with self._placing_updates():
+                return self.update.apply(
                     grads,
                     also=lambda: self.moving_statistics.update(tower_moments),
                     global_batch=global_batch,
                     has_regularisers=bool(self.model.losses),
                 )
-        logs = self._track(loss, global_batch, y, tower_preds, batch_loss=True)
-        if finite is not None:
-            logs[_FINITE] = finite
-        return logs
+
+    def _groups_by_device(self) -> list[tuple[str, list[int]]]:
+        """(device, indices of the trainable variables on it), devices in order."""
+        groups: dict[str, list[int]] = {}
+        for v, var in enumerate(self.model.trainable_variables):
+            groups.setdefault(self._var_devices[id(var)], []).append(v)
+        return list(groups.items())
+
+    def _placing_updates(self):
+        if self.placement == "balanced":
+            return updates_where_variables_live(self.optimizer)
+        return contextlib.nullcontext()
+
+    def _model_of(self, t: int) -> keras.Model:
+        return self.model if self.replicas is None else self.replicas.models[t]
 
     def _eval_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
         global_batch, shards = self._split(x, y)
         tower_losses, tower_preds = [], []
         for t, device in self._working_towers(global_batch):
             with tf.device(device), tf.name_scope(f"tower_{t}"):
-                loss_t, y_pred = self._forward(*shards[t], global_batch, False)
+                loss_t, y_pred = self._forward(
+                    self._model_of(t), *shards[t], global_batch, False
+                )
             tower_losses.append(loss_t)
             tower_preds.append(y_pred)
         with tf.device(self.variable_device), tf.name_scope("combine"):
@@ -282,7 +358,10 @@ class Towers:
             if isinstance(global_batch, int)
             else [None] * self.num_towers
         )
-        # B < T: the towers past B have no examples and build no ops at all.
+        # B < T: the towers past B have no examples and build no ops at all, but
+        # with a copy per tower every tower joins the step (with zeros).
+        if self.replicas is not None:
+            return list(enumerate(self.devices))
         return [(t, d) for t, d in enumerate(self.devices) if sizes[t] != 0]
 
     def _track(self, loss, global_batch, y, tower_preds, batch_loss: bool) -> dict:
@@ -302,34 +381,36 @@ class Towers:
                     logs[metric.name] = metric.result()
         return logs
 
-    def _forward(self, x_t: Any, y_t: Any, global_batch: Any, training: bool):
+    def _forward(self, model, x_t: Any, y_t: Any, global_batch: Any, training: bool):
         """One tower's predictions and its share of the full-batch loss."""
-        y_pred = self.model(x_t, training=training)
+        y_pred = model(x_t, training=training)
         loss_t = self.loss.tower_loss(y_t, y_pred, global_batch)
-        if self.model.losses:
+        if model.losses:
             # Regularisers are per-batch means in Keras 3: weight by n_t / B so
             # the towers' shares add up to the full batch's one.
             share = tf.cast(batch_size_of(x_t), tf.float32) / tf.cast(
                 global_batch, tf.float32
             )
-            loss_t += tf.add_n(self.model.losses) * share
+            loss_t += tf.add_n(model.losses) * share
         return loss_t, y_pred
 
-    def _tower(self, x_t: Any, y_t: Any, global_batch: Any):
+    def _tower(self, model, x_t: Any, y_t: Any, global_batch: Any):
         """One tower: its loss share, gradients, predictions and BN moments.
 
         Under loss scaling the gradients are of ``scale * loss_t``; the optimizer
         divides their combination by the scale once.
         """
         with tf.GradientTape() as tape, self.moving_statistics.recording() as moments:
-            loss_t, y_pred = self._forward(x_t, y_t, global_batch, True)
+            loss_t, y_pred = self._forward(model, x_t, y_t, global_batch, True)
             scaled = self.update.scale_loss(loss_t)
-        grads_t = tape.gradient(scaled, self.model.trainable_variables)
+        grads_t = tape.gradient(scaled, model.trainable_variables)
         return loss_t, grads_t, y_pred, moments
 
     # -- building and placement ---------------------------------------------------
 
     def _build_model(self, model: Any) -> keras.Model:
+        if self.placement != "central":
+            return self._build_placed(model)
         if not isinstance(model, keras.Model) and callable(model):
             with tf.device(self.variable_device):
                 model = model()
@@ -340,7 +421,24 @@ class Towers:
             )
         return model
 
+    def _build_placed(self, build: Any, sample: Any = None) -> keras.Model:
+        """The model of a balanced placement, or copy 0 of a replicated one."""
+        if isinstance(build, keras.Model) or not callable(build):
+            raise ValueError(
+                f"placement={self.placement!r} builds the model itself: model must "
+                f"be a zero-arg function that builds one; received {build!r}"
+            )
+        if self.placement == "balanced":
+            with tf.device(self.variable_device):
+                return build_balanced(build, self.devices, sample)
+        self.replicas = Replicas(
+            build, self._optimizer_arg, self.devices, self.placement, self.reducer
+        )
+        return self.replicas.models[0]
+
     def _build_optimizer(self, optimizer: Any) -> keras.optimizers.Optimizer:
+        if self.replicas is not None:
+            return self.replicas.optimizers[0]
         if not isinstance(optimizer, keras.optimizers.Optimizer) and callable(
             optimizer
         ):
@@ -360,41 +458,107 @@ class Towers:
 
     def _build_from_batch(self, x: Any) -> None:
         """Creates a lazily built model's variables from one example."""
-        with tf.device(self.variable_device):
-            self.model(tf.nest.map_structure(lambda a: a[:1], x), training=False)
+        sample = tf.nest.map_structure(lambda a: a[:1], x)
+        if self.placement == "balanced":
+            # The plan needs every variable's size: build it again, placed.
+            self.model = self._build_placed(self._builder, sample)
+            self.moving_statistics = MovingStatistics(
+                self.model, self.moving_statistics.policy
+            )
+        elif self.replicas is not None:
+            self.replicas.build(sample)
+        else:
+            with tf.device(self.variable_device):
+                self.model(sample, training=False)
         self._finish_build()
 
     def _finish_build(self) -> None:
-        if not self.optimizer.built:
+        if self.replicas is not None:
+            self.replicas.build()
+        elif not self.optimizer.built:
             with tf.device(self.variable_device):
                 self.optimizer.build(self.model.trainable_variables)
         self.update.build(self.model.trainable_variables)
-        self._check_placement(self.model.variables, "model")
-        self._check_placement(self._slot_variables(), "optimizer slot")
+        self._var_devices = {id(v): v.handle.device for v in self.model.variables}
+        self._check_placement()
 
-    def _slot_variables(self) -> list:
-        """The optimizer's variables except the scalars Keras made with it."""
-        optimizers = [self.optimizer, getattr(self.optimizer, "inner_optimizer", None)]
-        own = {
-            id(v)
-            for opt in optimizers
-            if opt is not None
-            for v in (opt.iterations, opt._learning_rate)
-        }
-        return [v for v in self.optimizer.variables if id(v) not in own]
-
-    def _check_placement(self, variables: Sequence[Any], owner: str) -> None:
-        for var in variables:
-            device = var.handle.device
-            if not same_device(device, self.variable_device):
-                name = getattr(var, "path", var.name)
-                raise ValueError(
-                    f"{owner} variables must live on the variable device "
-                    f"{self.variable_device}; received {name!r}"
-                    f" on {device}. Pass a zero-arg function that builds the model "
-                    "(towers builds it there), or build it inside "
-                    f"`with tf.device({self.variable_device!r})`."
+    def _check_placement(self) -> None:
+        """Every model and optimizer variable is where the placement says."""
+        if self.replicas is None:
+            copies = [(self.model, self.optimizer, self.variable_device)]
+        else:
+            copies = zip(self.replicas.models, self.replicas.optimizers, self.devices)
+        for model, optimizer, device in copies:
+            owners = {
+                v.path.replace("/", "_"): v.handle.device for v in model.variables
+            }
+            for var in model.variables:
+                self._check_on(var, "model", self._expected_device(var, device))
+            for slot in _slot_variables(optimizer):
+                # Keras names a slot after its variable's path and colocates it.
+                owner = max(
+                    (k for k in owners if slot.name.startswith(k + "_")),
+                    key=len,
+                    default=None,
                 )
+                expected = (
+                    owners[owner] if owner and self.placement == "balanced" else device
+                )
+                self._check_on(slot, "optimizer slot", expected)
+
+    def _expected_device(self, var: Any, device: str) -> str:
+        if self.placement != "balanced":
+            return device
+        own = var.handle.device
+        return (
+            own if any(same_device(own, d) for d in self.devices) else self.devices[0]
+        )
+
+    def _check_on(self, var: Any, owner: str, expected: str) -> None:
+        device = var.handle.device
+        if not same_device(device, expected):
+            name = getattr(var, "path", var.name)
+            where = (
+                f"the variable device {expected}"
+                if self.placement == "central"
+                else f"{expected} (placement={self.placement!r})"
+            )
+            raise ValueError(
+                f"{owner} variables must live on {where}; received {name!r} on "
+                f"{device}. "
+                "Pass a zero-arg function that builds the model (towers builds it "
+                f"there), or build it inside `with tf.device({expected!r})`."
+            )
+
+    def _check_replica_options(self) -> None:
+        """A copy per tower supports the plain step only; say so up front."""
+        if self.replicas is None:
+            return
+        unsupported = {
+            "accumulate_steps > 1": self.update.accumulate_steps > 1,
+            f"on_nonfinite={self.update.on_nonfinite!r}": self.update.checks,
+            "BatchNormalization layers": bool(self.moving_statistics.layers),
+            "mixed_float16 (loss scaling)": self.model.dtype_policy.name
+            == "mixed_float16",
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(
+                    f"placement={self.placement!r} does not support {what} yet; "
+                    "received them together. Use placement='central' or 'balanced'."
+                )
+
+
+def _slot_variables(optimizer: Any) -> list:
+    """The optimizer's variables except the scalars Keras made with it."""
+    optimizers = [optimizer, getattr(optimizer, "inner_optimizer", None)]
+    own = {
+        id(v)
+        for opt in optimizers
+        if opt is not None
+        for v in (opt.iterations, opt._learning_rate)
+    }
+    return [v for v in optimizer.variables if id(v) not in own]
 
 
 def _as_metric(metric: Any) -> keras.metrics.Metric:

@@ -159,22 +159,28 @@ def get_reducer(reducer: Any) -> Any:
 def _reduce_buckets(per_var, bytes_per_pack, sum_bucket) -> list[tf.Tensor]:
     """Packs each tower's gradients into buckets, sums each, unpacks."""
     out: list[Any] = [None] * len(per_var)
-    for bucket in _buckets(per_var, bytes_per_pack):
+    for bucket in buckets(per_var, bytes_per_pack):
         num_towers = len(per_var[bucket[0]])
         packed = []
         for t in range(num_towers):
             with tf.device(per_var[bucket[0]][t].device):
-                flat = [tf.reshape(per_var[v][t], [-1]) for v in bucket]
+                flat = [_flat(per_var[v][t]) for v in bucket]
                 packed.append(flat[0] if len(flat) == 1 else tf.concat(flat, 0))
         total = sum_bucket(packed)
         sizes = [per_var[v][0].shape.num_elements() for v in bucket]
         pieces = tf.split(total, sizes) if len(bucket) > 1 else [total]
         for v, piece in zip(bucket, pieces):
-            out[v] = tf.reshape(piece, per_var[v][0].shape)
+            shape = per_var[v][0].shape
+            out[v] = piece if shape.rank == 1 else tf.reshape(piece, shape)
     return out
 
 
-def _buckets(per_var: list[list[tf.Tensor]], bytes_per_pack: int) -> list[list[int]]:
+def _flat(tensor: tf.Tensor) -> tf.Tensor:
+    # Every op costs a few microseconds on a host; a vector needs no reshape.
+    return tensor if tensor.shape.rank == 1 else tf.reshape(tensor, [-1])
+
+
+def buckets(per_var: list[list[tf.Tensor]], bytes_per_pack: int) -> list[list[int]]:
     """Variable indices in list order, cut at dtype changes and at the byte cap.
 
     A variable larger than the cap gets a bucket of its own.

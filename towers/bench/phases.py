@@ -2,7 +2,9 @@
 
 The step's phases overlap when it runs as one function, so subtracting times says
 little. Instead each phase runs alone on the same tensors the step would give it:
-towers' forward + backward, the combine, and the apply.
+towers' forward + backward, the combine, and the apply. They are the engine's own
+three phases (``Towers._compute``, ``_combine``, ``_apply``), whatever the
+placement.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
-
-from towers.combine import combine_gradients
 
 if TYPE_CHECKING:
     from towers.engine import Towers
@@ -28,34 +28,26 @@ def time_phases(engine: Towers, x: Any, y: Any, repeats: int = 20) -> dict[str, 
       ``{"compute": ms, "combine": ms, "apply": ms, "step": ms}``.
     """
     x, y = engine._prepare(x, y)
+    global_batch = len(y)
 
     # Each phase captures its inputs rather than taking them as arguments: passing a
     # nest of dozens of tensors per call would time Python, not the phase.
     @tf.function
     def compute():
-        global_batch, shards = engine._split(x, y)
-        tower_grads = []
-        for t, device in engine._working_towers(global_batch):
-            with tf.device(device):
-                tower_grads.append(engine._tower(*shards[t], global_batch)[1])
-        return tower_grads
+        return engine._compute(x, y)[1][1]
 
     tower_grads = compute()
 
     @tf.function
     def combine():
-        with tf.device(engine.variable_device):
-            return combine_gradients(
-                tower_grads, reduction="sum", reducer=engine.reducer
-            )
+        return engine._combine(tower_grads)
 
     grads = combine()
 
     @tf.function
     def apply():
-        with tf.device(engine.variable_device):
-            engine.update.apply(grads, lambda: None, len(y), has_regularisers=False)
-            return engine.optimizer.iterations
+        engine._apply(grads, [], global_batch)
+        return engine.update.steps
 
     return {
         "compute": _time(compute, repeats),

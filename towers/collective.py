@@ -1,0 +1,126 @@
+"""All-reduce on TensorFlow's collective runtime (the ops MultiWorkerMirroredStrategy
+uses), across the tower devices of this process.
+
+One ``CollectiveReduceV2`` op per tower device joins a group of all of them; they
+meet, sum, and each gets the same result (a ring on CPUs, NCCL on GPUs when
+TensorFlow chooses it). Keys are fixed when the engine is made: group key per
+group, instance key per tensor position, so retracing a step makes the same ops
+with the same keys.
+
+Each device also needs an *ordering token* (a resource on that device): without
+one, TensorFlow treats the ops as stateless and the group never assembles.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from towers.reducers import Packed, PerTensor, buckets, get_reducer
+
+# Group keys are process-wide: each AllReduce takes its own range.
+_group_keys = itertools.count(1)
+# Instance keys of one group: one per packed bucket or tensor, per trace.
+_INSTANCES_PER_GROUP = 100_000
+
+
+class AllReduce:
+    """Sums tensors across ``devices``: every device gets the sum.
+
+    Args:
+      devices: one device per member, e.g. the towers' devices.
+      reducer: ``"per_tensor"`` (one collective per tensor) or ``"packed"`` (one per
+        bucket of ``bytes_per_pack``); see ``towers/reducers.py``.
+      timeout_seconds: how long a member waits for the others (0: forever).
+
+    Example:
+      >>> import tensorflow as tf
+      >>> ring = AllReduce(["/cpu:0", "/cpu:1"])
+      >>> @tf.function
+      ... def total():
+      ...     return ring.all_reduce([[tf.constant([1.0])], [tf.constant([2.0])]])
+      >>> [[t.numpy().tolist() for t in member] for member in total()]
+      [[[3.0]], [[3.0]]]
+    """
+
+    def __init__(
+        self, devices: Sequence[str], reducer: Any = "per_tensor", timeout_seconds=0.0
+    ):
+        self.devices = list(devices)
+        self.reducer = get_reducer(reducer)
+        if type(self.reducer) not in (PerTensor, Packed) or self.reducer.wire_dtype:
+            # Sharded: a ring all-reduce already is a reduce-scatter and a gather.
+            # A 16-bit cast would also sum in 16 bits inside the collective.
+            raise ValueError(
+                "an all-reduce takes the 'per_tensor' or 'packed' reducer; received "
+                f"{self.reducer.name!r}"
+            )
+        self.timeout_seconds = float(timeout_seconds)
+        self.group_key = next(_group_keys)
+        self._tokens = []
+        for device in self.devices:
+            with tf.device(device):
+                self._tokens.append(tf.Variable(0.0, trainable=False))
+
+    def all_reduce(self, per_member: Sequence[Sequence[tf.Tensor]]) -> list[list]:
+        """``per_member[m][i]``: member m's i-th tensor; returns each member's sums.
+
+        Every member must give tensors of the same shapes and dtypes, in the same
+        order.
+        """
+        num = len(self.devices)
+        if len(per_member) != num:
+            raise ValueError(
+                f"all_reduce needs one list per device ({num}); received "
+                f"{len(per_member)}"
+            )
+        # per_tensor[i][m]: the shape the reducers' bucketing takes.
+        per_tensor = [list(column) for column in zip(*per_member)]
+        groups = self._buckets(per_tensor)
+        sums: list[list[Any]] = [[None] * len(per_tensor) for _ in range(num)]
+        for instance, bucket in enumerate(groups):
+            packed = [self._pack(per_tensor, bucket, m) for m in range(num)]
+            reduced = [self._reduce(packed[m], m, instance) for m in range(num)]
+            for m in range(num):
+                with tf.device(self.devices[m]):
+                    pieces = self._unpack(reduced[m], per_tensor, bucket)
+                    for i, piece in zip(bucket, pieces):
+                        sums[m][i] = piece
+        return sums
+
+    def _buckets(self, per_tensor: list[list[tf.Tensor]]) -> list[list[int]]:
+        if isinstance(self.reducer, Packed):
+            return buckets(per_tensor, self.reducer.bytes_per_pack)
+        return [[i] for i in range(len(per_tensor))]
+
+    def _pack(self, per_tensor, bucket: list[int], m: int) -> tf.Tensor:
+        with tf.device(self.devices[m]):
+            if len(bucket) == 1:
+                packed = per_tensor[bucket[0]][m]
+            else:
+                flat = [tf.reshape(per_tensor[i][m], [-1]) for i in bucket]
+                packed = tf.concat(flat, 0)
+            return packed
+
+    def _reduce(self, tensor: tf.Tensor, m: int, instance: int) -> tf.Tensor:
+        with tf.device(self.devices[m]):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=tensor,
+                group_size=len(self.devices),
+                group_key=self.group_key,
+                instance_key=self.group_key * _INSTANCES_PER_GROUP + instance,
+                ordering_token=[self._tokens[m].handle],
+                merge_op="Add",
+                final_op="Id",
+                timeout_seconds=self.timeout_seconds,
+            )
+
+    def _unpack(self, total: tf.Tensor, per_tensor, bucket: list[int]) -> list:
+        if len(bucket) == 1:
+            return [total]
+        sizes = [per_tensor[i][0].shape.num_elements() for i in bucket]
+        pieces = tf.split(total, sizes)
+        return [tf.reshape(p, per_tensor[i][0].shape) for p, i in zip(pieces, bucket)]
