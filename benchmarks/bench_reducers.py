@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.bench_step import batch, build_mlp
 from benchmarks.conftest import record_ratio
-from benchmarks.timing import interleaved_ratio
+from towers.bench.timing import interleaved_ratio
 from towers import Towers
 
 NUM_TOWERS = 8

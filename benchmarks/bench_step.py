@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from benchmarks.conftest import record_ratio
-from benchmarks.timing import interleaved_ratio
+from towers.bench.timing import interleaved_ratio
 from towers import Towers
 
 BATCH = 256

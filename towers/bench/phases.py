@@ -57,6 +57,33 @@ def time_phases(engine: Towers, x: Any, y: Any, repeats: int = 20) -> dict[str, 
     }
 
 
+def gradient_bytes(engine: Towers, x: Any, y: Any) -> float:
+    """Bytes one tower hands to the combine per step, averaged over towers.
+
+    Dense gradients count their elements at the reducer's wire dtype (half, for a
+    bf16/fp16 cast); IndexedSlices count their values and indices, as they travel,
+    except under the replicated placement, which all-reduces them dense.
+    """
+    x, y = engine._prepare(x, y)
+    tower_grads = tf.function(lambda: engine._compute(x, y)[1][1])()
+    wire = getattr(engine.reducer, "wire_dtype", None)
+    total = 0
+    for grads in tower_grads:
+        for grad in grads:
+            if isinstance(grad, tf.IndexedSlices) and engine.placement == "replicated":
+                total += int(tf.reduce_prod(grad.dense_shape)) * grad.values.dtype.size
+            elif isinstance(grad, tf.IndexedSlices):
+                total += _nbytes(grad.values) + _nbytes(grad.indices)
+            elif grad is not None:
+                size = (wire or grad.dtype).size
+                total += grad.shape.num_elements() * size
+    return total / len(tower_grads)
+
+
+def _nbytes(tensor: tf.Tensor) -> int:
+    return int(tf.size(tensor)) * tensor.dtype.size
+
+
 def _time(run, repeats: int) -> float:
     for _ in range(3):  # trace and warm up
         tf.nest.map_structure(_read, run())

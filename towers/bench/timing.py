@@ -1,4 +1,5 @@
-"""Ratios of step times measured side by side in one process.
+"""Ratios of step times measured side by side in one process (used by `towers bench`
+and benchmarks/).
 
 Shared, noisy machines make a lone time meaningless; a ratio of two steps timed in
 alternating rounds cancels most of the noise both see.
