@@ -11,22 +11,12 @@ import pytest
 import tensorflow as tf
 
 from benchmarks.conftest import record_ratio
-from towers.bench.timing import interleaved_ratio
 from towers import Towers
+from towers.bench.presets import build_mlp
+from towers.bench.timing import interleaved_ratio
 
 BATCH = 256
 TARGETS = {2: 1.02, 4: 1.10, 8: 1.25}
-
-
-def build_mlp():
-    return keras.Sequential(
-        [
-            keras.Input((784,)),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
 
 
 def batch():

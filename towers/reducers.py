@@ -42,18 +42,31 @@ from towers.split import split_sizes
 # Measured on the 8-tower MLP step (benchmarks/bench_reducers.py): 32 MiB packs
 # 1.24x slower than per-tensor, 1 MiB 1.06x.
 DEFAULT_BYTES_PER_PACK = 2**20
+# fuse_bytes: from this many gradient bytes per tower, the sums run as one
+# XLA-compiled function that reads each input once and writes each sum once.
+# Off by default: on 4 x 25 M floats it was 1.7x faster than AddN timed alone,
+# 1.2x slower timed in alternation with an elementwise pass (allocator state),
+# and 2-6 % slower in the 8-tower MLP step, since it waits for every gradient
+# before it starts (benchmarks/bench_combine.py, bench_reducers.py).
 _WIRE_DTYPES = {"bf16": tf.bfloat16, "fp16": tf.float16}
 BASE_NAMES = ("per_tensor", "packed", "sharded")
 
 
 @dataclasses.dataclass(frozen=True)
 class PerTensor:
-    """One ``add_n`` per variable (the reference reducer)."""
+    """One ``add_n`` per variable (the reference reducer).
+
+    Attributes:
+      fuse_bytes: from this many gradient bytes per tower, all the sums run as one
+        XLA-compiled function; None (the default) never fuses. See the note at
+        the top of this module for what it measured.
+    """
 
     wire_dtype: tf.DType | None = None
+    fuse_bytes: int | None = None
 
     def reduce(self, per_var: list[list[tf.Tensor]]) -> list[tf.Tensor]:
-        return [_sum(grads, self.wire_dtype) for grads in per_var]
+        return _sums(per_var, self.wire_dtype, self.fuse_bytes)
 
     @property
     def name(self) -> str:
@@ -66,15 +79,16 @@ class Packed:
 
     bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
     wire_dtype: tf.DType | None = None
+    fuse_bytes: int | None = None
 
     def __post_init__(self):
         _check_bytes(self.bytes_per_pack)
 
     def reduce(self, per_var: list[list[tf.Tensor]]) -> list[tf.Tensor]:
-        return _reduce_buckets(per_var, self.bytes_per_pack, self._sum_bucket)
+        return _reduce_buckets(per_var, self.bytes_per_pack, self._sum_buckets)
 
-    def _sum_bucket(self, packed: list[tf.Tensor]) -> tf.Tensor:
-        return _sum(packed, self.wire_dtype)
+    def _sum_buckets(self, packed: list[list[tf.Tensor]]) -> list[tf.Tensor]:
+        return _sums(packed, self.wire_dtype, self.fuse_bytes)
 
     @property
     def name(self) -> str:
@@ -84,6 +98,9 @@ class Packed:
 @dataclasses.dataclass(frozen=True)
 class Sharded(Packed):
     """Packed buckets, each reduce-scattered over the towers' devices, gathered."""
+
+    def _sum_buckets(self, packed: list[list[tf.Tensor]]) -> list[tf.Tensor]:
+        return [self._sum_bucket(bucket) for bucket in packed]
 
     def _sum_bucket(self, packed: list[tf.Tensor]) -> tf.Tensor:
         # packed[t]: f32[n] on tower t's device. Slice s is summed on tower s.
@@ -156,17 +173,20 @@ def get_reducer(reducer: Any) -> Any:
     )
 
 
-def _reduce_buckets(per_var, bytes_per_pack, sum_bucket) -> list[tf.Tensor]:
-    """Packs each tower's gradients into buckets, sums each, unpacks."""
+def _reduce_buckets(per_var, bytes_per_pack, sum_buckets) -> list[tf.Tensor]:
+    """Packs each tower's gradients into buckets, sums them all, unpacks."""
     out: list[Any] = [None] * len(per_var)
-    for bucket in buckets(per_var, bytes_per_pack):
+    groups = buckets(per_var, bytes_per_pack)
+    packed_groups = []
+    for bucket in groups:
         num_towers = len(per_var[bucket[0]])
         packed = []
         for t in range(num_towers):
             with tf.device(per_var[bucket[0]][t].device):
                 flat = [_flat(per_var[v][t]) for v in bucket]
                 packed.append(flat[0] if len(flat) == 1 else tf.concat(flat, 0))
-        total = sum_bucket(packed)
+        packed_groups.append(packed)
+    for bucket, total in zip(groups, sum_buckets(packed_groups)):
         sizes = [per_var[v][0].shape.num_elements() for v in bucket]
         pieces = tf.split(total, sizes) if len(bucket) > 1 else [total]
         for v, piece in zip(bucket, pieces):
@@ -199,14 +219,40 @@ def buckets(per_var: list[list[tf.Tensor]], bytes_per_pack: int) -> list[list[in
     return buckets
 
 
-def _sum(tensors: Sequence[tf.Tensor], wire_dtype) -> tf.Tensor:
-    if wire_dtype is None:
-        return _add(list(tensors))
+def _sums(
+    groups: Sequence[Sequence[tf.Tensor]], wire_dtype, fuse_bytes: int | None
+) -> list[tf.Tensor]:
+    """Each group's tensors summed in order.
+
+    Each tensor is cast to ``wire_dtype`` on its own device first (that is the
+    wire); the sums happen in the groups' own dtype where the caller placed us,
+    one AddN per group, or all in one XLA-compiled function from ``fuse_bytes``
+    gradient bytes per tower.
+    """
+    dtypes = tuple(group[0].dtype for group in groups)
     wired = []
-    for tensor in tensors:
-        with tf.device(tensor.device):
-            wired.append(_to_wire(tensor, wire_dtype))
-    return _add([_from_wire(w, t.dtype) for w, t in zip(wired, tensors)])
+    for group in groups:
+        wired_group = []
+        for tensor in group:
+            with tf.device(tensor.device):
+                wired_group.append(_to_wire(tensor, wire_dtype))
+        wired.append(wired_group)
+    if all(len(group) == 1 for group in wired):  # nothing to add
+        return [_from_wire(g[0], d) for g, d in zip(wired, dtypes)]
+    per_tower = sum(g[0].shape.num_elements() * d.size for g, d in zip(groups, dtypes))
+    if fuse_bytes is not None and per_tower >= fuse_bytes:
+        return _fused_sums(wired, dtypes)
+    return [_add([_from_wire(t, d) for t in g]) for g, d in zip(wired, dtypes)]
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _fused_sums(groups: list[list[tf.Tensor]], dtypes: tuple) -> list[tf.Tensor]:
+    # The same additions, which XLA may associate differently from AddN's
+    # kernel: deterministic, and within a few float32 roundings of AddN's sums.
+    return [
+        _add([_from_wire(t, dtype) for t in group])
+        for group, dtype in zip(groups, dtypes)
+    ]
 
 
 def _add(tensors: list[tf.Tensor]) -> tf.Tensor:
