@@ -192,8 +192,15 @@ def _phases_and_bytes(engine, x, y, spec) -> dict[str, Any]:
         "algbw_gbps": algbw / 1e9,
         "busbw_gbps": algbw * 2 * (num - 1) / num / 1e9,
         "topology": topology(engine),
-        "variables_by_device": bytes_by_device(engine.model.variables),
+        "variables_by_device": bytes_by_device(
+            [v for model in _copies(engine) for v in model.variables]
+        ),
     }
+
+
+def _copies(engine) -> list:
+    """The engine's model, or every tower's copy of it."""
+    return [engine.model] if engine.replicas is None else engine.replicas.models
 
 
 def topology(engine) -> str:

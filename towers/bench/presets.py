@@ -5,12 +5,15 @@ uses ``SparseCategoricalCrossentropy(from_logits=True)``.
 
 - ``mlp``: 784-512-512-10 dense layers, 0.67 M parameters in 6 tensors: few,
   large gradients.
-- ``cnn``: a small convolutional network on 32x32x3 images, 0.55 M parameters in
+- ``cnn``: a small convolutional network on 32x32x3 images, 0.32 M parameters in
   8 tensors: more compute per byte of gradient.
 - ``embedding``: a 50,000 x 64 embedding table (sparse gradients) under two
-  dense layers: the table is 12.8 MB, but a step touches few of its rows.
+  dense layers, 3.2 M parameters: the table is 12.8 MB, but a step touches few
+  of its rows.
 - ``resnet``: a ResNet-style network (residual blocks of conv + BatchNorm,
-  three stages), 0.2 M parameters in ~30 tensors: many small gradients.
+  three stages), 78 K parameters in 25 trainable tensors: many small gradients
+  and much compute. Its BatchNorm layers keep ``placement="replicated"`` from
+  running it (not supported yet); the other placements and the baselines do.
 """
 
 from __future__ import annotations
