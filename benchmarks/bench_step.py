@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from benchmarks.conftest import record_ratio
 from towers import Towers
+from towers.bench.measure import single_device_step
 from towers.bench.presets import build_mlp
 from towers.bench.timing import interleaved_ratio
 
@@ -26,30 +27,11 @@ def batch():
     return x, y
 
 
-def single_device_step(loss):
-    """The baseline: one device, whole batch, the textbook tf.function step."""
-    with tf.device("/cpu:0"):
-        model = build_mlp()
-        optimizer = keras.optimizers.SGD(0.01)
-        optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.device("/cpu:0"):
-            with tf.GradientTape() as tape:
-                value = loss(y, model(x, training=True))
-            grads = tape.gradient(value, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return value
-
-    return step
-
-
 @pytest.mark.parametrize("num_towers", [2, 4, 8])
 def test_towers_step_vs_single_device(benchmark, num_towers):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = batch()
-    single = single_device_step(loss)
+    single = single_device_step(build_mlp, loss, "/cpu:0")
     engine = Towers(
         build_mlp,
         loss,

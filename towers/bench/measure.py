@@ -73,19 +73,21 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _single_step(preset, device: str, x, y):
-    """The textbook step: one device, whole batch, one tf.function."""
+def single_device_step(build, loss_fn, device: str):
+    """The textbook step: one device, whole batch, one tf.function ``step(x, y)``.
+
+    Every ratio ``towers bench`` and ``benchmarks/`` report is against this.
+    """
     import keras
     import tensorflow as tf
 
     with tf.device(device):
-        model = preset.build()
+        model = build()
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
-    loss_fn = preset.loss()
 
     @tf.function
-    def step():
+    def step(x, y):
         with tf.device(device):
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
@@ -94,6 +96,11 @@ def _single_step(preset, device: str, x, y):
             return loss
 
     return step
+
+
+def _single_step(preset, device: str, x, y):
+    step = single_device_step(preset.build, preset.loss(), device)
+    return lambda: step(x, y)
 
 
 def _contender(spec, preset, devices, x, y):
