@@ -29,7 +29,8 @@ def interleaved_ratio(
     steps: int = 20,
     warmup: int = 5,
 ) -> dict[str, float]:
-    """Median step times of both, alternating rounds, and contender / baseline."""
+    """Median step times of both over alternating rounds, and the median of the
+    rounds' contender / baseline ratios with its quartiles."""
     for step in (contender, baseline):
         for _ in range(warmup):  # traces, then settles allocators and thread pools
             _read_back(step())
@@ -44,13 +45,15 @@ def interleaved_ratio(
             baseline_times.append(time_steps(baseline, steps))
             contender_times.append(time_steps(contender, steps))
     contender_s, baseline_s = np.median(contender_times), np.median(baseline_times)
-    # Each round's pair saw the same machine state: the spread of their ratios is
-    # the noise the verdict must allow for (an A/A run here spreads about +-4 %).
-    low, high = np.percentile(np.divide(contender_times, baseline_times), [25, 75])
+    # Each round's pair saw the same machine state: the median of their ratios is
+    # the ratio, and their spread is the noise a verdict must allow for (an A/A
+    # run here spreads about +-4 %).
+    ratios = np.divide(contender_times, baseline_times)
+    low, median, high = np.percentile(ratios, [25, 50, 75])
     return {
         "contender_ms": 1e3 * contender_s,
         "baseline_ms": 1e3 * baseline_s,
-        "ratio": contender_s / baseline_s,
+        "ratio": float(median),
         "ratio_q25": float(low),
         "ratio_q75": float(high),
     }
