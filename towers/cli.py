@@ -58,6 +58,18 @@ topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
 """
 
 
+LAUNCH_HELP = """\
+Start N worker processes of one command on this machine, each with a TF_CONFIG
+naming the cluster (every worker's 127.0.0.1:port, ports free when chosen) and
+its own index, as a job across machines would give them. Every output line is
+prefixed with its worker. If any worker fails, the others are stopped and the
+launcher exits with that worker's status. Servers bind loopback only, unless
+--host says otherwise.
+
+Example: towers launch --workers 2 -- python train.py --epochs 3
+"""
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -144,12 +156,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=run_demo)
     _add_bench(commands)
+    _add_launch(commands)
     return parser
 
 
+def _add_launch(commands) -> None:
+    launch = commands.add_parser(
+        "launch",
+        help="run a command as N local workers with TF_CONFIG",
+        description=LAUNCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument(
+        "--workers", type=positive_int, required=True, metavar="N", help="workers"
+    )
+    launch.add_argument(
+        "--towers-per-worker",
+        type=positive_int,
+        metavar="T",
+        help="exported to each worker as TOWERS_PER_WORKER",
+    )
+    launch.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the workers bind and advertise (default: 127.0.0.1)",
+    )
+    launch.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- then the command to run"
+    )
+    launch.set_defaults(run=run_launch)
+
+
 def _add_bench(commands) -> None:
-    from towers.bench.presets import PRESETS
-    from towers.bench.run import BASELINES, PLACEMENTS
+    # Only light modules here: every command builds the whole parser.
+    from towers.bench.run import BASELINES, PLACEMENTS, PRESET_NAMES
 
     bench = commands.add_parser(
         "bench",
@@ -158,7 +198,7 @@ def _add_bench(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument(
-        "--preset", choices=list(PRESETS), default="mlp", help="model (default: mlp)"
+        "--preset", choices=PRESET_NAMES, default="mlp", help="model (default: mlp)"
     )
     bench.add_argument(
         "--towers",
@@ -255,6 +295,13 @@ def run_demo(args: argparse.Namespace) -> int:
         batch=args.batch,
         log_dir=args.log_dir,
     )
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from towers.launch import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return launch(command, args.workers, args.towers_per_worker, args.host)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 import pytest
 
+from towers.bench.presets import PRESETS
 from towers.bench.run import (
+    PRESET_NAMES,
     BenchOptions,
     _add_scaling,
     choose_devices,
@@ -76,3 +78,7 @@ def test_speedup_and_efficiency_are_against_the_same_contender_at_one_tower():
     assert records[1]["efficiency"] == pytest.approx(0.75)
     assert records[2]["speedup"] == pytest.approx(1.0)
     assert "speedup" not in records[3]
+
+
+def test_the_cli_knows_every_preset():
+    assert tuple(PRESETS) == PRESET_NAMES

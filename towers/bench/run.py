@@ -30,6 +30,8 @@ PLACEMENTS = {
     "independent": ("independent", None),
 }
 BASELINES = ("single", "mirrored", "central_storage")
+# towers/bench/presets.py's models (named here so the CLI needn't import Keras).
+PRESET_NAMES = ("mlp", "cnn", "embedding", "resnet")
 
 
 @dataclasses.dataclass

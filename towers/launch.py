@@ -1,0 +1,165 @@
+"""``towers launch``: N local worker processes, each with its own ``TF_CONFIG``.
+
+Each worker gets the cluster (every worker's ``host:port``, ports free on the host
+when chosen) and its own index, exactly as a multi-machine job would give them,
+so one script runs unchanged on one box or many. Every line a worker prints is
+prefixed with ``[worker i]``. When any worker fails, the others are stopped
+(SIGTERM, then SIGKILL after a grace period) and the launcher exits with the
+failed worker's status: a multi-worker job that lost a worker cannot go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+LOOPBACK = "127.0.0.1"
+# Environment variable telling a worker how many local towers to run.
+TOWERS_PER_WORKER_ENV = "TOWERS_PER_WORKER"
+_GRACE_SECONDS = 5.0
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports nothing listens on at ``host`` right now.
+
+    The sockets are held until all are chosen, so the ports differ; another
+    process may still take one before a worker binds it (TensorFlow then fails
+    with the port in its message).
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def tf_configs(addresses: Sequence[str]) -> list[str]:
+    """The ``TF_CONFIG`` of each worker of a cluster of ``addresses``.
+
+    Example:
+      >>> json.loads(tf_configs(["127.0.0.1:1000", "127.0.0.1:1001"])[1])["task"]
+      {'type': 'worker', 'index': 1}
+    """
+    cluster = {"worker": list(addresses)}
+    return [
+        json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+        for i in range(len(addresses))
+    ]
+
+
+def launch(
+    command: Sequence[str],
+    workers: int,
+    towers_per_worker: int | None = None,
+    host: str = LOOPBACK,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Runs ``command`` as ``workers`` processes; returns the job's exit status.
+
+    Args:
+      command: the program and its arguments, e.g. ``["python", "train.py"]``.
+      workers: how many worker processes, at least 1.
+      towers_per_worker: exported as ``TOWERS_PER_WORKER`` when given.
+      host: the address the workers' servers bind and advertise (loopback
+        unless told otherwise).
+      out: where the prefixed lines go.
+
+    Returns:
+      0 when every worker succeeded, else the first failed worker's status (a
+      worker killed by a signal counts as 128 + the signal number).
+
+    Raises:
+      ValueError: no command, or ``workers`` < 1.
+    """
+    if not command:
+        raise ValueError(
+            "launch needs a command after --; received none (e.g. "
+            "towers launch --workers 2 -- python train.py)"
+        )
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers must be a positive integer; received {workers!r}")
+    addresses = [f"{host}:{port}" for port in free_ports(workers, host)]
+    processes, readers = [], []
+    lock = threading.Lock()
+    for index, config in enumerate(tf_configs(addresses)):
+        env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
+        if towers_per_worker is not None:
+            env[TOWERS_PER_WORKER_ENV] = str(towers_per_worker)
+        process = subprocess.Popen(
+            list(command),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # so stopping it stops its children too
+        )
+        processes.append(process)
+        reader = threading.Thread(
+            target=_prefix_lines, args=(process, f"[worker {index}] ", out, lock)
+        )
+        reader.start()
+        readers.append(reader)
+    try:
+        status = _wait_for_job(processes)
+    finally:
+        _stop(processes)
+        for reader in readers:
+            reader.join()
+    return status
+
+
+def _prefix_lines(process, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    for line in process.stdout:
+        with lock:
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
+
+
+def _wait_for_job(processes: list[subprocess.Popen]) -> int:
+    """Waits until all succeed (0) or one fails (its status)."""
+    while True:
+        statuses = [p.poll() for p in processes]
+        failed = [s for s in statuses if s not in (None, 0)]
+        if failed:
+            return _exit_status(failed[0])
+        if all(s == 0 for s in statuses):
+            return 0
+        time.sleep(0.05)
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to every live worker's process group, SIGKILL after a grace."""
+    live = [p for p in processes if p.poll() is None]
+    for process in live:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for process in live:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
