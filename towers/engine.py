@@ -286,11 +286,6 @@ class Towers:
         gradients (independent)."""
         if self.replicas is not None:
             return self.replicas.reduce(tower_grads)
-        if self.placement == "central":
-            with tf.device(self.variable_device), tf.name_scope("combine"):
-                return combine_gradients(
-                    tower_grads, reduction="sum", reducer=self.reducer
-                )
         combined: list[Any] = [None] * len(tower_grads[0])
         for device, indices in self._groups_by_device():
             with tf.device(device), tf.name_scope("combine"):
@@ -319,9 +314,13 @@ class Towers:
                 )
 
     def _groups_by_device(self) -> list[tuple[str, list[int]]]:
-        """(device, indices of the trainable variables on it), devices in order."""
+        """(device, indices of the trainable variables on it), devices in order;
+        one group, the variable device, unless balanced."""
+        variables = self.model.trainable_variables
+        if self.placement != "balanced":
+            return [(self.variable_device, list(range(len(variables))))]
         groups: dict[str, list[int]] = {}
-        for v, var in enumerate(self.model.trainable_variables):
+        for v, var in enumerate(variables):
             groups.setdefault(self._var_devices[id(var)], []).append(v)
         return list(groups.items())
 
