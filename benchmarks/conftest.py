@@ -7,8 +7,11 @@ target inside that range is "within noise", neither met nor missed.
 RESULTS: list[dict] = []
 
 
-def record_ratio(benchmark, name: str, result: dict, target: float, step, **info):
-    """Reports a measured ratio against its target, then times ``step`` alone.
+def record_ratio(
+    benchmark, name: str, result: dict, target: float | None, step, **info
+):
+    """Reports a measured ratio against its target (None: a comparison with no
+    target), then times ``step`` alone.
 
     ``result`` comes from ``interleaved_ratio``; it goes to pytest-benchmark's
     ``extra_info`` (with ``info``) and to the summary printed at the end.
@@ -28,12 +31,15 @@ def pytest_terminal_summary(terminalreporter):
             f"{row['name']:<44} {row['contender_ms']:8.3f} ms vs "
             f"{row['baseline_ms']:8.3f} ms  ratio {row['ratio']:.3f} "
             f"[{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  "
-            f"target <= {row['target']:.2f}  {verdict}"
+            + (f"target <= {row['target']:.2f}  " if row["target"] else "")
+            + verdict
         )
 
 
 def _verdict(row: dict) -> str:
     """Meets, misses, or can't tell: the target lies inside the rounds' spread."""
+    if row["target"] is None:
+        return "(compared, no target)"
     if row["ratio"] <= row["target"]:
         return "meets"
     if row["ratio_q25"] <= row["target"]:

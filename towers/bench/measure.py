@@ -110,7 +110,7 @@ def _contender(spec, preset, devices, x, y):
     if kind == "single":
         return _single_step(preset, devices[0], x, y), {}
     if kind in ("mirrored", "central_storage"):
-        return _strategy_step(kind, preset, devices, x, y), {}
+        return strategy_step(kind, preset, devices, x, y), {}
     from towers.engine import Towers
 
     engine = Towers(
@@ -125,7 +125,7 @@ def _contender(spec, preset, devices, x, y):
     return (lambda: engine.train_step(x, y)), {"engine": engine}
 
 
-def _strategy_step(kind: str, preset, devices, x, y):
+def strategy_step(kind: str, preset, devices, x, y):
     """The same model and batch under a tf.distribute strategy's custom loop.
 
     The batch is split into per-replica shards once, before timing (the towers
