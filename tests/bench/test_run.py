@@ -10,6 +10,7 @@ from towers.bench.run import (
     choose_devices,
     configurations,
     label,
+    measure_spec,
 )
 
 
@@ -82,3 +83,19 @@ def test_speedup_and_efficiency_are_against_the_same_contender_at_one_tower():
 
 def test_the_cli_knows_every_preset():
     assert tuple(PRESETS) == PRESET_NAMES
+
+
+def test_a_process_splits_the_kind_of_device_its_towers_use():
+    config = {
+        "contender": "towers",
+        "towers": 2,
+        "placement": "tower0",
+        "reducer": "packed",
+    }
+    gpus = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]
+    spec = measure_spec(config, BenchOptions(), gpus, virtual=3)
+    assert (spec["kind"], spec["virtual"], spec["devices"]) == ("GPU", 3, gpus[:2])
+    assert (spec["placement"], spec["variable_device"]) == ("central", "/device:GPU:0")
+    cpus = ["/device:CPU:0", "/device:CPU:1"]
+    spec = measure_spec({**config, "placement": "cpu"}, BenchOptions(), cpus, 2)
+    assert (spec["kind"], spec["variable_device"]) == ("CPU", "/cpu:0")

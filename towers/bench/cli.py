@@ -66,7 +66,6 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         batch=args.batch,
         steps=args.steps,
         baselines=baselines,
-        virtual=args.virtual,
         max_seconds=args.max_seconds,
     )
 

@@ -45,7 +45,6 @@ class BenchOptions:
     batch: int = 64
     steps: int = 50
     baselines: Sequence[str] = BASELINES
-    virtual: bool = False
     max_seconds: float | None = None
 
 
@@ -121,18 +120,7 @@ def run_bench(
 
 
 def _run_one(config, options, devices, virtual, timeout) -> dict[str, Any]:
-    num = config["towers"]
-    placement, variable_device = PLACEMENTS.get(config.get("placement", "cpu"))
-    spec = {
-        **config,
-        "placement": placement,
-        "preset": options.preset,
-        "batch": options.batch,
-        "steps": options.steps,
-        "devices": devices[:num],
-        "virtual": virtual,
-        "variable_device": devices[0] if variable_device == "tower0" else "/cpu:0",
-    }
+    spec = measure_spec(config, options, devices, virtual)
     command = [sys.executable, "-m", "towers.bench.measure", json.dumps(spec)]
     try:
         done = subprocess.run(
@@ -145,6 +133,24 @@ def _run_one(config, options, devices, virtual, timeout) -> dict[str, Any]:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {**config, "status": f"failed: {reason}"}
     return {**config, "status": "ok", **json.loads(lines[-1])}
+
+
+def measure_spec(config, options, devices, virtual) -> dict[str, Any]:
+    """What one measuring process is told: its contender, model and devices."""
+    num = config["towers"]
+    placement, variable_device = PLACEMENTS.get(config.get("placement", "cpu"))
+    return {
+        **config,
+        "placement": placement,
+        "preset": options.preset,
+        "batch": options.batch,
+        "steps": options.steps,
+        "devices": devices[:num],
+        "virtual": virtual,
+        # --virtual splits the kind of device the towers run on.
+        "kind": "GPU" if "GPU" in devices[0] else "CPU",
+        "variable_device": devices[0] if variable_device == "tower0" else "/cpu:0",
+    }
 
 
 def _add_scaling(records: list[dict[str, Any]]) -> None:
