@@ -7,8 +7,11 @@ callers can set TensorFlow's environment before TensorFlow is imported.
 import importlib
 
 __all__ = [
+    "Cluster",
     "Towers",
+    "WorkerLostError",
     "combine_gradients",
+    "shard",
     "split_batch",
     "split_sizes",
     "virtual_devices",
@@ -17,7 +20,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _HOME = {
+    "Cluster": "towers.cluster",
     "Towers": "towers.engine",
+    "WorkerLostError": "towers.cluster",
+    "shard": "towers.cluster",
     "combine_gradients": "towers.combine",
     "split_batch": "towers.split",
     "split_sizes": "towers.split",

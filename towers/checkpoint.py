@@ -26,10 +26,15 @@ class TrainingCheckpoint:
       engine: the Towers engine whose model and optimizer are saved.
       directory: the checkpoint directory, or None for no checkpoints.
       keep: how many checkpoints to keep.
+      writes: whether this process saves (in a cluster, the chief only; every
+        worker restores).
     """
 
-    def __init__(self, engine: Towers, directory: str | None, keep: int = 3):
+    def __init__(
+        self, engine: Towers, directory: str | None, keep: int = 3, writes=True
+    ):
         self.directory = directory
+        self.writes = writes
         if directory is None:
             return
         if not isinstance(keep, int) or keep < 1:
@@ -76,7 +81,7 @@ class TrainingCheckpoint:
 
     def save(self, epoch: int, step: int) -> None:
         """Saves the state after ``step`` batches of ``epoch`` (0-based)."""
-        if self.directory is None:
+        if self.directory is None or not self.writes:
             return
         self.epoch.assign(epoch)
         self.step.assign(step)

@@ -22,7 +22,8 @@ def virtual_devices(
     """Splits the first physical device of ``kind`` into ``n`` logical devices.
 
     Must run before TensorFlow initialises its devices (before the first op or
-    ``list_logical_devices`` call). Calling it again with the same ``n`` afterwards
+    ``list_logical_devices`` call); it does not initialise TensorFlow itself, so
+    a cluster can start after it. Calling it again with the same ``n`` afterwards
     returns the same names, so scripts and tests can both call it.
 
     Args:
@@ -70,13 +71,15 @@ def virtual_devices(
             "towers.virtual_devices before any TensorFlow op runs (first thing in "
             "the script, or in conftest.py for tests)."
         ) from None
-    return _logical_names_of(physical[0], kind)
+    # Named without listing them: listing would initialise TensorFlow, and a
+    # cluster's runtime (towers/cluster.py) must still start after this.
+    return [f"/device:{kind}:{i}" for i in range(n)]
 
 
 def _logical_names_of(physical: tf.config.PhysicalDevice, kind: str) -> list[str]:
     # Logical devices of the first physical device come first in TensorFlow's list.
     count = len(tf.config.get_logical_device_configuration(physical) or [None])
-    return [d.name for d in tf.config.list_logical_devices(kind)][:count]
+    return [_local_name(d.name) for d in tf.config.list_logical_devices(kind)][:count]
 
 
 def _check_kind(kind: str) -> str:
@@ -87,13 +90,21 @@ def _check_kind(kind: str) -> str:
 
 def available_devices() -> list[str]:
     """Returns the canonical names of every logical device TensorFlow sees."""
-    return [d.name for d in tf.config.list_logical_devices()]
+    return [_local_name(d.name) for d in tf.config.list_logical_devices()]
 
 
 def default_devices() -> list[str]:
     """Every logical GPU if there is one, else the first CPU."""
-    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    return gpus or [tf.config.list_logical_devices("CPU")[0].name]
+    gpus = [_local_name(d.name) for d in tf.config.list_logical_devices("GPU")]
+    return gpus or [_local_name(tf.config.list_logical_devices("CPU")[0].name)]
+
+
+def _local_name(name: str) -> str:
+    """``/device:CPU:0`` for this process's devices, also when it is a worker of a
+    cluster (where TensorFlow lists ``/job:worker/replica:0/task:1/device:CPU:0``;
+    only the process's own devices are listed there)."""
+    spec = tf.DeviceSpec.from_string(name)
+    return f"/device:{spec.device_type}:{spec.device_index}"
 
 
 def canonical_device(name: str) -> str:

@@ -16,6 +16,7 @@ gradients is the full-batch gradient: T towers give one device's update.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ import keras
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
+from towers.cluster import Cluster, resolve_cluster
+from towers.collective import WorkerReduce, raise_if_lost
 from towers.combine import combine_gradients, get_reducer
 from towers.devices import canonical_device, resolve_devices, same_device
 from towers.losses import TowerLoss
@@ -87,6 +90,15 @@ class Towers:
         ``"independent"`` (a copy per tower, never synchronised: a measurement
         baseline, not training). All but ``"central"`` need ``model`` as a
         zero-arg function. See ``towers/placement.py``.
+      cluster: the worker processes this one trains with: ``"auto"`` (default)
+        joins the cluster ``TF_CONFIG`` names, if it is set; a
+        :class:`towers.Cluster`; or None for this process alone. In a cluster,
+        each worker's towers combine locally, then the workers sum their
+        gradients (weighted by each worker's examples) on TensorFlow's
+        collective runtime, so W workers × T towers give one process's update on
+        the concatenated batch. Feed each worker its share with
+        :func:`towers.shard`. Variables start as the chief's. See
+        ``towers/cluster.py``.
 
     Mixed precision: under a ``mixed_float16`` dtype policy the optimizer is wrapped
     in a ``keras.optimizers.LossScaleOptimizer`` (as Keras' ``compile`` does) unless
@@ -123,7 +135,10 @@ class Towers:
         accumulate_steps: int = 1,
         reducer: Any = "per_tensor",
         placement: Placement = "central",
+        cluster: Cluster | str | None = "auto",
     ):
+        # First: a cluster's runtime must start before TensorFlow initialises.
+        self.cluster = resolve_cluster(cluster)
         self.devices = resolve_devices(devices)
         self.reducer = get_reducer(reducer)
         self.placement = check_placement(placement)
@@ -147,6 +162,7 @@ class Towers:
             # Keras' fit reports the epoch's loss as a mean weighted by batch size.
             self.loss_tracker = keras.metrics.Mean(name="loss")
         self._check_replica_options()
+        self.workers = self._join_workers()
         self._step_fn = tf.function(self._step)
         self._eval_fn = tf.function(self._eval_step)
         if self.model.built and self.model.variables:
@@ -178,7 +194,7 @@ class Towers:
             is not finite; nothing was updated.
         """
         x, y = self._prepare(x, y)
-        logs = dict(self._step_fn(x, y))
+        logs = dict(self._run(self._step_fn, x, y))
         self._raise_if_nonfinite(logs.pop(_FINITE, None), logs["loss"])
         return logs
 
@@ -213,7 +229,18 @@ class Towers:
           The running ``{"loss": mean so far, metric name: value so far}``.
         """
         x, y = self._prepare(x, y)
-        return self._eval_fn(x, y)
+        return self._run(self._eval_fn, x, y)
+
+    def _run(self, step: Any, x: Any, y: Any) -> Any:
+        """Runs a compiled step; in a cluster, a lost peer is named."""
+        if self.workers is None:
+            return step(x, y)
+        started = time.monotonic()
+        try:
+            return step(x, y)
+        except tf.errors.OpError as error:
+            raise_if_lost(self.cluster, error, time.monotonic() - started)
+            raise
 
     def reset_metrics(self) -> None:
         """Starts the loss tracker and every metric afresh (each epoch does)."""
@@ -239,7 +266,9 @@ class Towers:
                 "x and y must have the same batch size; received x with "
                 f"{x_size} examples and y with {y_size}"
             )
-        if x_size == 0:
+        if x_size == 0 and self.cluster is None:
+            # A worker of a cluster may get no examples of a small batch; it
+            # still joins the step's collectives, with zeros.
             raise ValueError("a batch needs at least one example; received 0")
         with tf.device(_HOST):
             x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
@@ -250,6 +279,8 @@ class Towers:
     # -- the step -----------------------------------------------------------------
 
     def _step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+        if self.workers is not None:
+            return self._step_in_cluster(x, y)
         global_batch, towers = self._compute(x, y)
         tower_losses, tower_grads, tower_preds, tower_moments = towers
         with tf.device(self.variable_device), tf.name_scope("combine"):
@@ -263,6 +294,51 @@ class Towers:
             logs[_FINITE] = finite
         return logs
 
+    def _step_in_cluster(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+        """The step of one worker: local towers, local combine, then the sum of
+        every worker's gradients, loss, examples and metric updates."""
+        local_batch, towers = self._compute(x, y)
+        tower_losses, tower_grads, tower_preds, tower_moments = towers
+        with tf.device(self.variable_device), tf.name_scope("combine"):
+            loss = tf.add_n(tower_losses)
+        grads = self._combine(tower_grads)
+        grads, loss, global_batch = self._across_workers(
+            grads, loss, local_batch, y, tower_preds, "train"
+        )
+        with tf.control_dependencies([loss]):
+            self._apply(grads, tower_moments, global_batch)
+        return self._track_global(loss, global_batch, batch_loss=True)
+
+    def _across_workers(self, grads, loss, local_batch, y, tower_preds, kind):
+        """Sums this worker's gradients, loss and metric updates with the others'.
+
+        Metrics are updated with this worker's predictions, and the change is
+        summed across workers: every worker's metric then holds the cluster's.
+        """
+        with tf.device(self.variable_device), tf.name_scope("across_workers"):
+            variables = [v for m in self.metrics for v in m.variables]
+            before = [tf.convert_to_tensor(v) for v in variables]
+            if self.metrics:
+                self._update_metrics(y, tower_preds)
+            changes = [tf.convert_to_tensor(v) - b for v, b in zip(variables, before)]
+            grads, loss, global_batch, changes = self.workers.step(
+                grads, loss, local_batch, changes, self.loss.normalised_by_batch, kind
+            )
+            for var, old, change in zip(variables, before, changes):
+                var.assign(old + change)
+        return grads, loss, global_batch
+
+    def _track_global(self, loss, global_batch, batch_loss: bool) -> dict:
+        """Loss and metric results once metrics hold the whole cluster's state."""
+        with tf.device(self.variable_device), tf.name_scope("metrics"):
+            self.loss_tracker.update_state(
+                loss, sample_weight=tf.cast(global_batch, tf.float32)
+            )
+            logs = {"loss": loss if batch_loss else self.loss_tracker.result()}
+            for metric in self.metrics:
+                logs[metric.name] = metric.result()
+        return logs
+
     # The step's three phases, also timed one by one (towers/bench/phases.py).
 
     def _compute(self, x: Any, y: Any):
@@ -272,10 +348,11 @@ class Towers:
           ``(B, (losses, grads, predictions, moments))``, one entry per tower.
         """
         global_batch, shards = self._split(x, y)
+        norm = self._normaliser(global_batch)
         towers = [], [], [], []
         for t, device in self._working_towers(global_batch):
             with tf.device(device), tf.name_scope(f"tower_{t}"):
-                results = self._tower(self._model_of(t), *shards[t], global_batch)
+                results = self._tower(self._model_of(t), *shards[t], norm)
             for collected, result in zip(towers, results):
                 collected.append(result)
         return global_batch, towers
@@ -334,21 +411,38 @@ class Towers:
 
     def _eval_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
         global_batch, shards = self._split(x, y)
+        norm = self._normaliser(global_batch)
         tower_losses, tower_preds = [], []
         for t, device in self._working_towers(global_batch):
             with tf.device(device), tf.name_scope(f"tower_{t}"):
                 loss_t, y_pred = self._forward(
-                    self._model_of(t), *shards[t], global_batch, False
+                    self._model_of(t), *shards[t], norm, False
                 )
             tower_losses.append(loss_t)
             tower_preds.append(y_pred)
         with tf.device(self.variable_device), tf.name_scope("combine"):
             loss = tf.add_n(tower_losses)
+        if self.workers is not None:
+            _, loss, global_batch = self._across_workers(
+                [], loss, global_batch, y, tower_preds, "eval"
+            )
+            return self._track_global(loss, global_batch, batch_loss=False)
         return self._track(loss, global_batch, y, tower_preds, batch_loss=False)
+
+    def _normaliser(self, batch: Any) -> Any:
+        """What tower losses divide by: the batch, or in a cluster this worker's
+        share of it (at least 1: a worker may get no examples)."""
+        if self.workers is None:
+            return batch
+        return max(batch, 1) if isinstance(batch, int) else tf.maximum(batch, 1)
 
     def _split(self, x: Any, y: Any):
         with tf.device(_HOST), tf.name_scope("split"):
-            return batch_size_of(x), split_batch((x, y), self.num_towers)
+            size = batch_size_of(x)
+            if isinstance(size, int) and size == 0:
+                # Only a worker of a cluster gets an empty share (see _prepare).
+                return 0, [(x, y)] * self.num_towers
+            return size, split_batch((x, y), self.num_towers)
 
     def _working_towers(self, global_batch: Any):
         """(tower id, device) of every tower that gets examples in this step."""
@@ -361,7 +455,9 @@ class Towers:
         # with a copy per tower every tower joins the step (with zeros).
         if self.replicas is not None:
             return list(enumerate(self.devices))
-        return [(t, d) for t, d in enumerate(self.devices) if sizes[t] != 0]
+        working = [(t, d) for t, d in enumerate(self.devices) if sizes[t] != 0]
+        # A worker with no examples still sends (zero) gradients to the others.
+        return working or [(0, self.devices[0])]
 
     def _track(self, loss, global_batch, y, tower_preds, batch_loss: bool) -> dict:
         """Updates loss and metrics with the whole batch's predictions."""
@@ -371,14 +467,18 @@ class Towers:
             )
             logs = {"loss": loss if batch_loss else self.loss_tracker.result()}
             if self.metrics:
-                # Towers' predictions in tower order are the batch's predictions.
-                y_pred = tf.nest.map_structure(
-                    lambda *parts: tf.concat(parts, axis=0), *tower_preds
-                )
+                self._update_metrics(y, tower_preds)
                 for metric in self.metrics:
-                    metric.update_state(y, y_pred)
                     logs[metric.name] = metric.result()
         return logs
+
+    def _update_metrics(self, y: Any, tower_preds: list) -> None:
+        # Towers' predictions in tower order are the batch's predictions.
+        y_pred = tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, axis=0), *tower_preds
+        )
+        for metric in self.metrics:
+            metric.update_state(y, y_pred)
 
     def _forward(self, model, x_t: Any, y_t: Any, global_batch: Any, training: bool):
         """One tower's predictions and its share of the full-batch loss."""
@@ -480,6 +580,42 @@ class Towers:
         self.update.build(self.model.trainable_variables)
         self._var_devices = {id(v): v.handle.device for v in self.model.variables}
         self._check_placement()
+        if self.workers is not None:
+            self._start_together()
+
+    def _join_workers(self) -> WorkerReduce | None:
+        """The cross-worker sums of a cluster; what a cluster cannot do yet."""
+        if self.cluster is None:
+            return None
+        unsupported = {
+            f"placement={self.placement!r}": self.placement != "central",
+            "BatchNormalization layers": bool(self.moving_statistics.layers),
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(
+                    f"a cluster of workers does not support {what} yet; received "
+                    "them together. Use placement='central' and no "
+                    "BatchNormalization, or one process."
+                )
+        reducer = (
+            "packed" if type(self.reducer).__name__ != "PerTensor" else "per_tensor"
+        )
+        return WorkerReduce(self.cluster, self.variable_device, reducer)
+
+    def _start_together(self) -> None:
+        """Every worker checks it built the chief's model, then takes its values."""
+        self.workers.check_same(
+            [
+                (
+                    v.path,
+                    v.dtype if isinstance(v.dtype, str) else v.dtype.name,
+                    str(tuple(v.shape)),
+                )
+                for v in self.model.variables
+            ]
+        )
+        self.workers.broadcast(self.model.variables)
 
     def _check_placement(self) -> None:
         """Every model and optimizer variable is where the placement says."""

@@ -98,7 +98,9 @@ def fit(
       verbose: 1 for a progress bar per epoch, 0 for silence.
       checkpoint_dir: where to save model, optimizer, epoch and step with
         ``tf.train.CheckpointManager``; a directory that holds a checkpoint of this
-        model is resumed from.
+        model is resumed from. In a cluster the chief alone writes it and every
+        worker restores from it (a directory they all see), as it also alone
+        shows progress and writes ``log_dir``.
       keep_checkpoints: how many checkpoints to keep.
       checkpoint_every: save every this many steps as well as at each epoch's end.
       batch_size: for array input.
@@ -112,11 +114,16 @@ def fit(
       The history: per epoch, the epoch's loss and metrics (and ``val_`` ones).
     """
     dataset = as_dataset(data, batch_size)
+    if not _is_chief(engine):
+        # In a cluster the chief alone reports and writes; every worker trains.
+        verbose, log_dir, profile_steps = 0, None, None
     log = TrainingLog(engine, log_dir, profile_steps)
     if not engine.model.variables:
         # Build a lazily built model first, so a checkpoint's shapes can be checked.
         engine._prepare(*next(iter(dataset)))
-    checkpoint = TrainingCheckpoint(engine, checkpoint_dir, keep_checkpoints)
+    checkpoint = TrainingCheckpoint(
+        engine, checkpoint_dir, keep_checkpoints, writes=_is_chief(engine)
+    )
     start_epoch, start_step = checkpoint.restore()
     history: dict[str, list[float]] = {}
     callback_list = keras.callbacks.CallbackList(
@@ -223,6 +230,7 @@ def evaluate(
       ``{"loss": mean loss over every example, metric name: value}``.
     """
     dataset = as_dataset(data, batch_size)
+    verbose = verbose if _is_chief(engine) else 0
     engine.reset_metrics()
     bar = keras.utils.Progbar(_known_length(dataset)) if verbose else None
     for step, (x, y) in enumerate(dataset, 1):
@@ -230,6 +238,10 @@ def evaluate(
         if bar is not None:
             bar.update(step)
     return _results(engine)
+
+
+def _is_chief(engine: Towers) -> bool:
+    return engine.cluster is None or engine.cluster.is_chief
 
 
 def _results(engine: Towers) -> dict[str, float]:

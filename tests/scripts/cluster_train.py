@@ -1,0 +1,136 @@
+"""One worker of a multi-worker test job, or the one-process reference.
+
+As a worker (TF_CONFIG set, e.g. by ``towers launch``): ``TOWERS_PER_WORKER``
+towers on logical CPUs, its share of every global batch (``towers.shard``),
+and a different random start than the chief's (the chief's must win). As the
+reference (``--towers N``, no TF_CONFIG): N towers in one process on the whole
+batches. Either way it writes, under ``--out``, ``weights-<rank>.npz`` and
+``result-<rank>.json`` (history, evaluation, steps).
+
+Modes:
+  steps   train_step over uneven global batches (one is smaller than the
+          number of workers), then evaluate.
+  fit     fit with metrics and validation, checkpointing every --every steps
+          into --checkpoint; --die-at K makes worker 1 exit abruptly at step K.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import towers  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--mode", choices=["steps", "fit"], default="steps")
+parser.add_argument("--towers", type=int, default=None)
+parser.add_argument("--optimizer", default="adam")
+parser.add_argument("--timeout", type=float, default=60.0)
+parser.add_argument("--checkpoint", default=None)
+parser.add_argument("--every", type=int, default=None)
+parser.add_argument("--die-at", type=int, default=None)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--model", default="mlp")
+args = parser.parse_args()
+
+in_cluster = "TF_CONFIG" in os.environ
+num_towers = int(os.environ["TOWERS_PER_WORKER"]) if in_cluster else args.towers
+devices = towers.virtual_devices(num_towers)
+cluster = None
+if in_cluster:
+    cluster = towers.Cluster.from_tf_config(
+        timeout_seconds=args.timeout, startup_timeout_seconds=120
+    )
+    cluster.start()
+rank = cluster.index if cluster else 0
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# The chief's random start must reach every worker: start each one differently.
+keras.utils.set_random_seed(rank)
+tf.config.experimental.enable_op_determinism()
+
+
+def build():
+    width = 5 if args.model == "wider" and rank == 1 else 4
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(width),
+        ]
+    )
+
+
+optimizers = {
+    "adam": lambda: keras.optimizers.Adam(0.05),
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+}
+engine = towers.Towers(
+    build,
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    optimizers[args.optimizer],
+    devices=devices,
+    metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+    cluster=cluster,
+)
+# Same data on every worker and in the reference; each worker takes its share.
+data = np.random.default_rng(7)
+x = data.normal(size=(64, 6)).astype("float32")
+y = data.integers(0, 4, size=64).astype("int64")
+result = {"rank": rank}
+
+
+class DieAt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if rank == 1 and engine.steps_done == args.die_at:
+            print(f"worker 1 dies at step {engine.steps_done}", flush=True)
+            os._exit(9)
+
+
+if args.mode == "steps":
+    sizes = [13, 7, 1, 10, 33]  # uneven; 1 < workers: someone gets no example
+    starts = np.cumsum([0, *sizes])
+    batches = tf.data.Dataset.from_generator(
+        lambda: ((x[a:b], y[a:b]) for a, b in zip(starts, starts[1:])),
+        output_signature=(
+            tf.TensorSpec((None, 6), tf.float32),
+            tf.TensorSpec((None,), tf.int64),
+        ),
+    )
+    losses = []
+    for xb, yb in towers.shard(batches, cluster):
+        logs = engine.train_step(xb, yb)
+        losses.append(float(logs["loss"]))
+    result["losses"] = losses
+    result["acc"] = float(engine.metrics[0].result())
+    evaluation = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(9))
+    result["evaluate"] = engine.evaluate(evaluation if cluster else evaluation)
+else:
+    train = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(10), cluster)
+    valid = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(25), cluster)
+    history = engine.fit(
+        train,
+        epochs=args.epochs,
+        validation_data=valid,
+        checkpoint_dir=args.checkpoint,
+        checkpoint_every=args.every,
+        callbacks=[DieAt()] if args.die_at else None,
+        verbose=1,
+    )
+    result["history"] = history
+result["steps"] = engine.steps_done
+np.savez(
+    os.path.join(args.out, f"weights-{rank}.npz"),
+    *[v.numpy() for v in engine.model.variables],
+)
+with open(os.path.join(args.out, f"result-{rank}.json"), "w") as f:
+    json.dump(result, f)
+print(f"worker {rank} done: {result['steps']} steps", flush=True)
+sys.exit(0)

@@ -1,0 +1,101 @@
+"""Starting TensorFlow's collective runtime in this process: the one non-public part.
+
+TensorFlow has no public call that turns on cross-process collectives without also
+building a ``MultiWorkerMirroredStrategy`` (whose Keras 3 support is what towers
+replaces). The strategy does it with three calls on the eager context, and so does
+this module, the only place towers touches ``tensorflow.python``:
+
+1. ``configure_collective_ops``: name the group leader (worker 0), which resolves
+   which devices join each collective group;
+2. ``enable_collective_ops(server_def)``: start this process's gRPC server on its
+   ``TF_CONFIG`` address and register the cluster;
+3. ``ensure_initialized``: make the devices (named ``/job:worker/task:i/...``).
+
+All three must run before TensorFlow initialises (before the first op or device
+listing); ``start`` says so if it is too late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+JOB = "worker"
+
+
+def _context():
+    """The eager context, or a clear error if this TensorFlow lacks what we need."""
+    try:
+        from tensorflow.core.protobuf import tensorflow_server_pb2
+        from tensorflow.python.eager import context
+    except ImportError as error:  # pragma: no cover - depends on the installed TF
+        raise RuntimeError(
+            _unsupported(f"cannot import its eager context ({error})")
+        ) from None
+    ctx = context.context()
+    for name in ("configure_collective_ops", "enable_collective_ops"):
+        if not hasattr(ctx, name):  # pragma: no cover - depends on the installed TF
+            raise RuntimeError(_unsupported(f"its eager context has no {name}()"))
+    return ctx, tensorflow_server_pb2
+
+
+def _unsupported(why: str) -> str:
+    return (
+        f"towers cannot start TensorFlow's collective runtime with TensorFlow "
+        f"{tf.__version__}: {why}. Multi-worker towers is tested with TensorFlow "
+        "2.21; install a TensorFlow 2.x that ships MultiWorkerMirroredStrategy's "
+        "runtime."
+    )
+
+
+def initialized() -> bool:
+    """Whether TensorFlow has initialised its devices in this process."""
+    ctx, _ = _context()
+    return ctx._context_handle is not None
+
+
+def start(addresses: Sequence[str], index: int) -> None:
+    """Joins this process to the cluster as worker ``index`` of ``addresses``.
+
+    Raises:
+      RuntimeError: TensorFlow already initialised, or its gRPC server could not
+        start (the message names the address).
+    """
+    ctx, server_pb2 = _context()
+    if initialized():
+        raise RuntimeError(
+            "the cluster must start before TensorFlow initialises; received a "
+            "process where TensorFlow already ran ops or listed devices. Create "
+            "towers.Towers (or call towers.Cluster.from_tf_config().start()) before "
+            "building models or creating tensors; towers.virtual_devices() may come "
+            "first."
+        )
+    leader = f"/job:{JOB}/replica:0/task:0"
+    local = f"/job:{JOB}/task:{index}"
+    # Only this worker's devices are visible here; peers are reached by collectives.
+    ctx.configure_collective_ops(
+        collective_leader=leader,
+        scoped_allocator_enabled_ops=("CollectiveReduce",),
+        device_filters=(local,),
+    )
+    # The context's own config carries the logical device split (virtual_devices).
+    config = ctx.config
+    config.experimental.collective_group_leader = leader
+    config.device_filters.append(local)
+    server_def = server_pb2.ServerDef(
+        cluster=tf.train.ClusterSpec({JOB: list(addresses)}).as_cluster_def(),
+        default_session_config=config,
+        job_name=JOB,
+        task_index=index,
+        protocol="grpc",
+    )
+    ctx.enable_collective_ops(server_def)
+    try:
+        ctx.ensure_initialized()
+    except tf.errors.OpError as error:
+        raise RuntimeError(
+            f"worker {index} could not start its gRPC server on {addresses[index]} "
+            f"(its TF_CONFIG address): {error.message}. Is the port in use by "
+            "another process?"
+        ) from None
