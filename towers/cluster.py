@@ -32,6 +32,9 @@ from towers import _runtime
 
 _started: Cluster | None = None
 
+# Words of the line in TensorFlow's error that says why a collective failed.
+_CAUSES = ("timed out", "aborted by", "Socket closed", "failed to connect")
+
 
 class WorkerLostError(RuntimeError):
     """A peer worker did not take part in a collective within the timeout.
@@ -184,19 +187,18 @@ class Cluster:
                 "every worker still accepts connections, so one is slow or stuck "
                 "(raise timeout_seconds if a step can legitimately take longer)"
             )
-        lines = str(getattr(error, "message", error)).strip().splitlines()
-        # TensorFlow's first line is often "Graph execution error:"; the cause
-        # is the line that names the collective.
-        causes = [ln.strip() for ln in lines if "ollective" in ln]
+        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+        # TensorFlow's message starts with "Graph execution error:" and a
+        # traceback; the cause is the line that says what happened.
         first_line = next(
-            (ln for ln in causes if "Detected at" not in ln),
-            lines[0] if lines else "",
+            (ln for ln in lines if any(k in ln for k in _CAUSES)),
+            lines[-1] if lines else "",
         )
         return WorkerLostError(
             f"worker {self.index} of {self.num_workers}: a collective did not "
-            f"complete (waited {waited:.1f} s); {what}. Received: {first_line}. The job "
-            "cannot continue; restart every worker (fit resumes from the last "
-            "checkpoint)."
+            f"complete (waited {waited:.1f} s); {what}. Received: {first_line}. "
+            "The job cannot continue; restart every worker (fit resumes from the "
+            "last checkpoint)."
         )
 
 

@@ -1,0 +1,167 @@
+"""towers.Cluster, TF_CONFIG and shard, in this process (no runtime started).
+
+The jobs with real worker processes are in test_cluster_jobs.py.
+"""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from towers.cluster import Cluster, resolve_cluster, shard
+
+WORKERS = ["127.0.0.1:2222", "127.0.0.1:2223", "127.0.0.1:2224"]
+
+
+def config(cluster, task):
+    return json.dumps({"cluster": cluster, "task": task})
+
+
+def test_tf_config_gives_the_workers_in_order_and_this_rank():
+    cluster = Cluster.from_tf_config(
+        config({"worker": WORKERS}, {"type": "worker", "index": 2})
+    )
+    assert cluster.workers == WORKERS
+    assert (cluster.index, cluster.num_workers, cluster.is_chief) == (2, 3, False)
+
+
+def test_a_chief_job_is_worker_zero():
+    text = config(
+        {"chief": ["c:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": 1}
+    )
+    cluster = Cluster.from_tf_config(text)
+    assert cluster.workers == ["c:1", "w:1", "w:2"] and cluster.index == 2
+    chief = Cluster.from_tf_config(
+        config({"chief": ["c:1"], "worker": ["w:1"]}, {"type": "chief", "index": 0})
+    )
+    assert chief.index == 0 and chief.is_chief
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "TF_CONFIG must be JSON; received '{not json'"),
+        (json.dumps({"task": {"type": "worker"}}), "must have a 'cluster' object"),
+        (config({"ps": ["a:1"], "worker": ["b:1"]}, {}), "received jobs ['ps']"),
+        (config({"worker": "a:1"}, {}), 'must be a list of "host:port"'),
+        (config({"worker": ["a:1"]}, None), "must have a 'task' object"),
+        (config({"worker": ["a:1"]}, {"type": "chief"}), "received 'chief'"),
+        (
+            config({"worker": ["a:1", "b:2"]}, {"type": "worker", "index": 2}),
+            "must be in 0..1 for the 2 'worker' tasks; received 2",
+        ),
+        (config({"worker": ["a:1"]}, {"type": "worker", "index": "0"}), "integer"),
+        (config({"worker": ["a"]}, {"type": "worker", "index": 0}), "received 'a'"),
+        (
+            config({"worker": ["a:99999"]}, {"type": "worker", "index": 0}),
+            "port in 1..65535; received 'a:99999'",
+        ),
+        (
+            config({"worker": ["a:1", "a:1"]}, {"type": "worker", "index": 0}),
+            "must differ; received ['a:1']",
+        ),
+        (config({"chief": ["a:1", "b:1"]}, {"type": "chief"}), "one chief; received 2"),
+    ],
+)
+def test_a_malformed_tf_config_says_what_is_wrong(text, says):
+    with pytest.raises(ValueError) as error:
+        Cluster.from_tf_config(text)
+    assert says in str(error.value)
+
+
+def test_no_tf_config_means_one_process(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert resolve_cluster("auto") is None
+    assert resolve_cluster(None) is None
+    with pytest.raises(ValueError, match="TF_CONFIG is not set"):
+        Cluster.from_tf_config()
+    with pytest.raises(ValueError, match="received 'yes'"):
+        resolve_cluster("yes")
+
+
+def test_a_cluster_of_one_worker_is_one_process():
+    assert resolve_cluster(Cluster(["127.0.0.1:1"], 0)) is None
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "5"])
+def test_timeouts_must_be_positive(timeout):
+    with pytest.raises(ValueError, match="timeout_seconds must be > 0"):
+        Cluster(WORKERS, 0, timeout_seconds=timeout)
+
+
+def test_a_port_in_use_is_named_before_anything_starts():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cluster = Cluster([f"127.0.0.1:{port}", "127.0.0.1:1"], index=0)
+        with pytest.raises(RuntimeError) as error:
+            cluster.start()
+    message = str(error.value)
+    assert f"worker 0's port {port} (127.0.0.1:{port}, from TF_CONFIG) is in use" in (
+        message
+    )
+
+
+def test_starting_after_tensorflow_initialised_says_how_to_fix_it():
+    # conftest.py has initialised TensorFlow in this process.
+    tf.constant(1.0)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    cluster = Cluster([f"127.0.0.1:{port}", "127.0.0.1:1"], index=0)
+    with pytest.raises(RuntimeError, match="must start before TensorFlow initialises"):
+        cluster.start()
+
+
+def test_unreachable_names_peers_that_refuse_connections():
+    with socket.socket() as alive, socket.socket() as dead:
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        dead.bind(("127.0.0.1", 0))  # bound, not listening: refuses
+        addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in (alive, dead)]
+        cluster = Cluster(["127.0.0.1:1", *addresses], index=0)
+        lost = cluster.unreachable(timeout=1.0)
+        error = cluster.lost_error(RuntimeError("Collective has timed out."), 10.0)
+    assert [(rank, address) for rank, address, _ in lost] == [(2, addresses[1])]
+    assert f"cannot reach worker 2 ({addresses[1]}" in str(error)
+    assert "Received: Collective has timed out." in str(error)
+
+
+def batches(sizes):
+    data = np.arange(sum(sizes) * 2, dtype="float32").reshape(-1, 2)
+    bounds = np.cumsum([0, *sizes])
+    return tf.data.Dataset.from_generator(
+        lambda: ((data[a:b], data[a:b, 0]) for a, b in zip(bounds, bounds[1:])),
+        output_signature=(
+            tf.TensorSpec((None, 2), tf.float32),
+            tf.TensorSpec((None,), tf.float32),
+        ),
+    )
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_shards_in_rank_order_are_each_global_batch(workers):
+    sizes = [13, 7, 1, 10]
+    shares = [
+        list(shard(batches(sizes), Cluster(WORKERS[:workers], w)))
+        for w in range(workers)
+    ]
+    for step, (x, y) in enumerate(batches(sizes)):
+        parts = [shares[w][step] for w in range(workers)]
+        lengths = [int(p[0].shape[0]) for p in parts]
+        assert sum(lengths) == sizes[step] and max(lengths) - min(lengths) <= 1
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), x)
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), y)
+    # 13 over 2: the first worker takes the extra example.
+    if workers == 2:
+        assert [int(s[0][0].shape[0]) for s in shares] == [7, 6]
+
+
+def test_shard_without_a_cluster_is_the_dataset():
+    data = batches([3])
+    assert shard(data, None) is data
+    with pytest.raises(ValueError, match="received ndarray"):
+        shard(np.zeros(3), Cluster(WORKERS, 0))

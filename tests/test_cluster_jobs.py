@@ -1,0 +1,188 @@
+"""Multi-worker jobs with real processes on loopback (tests/scripts/cluster_train.py).
+
+Each job ends by itself: the collectives carry timeouts, ``towers launch`` stops
+the rest when one worker fails, and every subprocess has a timeout here too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from towers.launch import free_ports, tf_configs
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "cluster_train.py")
+ROOT = str(Path(__file__).parent.parent)
+
+
+def run(args, env=None, timeout=180):
+    return subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+    )
+
+
+def reference(out, *args):
+    """One process with four towers on the whole batches."""
+    out.mkdir()
+    done = run([sys.executable, SCRIPT, "--out", str(out), "--towers", "4", *args])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def launch(out, *args, workers=2):
+    out.mkdir(exist_ok=True)
+    return run(
+        [
+            sys.executable, "-m", "towers.cli", "launch", "--workers", str(workers),
+            "--towers-per-worker", "2", "--",
+            sys.executable, SCRIPT, "--out", str(out), *args,
+        ]
+    )  # fmt: skip
+
+
+def weights(out, rank):
+    with np.load(out / f"weights-{rank}.npz") as saved:
+        return [saved[key] for key in sorted(saved, key=lambda k: int(k[4:]))]
+
+
+def result(out, rank):
+    return json.loads((out / f"result-{rank}.json").read_text())
+
+
+def assert_same_as(reference_out, out):
+    for mine, theirs in zip(weights(out, 0), weights(reference_out, 0)):
+        np.testing.assert_allclose(
+            mine, theirs, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
+    # Every worker holds the same variables, to the bit.
+    for w0, w1 in zip(weights(out, 0), weights(out, 1)):
+        np.testing.assert_array_equal(w0, w1)
+
+
+def test_two_workers_of_two_towers_train_as_one_process_of_four(tmp_path):
+    ref = reference(tmp_path / "ref")
+    job = launch(tmp_path / "job")
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    out = tmp_path / "job"
+    # Uneven batches (13, 7, 1, 10, 33): in the batch of 1, worker 1 has nothing.
+    assert_same_as(ref, out)
+    expected, got = result(ref, 0), [result(out, r) for r in (0, 1)]
+    for worker in got:
+        assert worker["steps"] == expected["steps"] == 5
+        np.testing.assert_allclose(worker["losses"], expected["losses"], rtol=1e-6)
+        # Metrics and evaluation are the cluster's, on every worker.
+        assert worker["acc"] == expected["acc"]
+        assert worker["evaluate"]["acc"] == expected["evaluate"]["acc"]
+        np.testing.assert_allclose(
+            worker["evaluate"]["loss"], expected["evaluate"]["loss"], rtol=1e-6
+        )
+
+
+def test_workers_that_build_different_models_stop_with_the_difference(tmp_path):
+    started = time.monotonic()
+    job = launch(tmp_path / "job", "--model", "wider", "--timeout", "20")
+    output = job.stdout + job.stderr
+    assert job.returncode != 0
+    assert "the workers must build the same model; received" in output
+    assert "(8, 5) on worker 1 where worker 0 has" in output or (
+        "(8, 4) on worker 0 where worker 1 has" in output
+    )
+    # Compared before anything else is exchanged: no timeout was waited for.
+    assert time.monotonic() - started < 60
+
+
+def start_workers(out, *args, timeout):
+    """Two workers started directly (no launcher), so each fails on its own."""
+    out.mkdir(exist_ok=True)
+    ports = free_ports(2)
+    configs = tf_configs([f"127.0.0.1:{p}" for p in ports])
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                SCRIPT,
+                "--out",
+                str(out),
+                "--timeout",
+                str(timeout),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "TF_CPP_MIN_LOG_LEVEL": "2",
+                "TF_CONFIG": config,
+                "TOWERS_PER_WORKER": "2",
+            },
+        )  # fmt: skip
+        for config in configs
+    ]
+
+
+def test_a_killed_worker_stops_the_others_and_a_relaunch_resumes(tmp_path):
+    fit = ["--mode", "fit", "--every", "4"]
+    ref = reference(tmp_path / "ref", *fit, "--checkpoint", str(tmp_path / "c0"))
+    out, checkpoints = tmp_path / "job", str(tmp_path / "ckpt")
+    timeout = 10
+    chief, worker = start_workers(
+        out, *fit, "--checkpoint", checkpoints, "--die-at", "9", timeout=timeout
+    )
+    try:
+        worker_output, _ = worker.communicate(timeout=180)
+        died = time.monotonic()
+        chief_output, _ = chief.communicate(timeout=timeout + 60)
+        waited = time.monotonic() - died
+    finally:
+        for process in (chief, worker):
+            process.kill()
+    assert worker.returncode == 9 and "worker 1 dies at step 9" in worker_output
+    assert chief.returncode != 0
+    assert "WorkerLostError: worker 0 of 2" in chief_output
+    assert "cannot reach worker 1 (127.0.0.1:" in chief_output
+    assert waited < timeout + 30  # the collective's timeout, plus exiting Python
+    # The chief alone wrote checkpoints; the last was before step 9.
+    saved = sorted(p.name for p in Path(checkpoints).glob("ckpt-*.index"))
+    assert saved and all(int(name[5:-6]) < 9 for name in saved)
+
+    job = launch(out, *fit, "--checkpoint", checkpoints, "--timeout", str(timeout))
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert_same_as(ref, out)
+    for rank in (0, 1):
+        resumed = result(out, rank)
+        # No step lost or repeated: the same count as the uninterrupted run.
+        assert resumed["steps"] == result(ref, 0)["steps"] == 14
+        np.testing.assert_allclose(
+            resumed["history"]["val_loss"][-1],
+            result(ref, 0)["history"]["val_loss"][-1],
+            rtol=1e-5,
+        )
+    assert job.stdout.count("Epoch 2/2") == 1  # progress from the chief only
+    assert "[worker 0] Epoch 2/2" in job.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["sgd"])
+def test_fit_in_a_cluster_reports_the_clusters_history(tmp_path, optimizer):
+    ref = reference(tmp_path / "ref", "--mode", "fit", "--optimizer", optimizer)
+    job = launch(tmp_path / "job", "--mode", "fit", "--optimizer", optimizer)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert_same_as(ref, tmp_path / "job")
+    expected = result(ref, 0)["history"]
+    for rank in (0, 1):
+        history = result(tmp_path / "job", rank)["history"]
+        assert history.keys() == expected.keys()
+        for name in expected:
+            np.testing.assert_allclose(history[name], expected[name], rtol=1e-5)
