@@ -55,6 +55,12 @@ towers than GPUs needs --virtual.
 
 --predict does not measure: it projects step time and efficiency on GPU
 topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
+
+--workers W runs the preset as W worker processes on loopback (TensorFlow's
+collective runtime between them, T towers each) and times that step against one
+process with W x T towers on the same global batch, both in the chief, in
+alternating rounds (docs/multi-worker.md). With T = 1 the target is a ratio
+<= 1.3.
 """
 
 
@@ -253,6 +259,20 @@ def _add_bench(commands) -> None:
         metavar="S",
         help="stop starting configurations after S seconds; what finished is "
         "still reported and written",
+    )
+    bench.add_argument(
+        "--workers",
+        type=positive_int,
+        metavar="W",
+        help="run the preset as W local worker processes (a cluster on loopback) "
+        "and time it against one process with W x T towers, in the same run",
+    )
+    bench.add_argument(
+        "--towers-per-worker",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="with --workers: towers in each worker (default: 1)",
     )
     bench.add_argument("--json", metavar="FILE", help="write every record as JSON")
     bench.add_argument(

@@ -35,6 +35,10 @@ _group_keys = itertools.count(1)
 _cross_worker_keys = itertools.count(100_000)
 # Instance keys of one group: one per packed bucket or tensor.
 _INSTANCES_PER_GROUP = 10_000
+# Between processes each collective is a round of RPCs (measured on loopback: ~1.9
+# ms for 4 KB, 6.4 ms for 2.7 MB), and one group's collectives run one after
+# another: the fewer, the better, so a step's tensors go in one large bucket.
+CROSS_WORKER_BYTES_PER_PACK = 64 << 20
 
 
 class AllReduce:
@@ -167,10 +171,12 @@ class WorkerReduce:
     Args:
       cluster: the started cluster.
       device: this worker's variable device, where the sums are made.
-      reducer: ``"per_tensor"`` or ``"packed"`` (one collective per bucket).
+      reducer: how the step's tensors are packed; default one bucket of up to
+        ``CROSS_WORKER_BYTES_PER_PACK``.
     """
 
-    def __init__(self, cluster: Cluster, device: str, reducer: Any = "packed"):
+    def __init__(self, cluster: Cluster, device: str, reducer: Any = None):
+        reducer = reducer or Packed(CROSS_WORKER_BYTES_PER_PACK)
         self.cluster = cluster
         self.device = device
         size = cluster.num_workers

@@ -598,10 +598,7 @@ class Towers:
                     "them together. Use placement='central' and no "
                     "BatchNormalization, or one process."
                 )
-        reducer = (
-            "packed" if type(self.reducer).__name__ != "PerTensor" else "per_tensor"
-        )
-        return WorkerReduce(self.cluster, self.variable_device, reducer)
+        return WorkerReduce(self.cluster, self.variable_device)
 
     def _start_together(self) -> None:
         """Every worker checks it built the chief's model, then takes its values."""

@@ -20,6 +20,8 @@ def run(args: argparse.Namespace) -> int:
             _preset_bytes(args.preset), args.compute_ms, args.batch, args.towers
         )
         return 0
+    if args.workers:
+        return _run_workers(args)
     options = _options(args)
     import tensorflow as tf
 
@@ -38,6 +40,22 @@ def run(args: argparse.Namespace) -> int:
         )
         return 3
     return 1 if failed else 0
+
+
+def _run_workers(args: argparse.Namespace) -> int:
+    """--workers W: W local worker processes vs one process, ratio in the chief."""
+    import json
+
+    from towers.bench.workers import describe, run_workers
+
+    record = run_workers(
+        args.preset, args.workers, args.towers_per_worker, args.batch, args.steps
+    )
+    print(describe(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
