@@ -165,3 +165,45 @@ def test_shard_without_a_cluster_is_the_dataset():
     assert shard(data, None) is data
     with pytest.raises(ValueError, match="received ndarray"):
         shard(np.zeros(3), Cluster(WORKERS, 0))
+
+
+def test_a_tensorflow_without_the_runtime_calls_fails_with_its_version(monkeypatch):
+    from tensorflow.python.eager import context
+
+    from towers import _runtime
+
+    monkeypatch.setattr(context, "context", lambda: object())
+    with pytest.raises(RuntimeError) as error:
+        _runtime.start(["127.0.0.1:1", "127.0.0.1:2"], 0)
+    assert f"with TensorFlow {tf.__version__}: its eager context has no" in str(
+        error.value
+    )
+
+
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (dict(placement="balanced"), "placement='balanced'"),
+        (dict(build="bn"), "BatchNormalization layers"),
+    ],
+)
+def test_what_a_cluster_cannot_do_yet_is_refused(options, refused):
+    import keras
+
+    from towers import Towers
+
+    layers = [keras.Input((3,)), keras.layers.Dense(2)]
+    if options.pop("build", None) == "bn":
+        layers.insert(1, keras.layers.BatchNormalization())
+    engine = Towers(
+        lambda: keras.Sequential(layers),
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=["/cpu:0", "/cpu:1"],
+        cluster=None,
+        **options,
+    )
+    engine.cluster = Cluster(WORKERS[:2], 0)
+    with pytest.raises(ValueError) as error:
+        engine._join_workers()
+    assert f"a cluster of workers does not support {refused} yet" in str(error.value)

@@ -35,7 +35,7 @@ def _context():
         ) from None
     ctx = context.context()
     for name in ("configure_collective_ops", "enable_collective_ops"):
-        if not hasattr(ctx, name):  # pragma: no cover - depends on the installed TF
+        if not hasattr(ctx, name):
             raise RuntimeError(_unsupported(f"its eager context has no {name}()"))
     return ctx, tensorflow_server_pb2
 

@@ -306,8 +306,12 @@ class Towers:
             grads, loss, local_batch, y, tower_preds, "train"
         )
         with tf.control_dependencies([loss]):
-            self._apply(grads, tower_moments, global_batch)
-        return self._track_global(loss, global_batch, batch_loss=True)
+            finite = self._apply(grads, tower_moments, global_batch)
+        logs = self._track_global(loss, global_batch, batch_loss=True)
+        if finite is not None:
+            # The same on every worker: they apply the same summed gradients.
+            logs[_FINITE] = finite
+        return logs
 
     def _across_workers(self, grads, loss, local_batch, y, tower_preds, kind):
         """Sums this worker's gradients, loss and metric updates with the others'.
