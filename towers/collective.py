@@ -222,25 +222,20 @@ class WorkerReduce:
           ``(grads, loss, total examples (int32), summed extras)``.
         """
         count = tf.cast(batch, tf.float32)
-        present = [g for g in grads if g is not None]
-        send = [
-            (tf.convert_to_tensor(g) * tf.cast(count, g.dtype)) if weighted else g
-            for g in present
-        ]
-        send = [tf.convert_to_tensor(g) for g in send]
-        local_loss = loss * count if weighted else loss
+        weight = count if weighted else tf.constant(1.0)
+        # IndexedSlices go dense: every worker must send the same shapes.
+        send = [tf.convert_to_tensor(g) for g in grads if g is not None]
+        send = [g * tf.cast(weight, g.dtype) for g in send]
+        n = len(send)
         summed = self.sum(
-            [*send, tf.reshape(local_loss, [1]), tf.reshape(count, [1]), *extras],
+            [*send, tf.reshape(loss * weight, [1]), tf.reshape(count, [1]), *extras],
             kind,
         )
-        total = summed[len(send) + 1][0]
-        loss_sum = summed[len(send)][0]
-        out = iter(summed[: len(send)])
-        if weighted:
-            out = iter([g / tf.cast(total, g.dtype) for g in summed[: len(send)]])
-            loss_sum = loss_sum / total
+        loss_sum, total = summed[n][0], summed[n + 1][0]
+        norm = total if weighted else tf.constant(1.0)
+        out = iter(g / tf.cast(norm, g.dtype) for g in summed[:n])
         combined = [None if g is None else next(out) for g in grads]
-        return combined, loss_sum, tf.cast(total, tf.int32), summed[len(send) + 2 :]
+        return combined, loss_sum / norm, tf.cast(total, tf.int32), summed[n + 2 :]
 
     def check_same(self, description: Sequence[tuple[str, str, str]]) -> None:
         """Raises on every worker if the workers' models differ.
