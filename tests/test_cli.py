@@ -1,3 +1,4 @@
+import json
 import re
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def test_devices_virtual_split_in_a_fresh_process():
     assert logical == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
 
-@pytest.mark.parametrize("command", [[], ["devices"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["devices"], ["demo"], ["explain"]])
 def test_every_command_has_help(command):
     result = run_cli(*command, "--help")
 
@@ -68,8 +69,12 @@ def test_demo_learns_the_digits_and_shows_placement_and_phases(tmp_path):
     assert "splits as [16, 16, 16, 16]" in out
     accuracy = float(re.search(r"test accuracy: (\S+)", out)[1])
     assert accuracy >= 0.97
-    assert re.search(r"sequential/conv2d/kernel\s+\(3, 3, 1, 32\)\s+\S+CPU:0", out)
-    assert "tower 3: /device:CPU:3" in out
+    # Placement, read from the graph TensorFlow placed (towers explain).
+    assert re.search(r"^  \d+\.\d [KM]iB on /device:CPU:0$", out, re.M)
+    row = re.search(r"^  tower 3 backward((?: +(?:\d+|\.)){4})$", out, re.M)[1]
+    counts = [0 if c == "." else int(c) for c in row.split()]
+    assert max(counts) == counts[3]  # tower 3's gradients ran on CPU:3
+    assert "apply ran on         /device:CPU:0" in out
     phases = dict(re.findall(r"^  (.+?)\s{2,}(\d+\.\d+) ms$", out, re.M))
     assert sorted(phases) == sorted(
         ["towers' forward + backward", "combine", "apply (optimizer)", "whole step"]
@@ -78,3 +83,33 @@ def test_demo_learns_the_digits_and_shows_placement_and_phases(tmp_path):
     # TensorBoard gets the run's summaries and a trace of steps 10-12.
     assert list((tmp_path / "train").glob("events.out.tfevents.*"))
     assert list((tmp_path / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_explain_draws_the_demo_models_step(tmp_path):
+    import matplotlib.image
+
+    png, data = tmp_path / "step.png", tmp_path / "step.json"
+    result = run_cli(
+        "explain",
+        "--towers",
+        "2",
+        "--batch",
+        "10",
+        "--png",
+        str(png),
+        "--json",
+        str(data),
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert "shards of [5, 5] examples" in result.stdout
+    assert re.search(
+        r"sequential/conv2d/kernel\s+\(3, 3, 1, 32\).*CPU:0", result.stdout
+    )
+    assert matplotlib.image.imread(png).shape[0] > 300
+    report = json.loads(data.read_text())
+    assert report["ops"]["apply"] == {
+        "/device:CPU:0": report["ops"]["apply"]["/device:CPU:0"]
+    }
+    backward = report["ops"]["tower 1 backward"]
+    assert max(backward, key=backward.get) == "/device:CPU:1"

@@ -1,4 +1,10 @@
-"""Starting TensorFlow's collective runtime in this process: the one non-public part.
+"""The non-public parts of TensorFlow towers uses, in one place.
+
+Two jobs have no public call: starting the collective runtime in this process
+(``start``), and reading the graphs TensorFlow actually placed on devices
+(``placed_graphs``, for ``towers explain``).
+
+Starting TensorFlow's collective runtime:
 
 TensorFlow has no public call that turns on cross-process collectives without also
 building a ``MultiWorkerMirroredStrategy`` (whose Keras 3 support is what towers
@@ -17,7 +23,8 @@ listing); ``start`` says so if it is too late.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
@@ -99,3 +106,37 @@ def start(addresses: Sequence[str], index: int) -> None:
             f"(its TF_CONFIG address): {error.message}. Is the port in use by "
             "another process?"
         ) from None
+
+
+@contextlib.contextmanager
+def placed_graphs() -> Iterator[list]:
+    """Collects the graphs TensorFlow places and partitions while inside.
+
+    Yields a list that is filled on exit with one ``GraphDef`` per device for
+    every function instantiated inside: the graphs as the placer and Grappler left
+    them, each node on the device it ran on, with ``_Send``/``_Recv`` pairs where
+    a tensor crosses devices. A function already instantiated before is not seen
+    again, so trace a fresh one inside.
+
+    Raises:
+      RuntimeError: this TensorFlow's eager context cannot collect run metadata.
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    for name in ("enable_run_metadata", "export_run_metadata"):
+        if not hasattr(ctx, name):  # pragma: no cover - depends on the installed TF
+            raise RuntimeError(
+                f"towers explain cannot read placed graphs with TensorFlow "
+                f"{tf.__version__}: its eager context has no {name}()"
+            )
+    graphs: list = []
+    ctx.enable_run_metadata()
+    try:
+        yield graphs
+    finally:
+        metadata = ctx.export_run_metadata()
+        ctx.disable_run_metadata()
+        if metadata is not None:
+            for function in metadata.function_graphs:
+                graphs.extend(function.partition_graphs)

@@ -33,6 +33,17 @@ forward + backward, combine, apply). Uses N GPUs if there are, else the CPU spli
 into N logical devices.
 """
 
+EXPLAIN_HELP = """\
+Show where one training step of the demo's model (the digits CNN) put every
+variable and op, as TensorFlow placed them: the step is traced afresh and run
+once on a batch of the bundled digits while TensorFlow records the graphs it
+partitioned per device. The report lists every variable (name, shape, bytes,
+device), each tower's forward and backward ops counted by device, where the
+combine and the apply ran, and the tensors that crossed devices with their
+bytes. --png draws it: devices as columns, the step's stages as rows, the data
+path as arrows. Python: towers.Towers(...).explain(x, y).
+"""
+
 
 BENCH_HELP = """\
 Measure what gradient synchronisation costs. For each configuration (tower
@@ -161,9 +172,51 @@ def build_parser() -> argparse.ArgumentParser:
         "`tensorboard --logdir DIR`",
     )
     demo.set_defaults(run=run_demo)
+    _add_explain(commands)
     _add_bench(commands)
     _add_launch(commands)
     return parser
+
+
+def _add_explain(commands) -> None:
+    explain = commands.add_parser(
+        "explain",
+        help="show where every variable and op of a step lived",
+        description=EXPLAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    explain.add_argument(
+        "--towers",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="number of towers; N GPUs if there are, else N logical CPUs (default: 4)",
+    )
+    explain.add_argument(
+        "--batch",
+        type=positive_int,
+        default=64,
+        help="global batch size; need not divide by --towers (default: 64)",
+    )
+    explain.add_argument(
+        "--placement",
+        choices=["central", "balanced", "replicated"],
+        default="central",
+        help="where the variables live: all on the variable device (central, the "
+        "default), spread over the towers' devices (balanced) or a copy per tower "
+        "(replicated)",
+    )
+    explain.add_argument(
+        "--variable-device",
+        default="/cpu:0",
+        metavar="DEVICE",
+        help="the variable device under central placement (default: /cpu:0)",
+    )
+    explain.add_argument("--png", metavar="FILE", help="draw the step to FILE (PNG)")
+    explain.add_argument(
+        "--json", metavar="FILE", help="write the report's data to FILE (JSON)"
+    )
+    explain.set_defaults(run=run_explain)
 
 
 def _add_launch(commands) -> None:
@@ -314,6 +367,19 @@ def run_demo(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         batch=args.batch,
         log_dir=args.log_dir,
+    )
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from towers.demo import explain
+
+    return explain(
+        num_towers=args.towers,
+        batch=args.batch,
+        placement=args.placement,
+        variable_device=args.variable_device,
+        png=args.png,
+        json_path=args.json,
     )
 
 

@@ -2,7 +2,9 @@
 
 1,797 8x8 handwritten digits ship inside scikit-learn, so nothing is downloaded.
 The demo trains with ``Towers.fit``, then shows the test accuracy, where every
-variable and each tower's work lived, and what a step costs phase by phase.
+variable and each tower's work lived (``towers explain``'s report, read from the
+graph TensorFlow placed), and what a step costs phase by phase. ``towers explain``
+gives the whole report for the same model.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def run(
         f"\ntest accuracy: {results['sparse_categorical_accuracy']:.4f}  "
         f"(loss {results['loss']:.4f}; {epochs} epochs in {elapsed:.1f} s)"
     )
-    _print_placement(engine)
+    _print_placement(engine, x_train[:batch], y_train[:batch])
     phases = time_phases(engine, x_train[:batch], y_train[:batch])
     print(f"\none step of {batch} examples, each phase timed on its own:")
     for name in ("compute", "combine", "apply", "step"):
@@ -109,17 +111,55 @@ def run(
     return 0
 
 
-def _print_placement(engine) -> None:
-    print(f"\nvariables on {engine.variable_device}:")
-    total = sum(var.numpy().nbytes for var in engine.model.variables)
-    for var in engine.model.variables:
-        print(f"  {var.path:<34} {str(tuple(var.shape)):<16} {var.handle.device}")
-    slots = len(engine.optimizer.variables)
-    print(
-        f"  ({total / 1024:.0f} KiB of weights; {slots} optimizer variables, slots "
-        f"on {engine.variable_device})"
+def _print_placement(engine, x, y) -> None:
+    """Where the step's variables and ops lived, read from the placed graph."""
+    from towers.explain_report import size, summary
+
+    report = engine.explain(x, y)
+    held: dict[str, int] = {}
+    for var in report.variables:
+        held[var.device] = held.get(var.device, 0) + var.bytes
+    print(f"\nvariables ({len(report.variables)}: model, optimizer slots, metrics):")
+    for device, nbytes in held.items():
+        print(f"  {size(nbytes)} on {device}")
+    print(summary(report))
+    print("(every variable, and a diagram: towers explain --png step.png)")
+
+
+def explain(
+    num_towers: int = 4,
+    batch: int = 64,
+    placement: str = "central",
+    variable_device: str = "/cpu:0",
+    png: str | None = None,
+    json_path: str | None = None,
+) -> int:
+    """``towers explain``: the report of one step of the demo's CNN on digits."""
+    devices = tower_devices(num_towers)  # before TensorFlow initialises
+    import json
+
+    import keras
+
+    from towers import Towers
+
+    keras.utils.set_random_seed(0)
+    (x_train, y_train), _ = load_digits()
+    engine = Towers(
+        build_cnn,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        lambda: keras.optimizers.Adam(2e-3),
+        devices=devices,
+        variable_device=variable_device,
+        placement=placement,
+        metrics=["sparse_categorical_accuracy"],
     )
-    print("each tower's forward and backward ran on its own device:")
-    for t, device in enumerate(engine.devices):
-        print(f"  tower {t}: {device}")
-    print(f"gradients combined and applied on {engine.variable_device}")
+    report = engine.explain(x_train[:batch], y_train[:batch])
+    print(report)
+    if png:
+        report.save_png(png)
+        print(f"\ndiagram: {png}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        print(f"data: {json_path}")
+    return 0

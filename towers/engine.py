@@ -242,6 +242,34 @@ class Towers:
             raise_if_lost(self.cluster, error, time.monotonic() - started)
             raise
 
+    def explain(self, x: Any, y: Any) -> Any:
+        """Where one step on ``(x, y)`` put every variable and op, as TensorFlow
+        placed them (``towers explain``; see ``towers/explain.py``).
+
+        The step really runs, then every variable it touched is put back, so the
+        engine is left as it was. In a cluster every worker must call it.
+
+        Returns:
+          A ``towers.explain.Explanation``: ``str()`` is the report,
+          ``.save_png(path)`` draws it.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"])
+          >>> x, y = np.ones((5, 3), "float32"), np.zeros((5, 1), "float32")
+          >>> report = eng.explain(x, y)
+          >>> report.sizes, report.ran_on("apply"), report.ran_on("tower 1 backward")
+          ([3, 2], ['/device:CPU:0'], ['/device:CPU:1'])
+          >>> int(eng.optimizer.iterations.numpy())  # explaining did not train
+          0
+        """
+        from towers.explain import explain
+
+        return explain(self, x, y)
+
     def reset_metrics(self) -> None:
         """Starts the loss tracker and every metric afresh (each epoch does)."""
         for metric in [self.loss_tracker, *self.metrics]:
