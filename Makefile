@@ -29,8 +29,8 @@ bench: $(INSTALLED)
 		--benchmark-columns=median,iqr,rounds --benchmark-sort=name
 
 lint: $(INSTALLED)
-	$(BIN)/ruff check towers tests benchmarks conftest.py
-	$(BIN)/ruff format --check towers tests benchmarks conftest.py
+	$(BIN)/ruff check towers tests benchmarks examples conftest.py
+	$(BIN)/ruff format --check towers tests benchmarks examples conftest.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info
