@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(TF_EXTRA)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench docs lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,13 @@ bench: $(INSTALLED)
 	$(BIN)/python -m pytest benchmarks -q -o python_files='bench_*.py' \
 		--benchmark-columns=median,iqr,rounds --benchmark-sort=name
 
+# The API reference, from the docstrings (pdoc), into docs/api/index.html.
+docs: $(INSTALLED)
+	$(BIN)/python docs/build_api.py docs/api
+
 lint: $(INSTALLED)
 	$(BIN)/ruff check towers tests benchmarks examples conftest.py
 	$(BIN)/ruff format --check towers tests benchmarks examples conftest.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info
+	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info docs/api

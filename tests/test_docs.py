@@ -2,12 +2,15 @@
 fresh process (as a reader would run it, so it can split the CPU itself), and every
 script in examples/ runs to the end and checks its own result."""
 
+import inspect
 import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+import towers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = sorted(p for p in (ROOT / "docs").rglob("*.md") if ">>> " in p.read_text())
@@ -55,3 +58,50 @@ def test_example_runs_and_checks_itself(script):
 
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "towers matches one device" in result.stdout
+
+
+def test_make_docs_builds_the_reference_without_warnings(tmp_path):
+    makefile = (ROOT / "Makefile").read_text()
+    assert "docs/build_api.py" in makefile.split("\ndocs:")[1].split("\n\n")[0]
+
+    result = run("docs/build_api.py", str(tmp_path))
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "docs: " not in result.stderr
+    index = (tmp_path / "towers.html").read_text()
+    for name in towers.__all__:
+        assert f'id="{name}"' in index, name
+    for term in ("tower", "variable device", "placement", "reducer", "worker"):
+        assert f"<strong>{term}</strong>" in index, term
+    engine = (tmp_path / "towers" / "engine.html").read_text()
+    for method in ("train_step", "fit", "evaluate", "explain"):
+        assert f'id="Towers.{method}"' in engine, method
+
+
+def public_functions():
+    """Every public name of ``towers`` and the public methods and properties of
+    its classes."""
+    for name in towers.__all__:
+        obj = getattr(towers, name)
+        yield name, obj
+        if inspect.isclass(obj):
+            for member, value in vars(obj).items():
+                if member.startswith("_"):
+                    continue
+                if isinstance(value, property):
+                    yield f"{name}.{member}", value.fget
+                elif callable(value) or isinstance(value, classmethod):
+                    yield f"{name}.{member}", getattr(obj, member)
+
+
+def test_every_public_function_has_an_example_that_doctest_runs():
+    import doctest
+
+    finder = doctest.DocTestFinder(recurse=False)
+    missing = [
+        name
+        for name, obj in public_functions()
+        if not any(t.examples for t in finder.find(obj, name, globs={}))
+    ]
+
+    assert missing == []

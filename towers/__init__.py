@@ -1,7 +1,17 @@
 """towers: data-parallel training with towers on TensorFlow 2.
 
+A tower is one device's share of a training step. ``towers.Towers`` keeps a Keras
+model's variables on one variable device, runs each tower's forward and backward
+pass on its own device, combines the gradients and applies them once per step;
+T towers give the update one device gives on the whole batch.
+
+Start with ``Towers`` (``towers.engine``), ``split_batch`` and
+``combine_gradients``; ``docs/how-towers-work.md`` walks one batch through a step.
+
 Public names load on first use, so ``towers --help`` and ``towers.virtual_devices``
 callers can set TensorFlow's environment before TensorFlow is imported.
+
+.. include:: ../docs/glossary.md
 """
 
 import importlib
@@ -43,7 +53,9 @@ def __getattr__(name):
             "towers needs TensorFlow. Install it with the extra for your machine: "
             "pip install 'towers[cpu]' (CPU only) or 'towers[gpu]' (NVIDIA GPUs)."
         ) from error
-    return getattr(module, name)
+    value = getattr(module, name)
+    globals()[name] = value  # later lookups (and pdoc) find it directly
+    return value
 
 
 def __dir__():

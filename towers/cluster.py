@@ -42,6 +42,16 @@ class WorkerLostError(RuntimeError):
     The message names the workers that cannot be reached. TensorFlow's collective
     runtime cannot continue after this in the same process: restart every worker
     (``fit`` resumes from the last checkpoint).
+
+    Example:
+      >>> import socket
+      >>> with socket.socket() as free:
+      ...     free.bind(("127.0.0.1", 0))
+      ...     port = free.getsockname()[1]  # closed again: nobody listens there
+      >>> cluster = Cluster(["127.0.0.1:1", f"127.0.0.1:{port}"], index=0)
+      >>> error = cluster.lost_error(RuntimeError("Collective ops is aborted"), 5.0)
+      >>> isinstance(error, WorkerLostError), "cannot reach worker 1" in str(error)
+      (True, True)
     """
 
 
@@ -125,15 +135,29 @@ class Cluster:
 
     @property
     def num_workers(self) -> int:
+        """How many worker processes the cluster has.
+
+        >>> Cluster(["h:1", "h:2", "h:3"], index=2).num_workers
+        3
+        """
         return len(self.workers)
 
     @property
     def is_chief(self) -> bool:
-        """Worker 0 prints progress and writes checkpoints and summaries."""
+        """Worker 0 prints progress and writes checkpoints and summaries.
+
+        >>> Cluster(["h:1", "h:2"], index=0).is_chief
+        True
+        """
         return self.index == 0
 
     @property
     def address(self) -> str:
+        """This worker's ``"host:port"``.
+
+        >>> Cluster(["h:1", "h:2"], index=1).address
+        'h:2'
+        """
         return self.workers[self.index]
 
     def __repr__(self) -> str:
@@ -148,6 +172,20 @@ class Cluster:
         Raises:
           RuntimeError: another cluster was started in this process, TensorFlow
             already initialised, or this worker's port is in use.
+
+        Example:
+          In a worker script, first thing (``towers.Towers`` calls it too):
+          ``towers.Cluster.from_tf_config().start()``. A taken port is named
+          before anything starts:
+
+          >>> import socket
+          >>> with socket.socket() as taken:
+          ...     taken.bind(("", 0))
+          ...     taken.listen()
+          ...     port = taken.getsockname()[1]
+          ...     Cluster([f"127.0.0.1:{port}", "127.0.0.1:1"], index=0).start()
+          Traceback (most recent call last):
+          RuntimeError: worker 0's port ... (127.0.0.1:..., from TF_CONFIG) is in use...
         """
         global _started
         if _started is not None:
@@ -163,7 +201,17 @@ class Cluster:
         return self
 
     def unreachable(self, timeout: float = 2.0) -> list[tuple[int, str, str]]:
-        """Peers that do not accept a connection: ``(rank, address, reason)``."""
+        """Peers that do not accept a connection: ``(rank, address, reason)``.
+
+        Example:
+          >>> import socket
+          >>> with socket.socket() as listening:
+          ...     listening.bind(("127.0.0.1", 0))
+          ...     listening.listen()
+          ...     alive = f"127.0.0.1:{listening.getsockname()[1]}"
+          ...     Cluster(["127.0.0.1:1", alive], index=0).unreachable()
+          []
+        """
         lost = []
         for rank, address in enumerate(self.workers):
             if rank == self.index:
@@ -177,7 +225,16 @@ class Cluster:
         return lost
 
     def lost_error(self, error: Exception, waited: float) -> WorkerLostError:
-        """The error a survivor raises when a collective failed or timed out."""
+        """The error a survivor raises when a collective failed or timed out.
+
+        Example:
+          >>> cluster = Cluster(["127.0.0.1:1", "127.0.0.1:2"], index=1)
+          >>> error = cluster.lost_error(RuntimeError("Collective ops is aborted"), 3)
+          >>> for part in str(error).split("; ")[:2]:
+          ...     print(part)
+          worker 1 of 2: a collective did not complete (waited 3.0 s)
+          cannot reach worker 0 (127.0.0.1:1: Connection refused)
+        """
         lost = self.unreachable()
         if lost:
             who = ", ".join(f"worker {r} ({a}: {why})" for r, a, why in lost)

@@ -170,11 +170,35 @@ class Towers:
 
     @property
     def num_towers(self) -> int:
+        """How many towers (devices) each step is split over.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"])
+          >>> eng.num_towers
+          2
+        """
         return len(self.devices)
 
     @property
     def trace_count(self) -> int:
-        """How many times the step has been traced (one per input signature)."""
+        """How many times the step has been traced (one per input signature).
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"])
+          >>> for batch in (4, 4, 5):
+          ...     _ = eng.train_step(np.ones((batch, 3), "float32"),
+          ...                        np.zeros((batch, 1), "float32"))
+          >>> eng.trace_count  # batches of 4 share a trace; 5 needs its own
+          2
+        """
         return self._step_fn.experimental_get_tracing_count()
 
     def train_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
@@ -192,6 +216,19 @@ class Towers:
             value per example. Nothing is updated when a step fails.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"])
+          >>> x, y = np.zeros((5, 3), "float32"), np.ones((5, 1), "float32")
+          >>> logs = eng.train_step(x, y)
+          >>> float(logs["loss"])  # the bias starts at 0, so every error is 1
+          1.0
+          >>> eng.steps_done, int(eng.optimizer.iterations)
+          (1, 1)
         """
         x, y = self._prepare(x, y)
         logs = dict(self._run(self._step_fn, x, y))
@@ -202,12 +239,38 @@ class Towers:
         """Applies the gradients of a partly filled ``accumulate_steps`` window.
 
         ``fit`` calls this at the end of each epoch; a no-op when nothing waits.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"], accumulate_steps=4)
+          >>> x, y = np.ones((5, 3), "float32"), np.ones((5, 1), "float32")
+          >>> _ = eng.train_step(x, y)  # 1 of 4 micro-batches: nothing applied yet
+          >>> int(eng.optimizer.iterations)
+          0
+          >>> eng.apply_accumulated()
+          >>> int(eng.optimizer.iterations)
+          1
         """
         self._raise_if_nonfinite(self.update.flush(), None)
 
     @property
     def steps_done(self) -> int:
-        """Steps trained, skipped ones and accumulated micro-batches included."""
+        """Steps trained, skipped ones and accumulated micro-batches included.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"], accumulate_steps=2)
+          >>> for _ in range(3):
+          ...     _ = eng.train_step(np.ones((4, 3), "f4"), np.ones((4, 1), "f4"))
+          >>> eng.steps_done, int(eng.optimizer.iterations)  # 3 batches, 1 apply
+          (3, 1)
+        """
         return 0 if self.update.steps is None else int(self.update.steps.numpy())
 
     def _raise_if_nonfinite(self, finite: Any, loss: Any) -> None:
@@ -227,6 +290,18 @@ class Towers:
 
         Returns:
           The running ``{"loss": mean so far, metric name: value so far}``.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"], metrics=["mae"])
+          >>> x = np.zeros((4, 3), "float32")
+          >>> _ = eng.evaluate_step(x, np.full((4, 1), 2.0, "float32"))
+          >>> logs = eng.evaluate_step(x, np.zeros((4, 1), "float32"))
+          >>> float(logs["loss"]), float(logs["mean_absolute_error"])  # y^2, |y|
+          (2.0, 1.0)
         """
         x, y = self._prepare(x, y)
         return self._run(self._eval_fn, x, y)
@@ -271,18 +346,59 @@ class Towers:
         return explain(self, x, y)
 
     def reset_metrics(self) -> None:
-        """Starts the loss tracker and every metric afresh (each epoch does)."""
+        """Starts the loss tracker and every metric afresh (each epoch does).
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"])
+          >>> x, y = np.zeros((4, 3), "float32"), np.ones((4, 1), "float32")
+          >>> _ = eng.evaluate_step(x, y)
+          >>> float(eng.loss_tracker.result())
+          1.0
+          >>> eng.reset_metrics()
+          >>> float(eng.loss_tracker.result())
+          0.0
+        """
         for metric in [self.loss_tracker, *self.metrics]:
             metric.reset_state()
 
     def fit(self, data: Any, **kwargs: Any) -> dict[str, list[float]]:
-        """Trains on ``data``; see :func:`towers.loop.fit` for the arguments."""
+        """Trains on ``data``; see :func:`towers.loop.fit` for the arguments.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"])
+          >>> x = np.random.default_rng(0).random((20, 3)).astype("float32")
+          >>> history = eng.fit((x, x.sum(1, keepdims=True)), batch_size=8, epochs=3,
+          ...                   verbose=0)
+          >>> sorted(history), len(history["loss"]), eng.steps_done  # 3 batches/epoch
+          (['loss'], 3, 9)
+          >>> history["loss"][-1] < history["loss"][0]
+          True
+        """
         from towers.loop import fit
 
         return fit(self, data, **kwargs)
 
     def evaluate(self, data: Any, **kwargs: Any) -> dict[str, float]:
-        """Evaluates on ``data``; see :func:`towers.loop.evaluate`."""
+        """Evaluates on ``data``; see :func:`towers.loop.evaluate`.
+
+        Example:
+          >>> import keras, numpy as np, towers
+          >>> eng = towers.Towers(
+          ...     lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+          ...     loss="mse", optimizer=keras.optimizers.SGD(0.1),
+          ...     devices=["/cpu:0", "/cpu:1"], metrics=["mae"])
+          >>> x, y = np.zeros((10, 3), "float32"), np.full((10, 1), 3.0, "float32")
+          >>> eng.evaluate((x, y), batch_size=4, verbose=0)  # bias 0: predicts 0
+          {'loss': 9.0, 'mean_absolute_error': 3.0}
+        """
         from towers.loop import evaluate
 
         return evaluate(self, data, **kwargs)
