@@ -112,11 +112,11 @@ def start(addresses: Sequence[str], index: int) -> None:
 def placed_graphs() -> Iterator[list]:
     """Collects the graphs TensorFlow places and partitions while inside.
 
-    Yields a list that is filled on exit with one ``GraphDef`` per device for
-    every function instantiated inside: the graphs as the placer and Grappler left
-    them, each node on the device it ran on, with ``_Send``/``_Recv`` pairs where
-    a tensor crosses devices. A function already instantiated before is not seen
-    again, so trace a fresh one inside.
+    Yields a list that is filled on exit with one entry per function instantiated
+    inside: the list of its ``GraphDef`` partitions, one per device, as the
+    placer and Grappler left them, each node on the device it ran on, with
+    ``_Send``/``_Recv`` pairs where a tensor crosses devices. A function already
+    instantiated before is not seen again, so trace a fresh one inside.
 
     Raises:
       RuntimeError: this TensorFlow's eager context cannot collect run metadata.
@@ -130,13 +130,13 @@ def placed_graphs() -> Iterator[list]:
                 f"towers explain cannot read placed graphs with TensorFlow "
                 f"{tf.__version__}: its eager context has no {name}()"
             )
-    graphs: list = []
+    functions: list = []
     ctx.enable_run_metadata()
     try:
-        yield graphs
+        yield functions
     finally:
         metadata = ctx.export_run_metadata()
         ctx.disable_run_metadata()
         if metadata is not None:
             for function in metadata.function_graphs:
-                graphs.extend(function.partition_graphs)
+                functions.append(list(function.partition_graphs))

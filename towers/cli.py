@@ -147,22 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=DEMO_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument(
-        "--towers",
-        type=positive_int,
-        default=4,
-        metavar="N",
-        help="number of towers; uses N GPUs if there are, else N logical CPUs "
-        "(default: 4)",
-    )
+    _add_towers_and_batch(demo)
     demo.add_argument(
         "--epochs", type=positive_int, default=12, help="epochs (default: 12)"
-    )
-    demo.add_argument(
-        "--batch",
-        type=positive_int,
-        default=64,
-        help="global batch size; need not divide by --towers (default: 64)",
     )
     demo.add_argument(
         "--log-dir",
@@ -178,6 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_towers_and_batch(parser) -> None:
+    """The demo model's --towers and --batch (demo, explain)."""
+    parser.add_argument(
+        "--towers",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="number of towers; uses N GPUs if there are, else N logical CPUs "
+        "(default: 4)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=64,
+        help="global batch size; need not divide by --towers (default: 64)",
+    )
+
+
 def _add_explain(commands) -> None:
     explain = commands.add_parser(
         "explain",
@@ -185,19 +190,7 @@ def _add_explain(commands) -> None:
         description=EXPLAIN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    explain.add_argument(
-        "--towers",
-        type=positive_int,
-        default=4,
-        metavar="N",
-        help="number of towers; N GPUs if there are, else N logical CPUs (default: 4)",
-    )
-    explain.add_argument(
-        "--batch",
-        type=positive_int,
-        default=64,
-        help="global batch size; need not divide by --towers (default: 64)",
-    )
+    _add_towers_and_batch(explain)
     explain.add_argument(
         "--placement",
         choices=["central", "balanced", "replicated"],

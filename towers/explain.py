@@ -140,12 +140,12 @@ def explain(engine: Any, x: Any, y: Any) -> Explanation:
     concrete = tf.function(engine._step).get_concrete_function(x, y)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
-        with _runtime.placed_graphs() as graphs:
+        with _runtime.placed_graphs() as functions:
             tf.nest.map_structure(lambda t: t.numpy(), concrete(x, y))
     finally:
         for var, value in saved:  # the engine is left as it was found
             var.assign(value)
-    graphs = [g for g in graphs if _computes(g)]
+    graphs = _step_partitions(functions, len(concrete.graph.inputs))
     if not graphs:
         raise RuntimeError(
             "TensorFlow recorded no placed graph for the step; received none from "
@@ -210,9 +210,20 @@ def _device_key(device: str) -> tuple[bool, str, int]:
     return (spec.device_type != "CPU", spec.device_type or "", spec.device_index or 0)
 
 
-def _computes(graph: Any) -> bool:
-    """False for the one-op functions TensorFlow wraps eager ops in."""
-    return sum(node.op not in _PLUMBING for node in graph.node) > 1
+def _step_partitions(functions: list, num_inputs: int) -> list:
+    """The step's partitions among the functions TensorFlow instantiated: the
+    largest function taking the step's inputs (others are, e.g., the one-op
+    functions TensorFlow wraps eager ops in)."""
+
+    def size(partitions, op=None):
+        return sum(
+            (node.op == op) if op else (node.op not in _PLUMBING)
+            for graph in partitions
+            for node in graph.node
+        )
+
+    candidates = [f for f in functions if size(f, "_Arg") == num_inputs]
+    return max(candidates, key=size, default=[])
 
 
 def _count_ops(graphs: list) -> dict[str, dict[str, int]]:
@@ -234,7 +245,7 @@ def _variables(engine: Any, concrete: Any, graphs: list) -> list[VariableInfo]:
     for graph in graphs:
         for node in graph.node:
             index = node.attr["index"].i if node.op == "_Arg" else -1
-            if index >= first_capture:
+            if first_capture <= index < len(concrete.graph.inputs):
                 handle = concrete.captured_inputs[index - first_capture]
                 if id(handle) in by_handle:
                     placed[id(by_handle[id(handle)])] = _local_name(node.device)
