@@ -137,6 +137,9 @@ def test_explain_png_and_json_round_trip(tmp_path):
     report.save_png(str(tmp_path / "step.png"))
     image = matplotlib.image.imread(tmp_path / "step.png")
     assert image.shape[0] > 300 and image.shape[1] > 300
+    # Something was drawn: boxes are coloured, not just white and grey text.
+    colours = {tuple(np.round(px, 2)) for px in image[..., :3].reshape(-1, 3)[::97]}
+    assert len(colours) > 10
     data = json.loads(json.dumps(report.to_dict()))
     assert data["sizes"] == [3, 2]
     assert {v["device"] for v in data["variables"]} == {CPU[0]}

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import tensorflow as tf
 
 from towers import _runtime
 from towers.devices import _local_name
+from towers.split import split_sizes
 
 # Nodes that move or pass values rather than compute: counted as transfers or not
 # at all.
@@ -91,7 +92,6 @@ class Explanation:
     transfers: list[Transfer]
     unknown_bytes: int = 0  # sent tensors whose size was not static
     workers: int = 1
-    notes: list[str] = field(default_factory=list)
 
     def ran_on(self, stage: str) -> list[str]:
         """The devices that ran ops of ``stage`` (e.g. ``"apply"``), most first."""
@@ -153,8 +153,6 @@ def explain(engine: Any, x: Any, y: Any) -> Explanation:
         )
     batch = int(tf.nest.flatten(x)[0].shape[0])
     transfers, unknown = _transfers(concrete.graph, graphs)
-    from towers.split import split_sizes
-
     return Explanation(
         devices=list(engine.devices),
         variable_device=engine.variable_device,

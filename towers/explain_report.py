@@ -260,9 +260,10 @@ def _boxes(e: Any) -> dict[tuple[str, str], str]:
 
 
 def _fold(lines: list[str], most: int = 4) -> list[str]:
-    return (
-        lines if len(lines) <= most else [*lines[: most - 1], f"+{len(lines) - 3} more"]
-    )
+    """At most ``most`` lines, the last saying how many were left out."""
+    if len(lines) <= most:
+        return lines
+    return [*lines[: most - 1], f"+{len(lines) - most + 1} more"]
 
 
 def _arrows(e: Any, boxes: dict) -> dict[tuple, tuple[str, int]]:
