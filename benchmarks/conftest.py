@@ -44,4 +44,7 @@ def _verdict(row: dict) -> str:
         return "meets"
     if row["ratio_q25"] <= row["target"]:
         return "within noise"
+    if row.get("floor_ratio", 0.0) > row["target"]:
+        # Measured in the same run: the CPU the step needs, over the cores.
+        return f"MISSES (out of reach on this machine: CPU floor {row['floor_ratio']:.2f})"
     return "MISSES"

@@ -7,8 +7,16 @@ alternating rounds, so their ratio cancels the noise both see: the chief's
 process also holds the one-process engine, and while it times that one, the
 other workers wait in their next step's collective.
 
+Each worker also counts the CPU time its process spends per cluster step
+(``time.process_time``, every thread), and per cross-worker sum alone. The workers
+of a local run share this machine's cores, so no schedule, overlap included, can
+make a step shorter than their summed CPU time over the cores: ``cpu_floor_ms``.
+Over the one-process step it is the lowest ratio this machine can show
+(``cpu_floor_ratio``); when it is above the target, the target is out of reach
+here whatever the engine does, and the record says so.
+
 Run as ``python -m towers.bench.workers SPEC_JSON`` in each worker (the parent
-sets ``TF_CONFIG``); the chief prints one JSON line.
+sets ``TF_CONFIG``); each prints one JSON line, the chief's with the timings.
 """
 
 from __future__ import annotations
@@ -78,8 +86,44 @@ def run_workers(
                 f"bench worker {rank} failed (exit {process.returncode}): "
                 + output[-2000:]
             )
-    record = json.loads(outputs[0].strip().splitlines()[-1])
-    return {"preset": preset, "workers": workers, **spec, **record}
+    lines = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    record = {"preset": preset, "workers": workers, **spec, **lines[0]}
+    record.update(cpu_floor(lines, record["one_process_ms"], machine_cores()))
+    return record
+
+
+def machine_cores() -> int:
+    """The cores this process (and the workers it starts) may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_floor(
+    lines: list[dict[str, Any]], one_process_ms: float, cores: int
+) -> dict[str, Any]:
+    """The least a cluster step can take when its workers share ``cores``.
+
+    ``lines``: each worker's record, with the CPU milliseconds its process spent
+    per cluster step (``step_cpu_ms``, over ``step_wall_ms``) and per cross-worker
+    sum (``sum_cpu_ms``).
+
+    >>> line = {"step_wall_ms": 9.5, "sum_cpu_ms": 5.0}
+    >>> floor = cpu_floor([{**line, "step_cpu_ms": 9.0},
+    ...                    {**line, "step_cpu_ms": 7.0}], 4.0, cores=2)
+    >>> floor["cpu_floor_ms"], floor["cpu_floor_ratio"]
+    (8.0, 2.0)
+    """
+    step_cpu = [line["step_cpu_ms"] for line in lines]
+    floor_ms = sum(step_cpu) / cores
+    return {
+        "cores": cores,
+        "step_cpu_ms": step_cpu,
+        "step_wall_ms": [line["step_wall_ms"] for line in lines],
+        "sum_cpu_ms": [line["sum_cpu_ms"] for line in lines],
+        "cpu_floor_ms": floor_ms,
+        "cpu_floor_ratio": floor_ms / one_process_ms,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -96,8 +140,7 @@ def main(argv: list[str]) -> int:
     devices = virtual_devices(per_worker * cluster.num_workers)
     cluster.start()
     record = measure(spec, cluster, devices)
-    if cluster.is_chief:
-        print(json.dumps(record), flush=True)
+    print(json.dumps(record), flush=True)
     return 0
 
 
@@ -106,7 +149,7 @@ def measure(spec: dict[str, Any], cluster, devices: list[str]) -> dict[str, Any]
     import tensorflow as tf
 
     from towers.bench.presets import get_preset
-    from towers.bench.timing import interleaved_ratio, time_steps
+    from towers.bench.timing import interleaved_ratio
     from towers.engine import Towers
 
     keras.utils.set_random_seed(0)
@@ -141,28 +184,36 @@ def measure(spec: dict[str, Any], cluster, devices: list[str]) -> dict[str, Any]
     exchange = tf.function(
         lambda: distributed.workers.step(zeros, tf.constant(0.0), share, [], True)[1:2]
     )
-    if not cluster.is_chief:
-        # The chief's schedule: warm-up, then `steps` cluster steps per round,
-        # then the exchange alone.
+    if cluster.is_chief:
+        local = engine(devices, False)
+        x_all, y_all = tf.constant(x), tf.constant(y)
+        timed = interleaved_ratio(
+            cluster_step,
+            lambda: local.train_step(x_all, y_all),
+            rounds=rounds,
+            steps=steps,
+            warmup=warmup,
+        )
+    else:
+        # The chief's schedule: warm-up, then `steps` cluster steps per round.
         for _ in range(warmup + rounds * steps):
             cluster_step()["loss"].numpy()
-        for _ in range(warmup + rounds * steps):
-            exchange()[0].numpy()
-        return {}
-    local = engine(devices, False)
-    x_all, y_all = tf.constant(x), tf.constant(y)
-    timed = interleaved_ratio(
-        cluster_step,
-        lambda: local.train_step(x_all, y_all),
-        rounds=rounds,
-        steps=steps,
-        warmup=warmup,
-    )
+    # From here every worker runs the same loops, in step with the others: the
+    # exchange alone, then cluster steps, each under this process's CPU clock.
     for _ in range(warmup):
         exchange()[0].numpy()
-    exchange_s = time_steps(lambda: exchange()[0], rounds * steps)
+    exchange_s, sum_cpu_s = _timed(lambda: exchange()[0], rounds * steps)
+    step_s, step_cpu_s = _timed(lambda: cluster_step()["loss"], rounds * steps)
+    cpu = {
+        "step_cpu_ms": 1e3 * step_cpu_s,
+        "step_wall_ms": 1e3 * step_s,
+        "sum_cpu_ms": 1e3 * sum_cpu_s,
+    }
+    if not cluster.is_chief:
+        return cpu
     grad_bytes = sum(int(z.shape.num_elements()) * z.dtype.size for z in zeros)
     return {
+        **cpu,
         "global_batch": global_batch,
         "exchange_ms": 1e3 * exchange_s,
         "gradient_bytes": grad_bytes,
@@ -175,8 +226,17 @@ def measure(spec: dict[str, Any], cluster, devices: list[str]) -> dict[str, Any]
     }
 
 
+def _timed(step, steps: int) -> tuple[float, float]:
+    """Wall and process CPU seconds per step over ``steps`` calls."""
+    from towers.bench.timing import time_steps
+
+    cpu = time.process_time()
+    wall = time_steps(step, steps)
+    return wall, (time.process_time() - cpu) / steps
+
+
 def describe(record: dict[str, Any]) -> str:
-    """One line for the terminal."""
+    """Three lines for the terminal: the ratio, the sum alone, the CPU floor."""
     w, t = record["workers"], record["towers_per_worker"]
     target = record.get("target")
     verdict = ""
@@ -187,6 +247,16 @@ def describe(record: dict[str, Any]) -> str:
             verdict = f"  within noise of the target <= {target}"
         else:
             verdict = f"  MISSES the target <= {target}"
+    floor = record["cpu_floor_ratio"]
+    reach = ""
+    if target is not None and floor > target:
+        budget = target * record["one_process_ms"] * record["cores"]
+        reach = (
+            f"\n  the target <= {target} needs under {budget:.1f} CPU ms per step "
+            "in all: no schedule or overlap reaches it on this machine"
+        )
+    steps = " + ".join(f"{ms:.1f}" for ms in record["step_cpu_ms"])
+    sums = " + ".join(f"{ms:.1f}" for ms in record["sum_cpu_ms"])
     return (
         f"{record['preset']}: {w} workers x {t} tower(s) {record['cluster_ms']:.2f} "
         f"ms/step vs 1 process x {w * t} towers {record['one_process_ms']:.2f} "
@@ -194,7 +264,10 @@ def describe(record: dict[str, Any]) -> str:
         f"{record['ratio']:.3f} [{record['ratio_q25']:.3f}, "
         f"{record['ratio_q75']:.3f}]{verdict}\n"
         f"  the cross-worker sum alone ({record['gradient_bytes'] / 1e6:.2f} MB of "
-        f"gradients, no compute): {record['exchange_ms']:.2f} ms"
+        f"gradients, no compute): {record['exchange_ms']:.2f} ms, {sums} CPU ms\n"
+        f"  CPU per cluster step: {steps} ms on {record['cores']} shared cores, so "
+        f"no step can take under {record['cpu_floor_ms']:.2f} ms: ratio >= "
+        f"{floor:.2f}{reach}"
     )
 
 
