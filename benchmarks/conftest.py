@@ -46,5 +46,6 @@ def _verdict(row: dict) -> str:
         return "within noise"
     if row.get("floor_ratio", 0.0) > row["target"]:
         # Measured in the same run: the CPU the step needs, over the cores.
-        return f"MISSES (out of reach on this machine: CPU floor {row['floor_ratio']:.2f})"
+        floor = row["floor_ratio"]
+        return f"MISSES (out of reach on this machine: CPU floor {floor:.2f})"
     return "MISSES"
