@@ -71,7 +71,10 @@ topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
 collective runtime between them, T towers each) and times that step against one
 process with W x T towers on the same global batch, both in the chief, in
 alternating rounds (docs/multi-worker.md). With T = 1 the target is a ratio
-<= 1.3.
+<= 1.3. Each worker also counts its process's CPU time per step: summed over
+the cores the workers share, it is the least a step can take on this machine
+(the CPU floor), and the report says when that floor puts the target out of
+reach.
 """
 
 
