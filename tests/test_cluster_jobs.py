@@ -14,7 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from tests.tolerances import (
+    EQUIVALENCE_ATOL,
+    EQUIVALENCE_RTOL,
+    MIXED_FLOAT16_RTOL,
+)
 from towers.launch import free_ports, tf_configs
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "cluster_train.py")
@@ -51,8 +55,8 @@ def launch(out, *args, workers=2):
     )  # fmt: skip
 
 
-def weights(out, rank):
-    with np.load(out / f"weights-{rank}.npz") as saved:
+def weights(out, rank, name="weights"):
+    with np.load(out / f"{name}-{rank}.npz") as saved:
         return [saved[key] for key in sorted(saved, key=lambda k: int(k[4:]))]
 
 
@@ -186,3 +190,49 @@ def test_fit_in_a_cluster_reports_the_clusters_history(tmp_path, optimizer):
         assert history.keys() == expected.keys()
         for name in expected:
             np.testing.assert_allclose(history[name], expected[name], rtol=1e-5)
+
+
+# The update policies on the cluster's summed gradients. --nan-in 3 puts a NaN in
+# global batch 3 inside the last worker's share only: the chief must still see a
+# non-finite sum and skip (or raise, or lower its loss scale) with the others.
+UPDATE_POLICIES = {
+    "accumulate": ["--accumulate", "2"],
+    "skip": ["--nonfinite", "skip", "--nan-in", "3"],
+    "raise": ["--nonfinite", "raise", "--nan-in", "3"],
+    "mixed_float16": ["--policy", "mixed_float16", "--nan-in", "3"],
+}
+
+
+@pytest.mark.parametrize("policy", sorted(UPDATE_POLICIES))
+def test_update_policies_in_a_cluster_match_one_process(tmp_path, policy):
+    args = UPDATE_POLICIES[policy]
+    ref = reference(tmp_path / "ref", *args)
+    job = launch(tmp_path / "job", *args)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    out = tmp_path / "job"
+    expected = result(ref, 0)
+    if policy == "mixed_float16":
+        # 16-bit sums within the towers (tests/tolerances.py): compare each
+        # variable's total change, relative to its size, as test_mixed_precision.
+        changes = zip(weights(ref, 0, "start"), weights(out, 0), weights(ref, 0))
+        for w0, mine, theirs in changes:
+            error = np.linalg.norm((mine - w0) - (theirs - w0))
+            assert error <= MIXED_FLOAT16_RTOL * np.linalg.norm(theirs - w0)
+        for w0, w1 in zip(weights(out, 0), weights(out, 1)):
+            np.testing.assert_array_equal(w0, w1)
+    else:
+        assert_same_as(ref, out)
+    for rank in (0, 1):
+        got = result(out, rank)
+        # The same steps applied, skipped or refused as the one process.
+        assert got["iterations"] == expected["iterations"]
+        assert got["errors"] == expected["errors"]
+        assert got.get("scale") == expected.get("scale")
+        rtol = MIXED_FLOAT16_RTOL if policy == "mixed_float16" else 1e-6
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=rtol)
+    accumulated = {"accumulate": 2, "skip": 4, "raise": 4, "mixed_float16": 4}
+    assert expected["iterations"] == accumulated[policy]
+    if policy == "raise":
+        assert expected["errors"] and "is not finite" in expected["errors"][0]
+    if policy == "mixed_float16":
+        assert expected["scale"] == 2.0**14  # halved once, by the NaN step

@@ -12,6 +12,10 @@ Modes:
           number of workers), then evaluate.
   fit     fit with metrics and validation, checkpointing every --every steps
           into --checkpoint; --die-at K makes worker 1 exit abruptly at step K.
+
+The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
+(with --nan-in K: the last example of global batch K is NaN, which is in the
+last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 """
 
 import argparse
@@ -36,6 +40,10 @@ parser.add_argument("--every", type=int, default=None)
 parser.add_argument("--die-at", type=int, default=None)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--model", default="mlp")
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--nonfinite", default="ignore")
+parser.add_argument("--nan-in", type=int, default=None)
+parser.add_argument("--policy", default="float32")
 args = parser.parse_args()
 
 in_cluster = "TF_CONFIG" in os.environ
@@ -55,6 +63,7 @@ import tensorflow as tf  # noqa: E402
 # The chief's random start must reach every worker: start each one differently.
 keras.utils.set_random_seed(rank)
 tf.config.experimental.enable_op_determinism()
+keras.config.set_dtype_policy(args.policy)
 
 
 def build():
@@ -80,11 +89,20 @@ engine = towers.Towers(
     devices=devices,
     metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
     cluster=cluster,
+    accumulate_steps=args.accumulate,
+    on_nonfinite=args.nonfinite,
 )
+# The variables every worker starts from (the chief's, after the engine's start).
+start = [v.numpy() for v in engine.model.variables]
 # Same data on every worker and in the reference; each worker takes its share.
 data = np.random.default_rng(7)
 x = data.normal(size=(64, 6)).astype("float32")
 y = data.integers(0, 4, size=64).astype("int64")
+# The steps mode's global batches: uneven; 1 < workers, so someone gets none.
+sizes = [13, 7, 1, 10, 33]
+starts = np.cumsum([0, *sizes])
+if args.nan_in is not None:
+    x[starts[args.nan_in + 1] - 1] = np.nan
 result = {"rank": rank}
 
 
@@ -96,8 +114,6 @@ class DieAt(keras.callbacks.Callback):
 
 
 if args.mode == "steps":
-    sizes = [13, 7, 1, 10, 33]  # uneven; 1 < workers: someone gets no example
-    starts = np.cumsum([0, *sizes])
     batches = tf.data.Dataset.from_generator(
         lambda: ((x[a:b], y[a:b]) for a, b in zip(starts, starts[1:])),
         output_signature=(
@@ -105,11 +121,19 @@ if args.mode == "steps":
             tf.TensorSpec((None,), tf.int64),
         ),
     )
-    losses = []
+    losses, errors = [], []
     for xb, yb in towers.shard(batches, cluster):
-        logs = engine.train_step(xb, yb)
+        try:
+            logs = engine.train_step(xb, yb)
+        except FloatingPointError as error:
+            errors.append(str(error))
+            continue
         losses.append(float(logs["loss"]))
     result["losses"] = losses
+    result["errors"] = errors
+    result["iterations"] = int(engine.optimizer.iterations.numpy())
+    if hasattr(engine.optimizer, "dynamic_scale"):
+        result["scale"] = float(engine.optimizer.dynamic_scale.numpy())
     result["acc"] = float(engine.metrics[0].result())
     evaluation = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(9))
     result["evaluate"] = engine.evaluate(evaluation)
@@ -131,6 +155,7 @@ np.savez(
     os.path.join(args.out, f"weights-{rank}.npz"),
     *[v.numpy() for v in engine.model.variables],
 )
+np.savez(os.path.join(args.out, f"start-{rank}.npz"), *start)
 with open(os.path.join(args.out, f"result-{rank}.json"), "w") as f:
     json.dump(result, f)
 print(f"worker {rank} done: {result['steps']} steps", flush=True)
