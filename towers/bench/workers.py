@@ -12,8 +12,9 @@ Each worker also counts the CPU time its process spends per cluster step
 of a local run share this machine's cores, so no schedule, overlap included, can
 make a step shorter than their summed CPU time over the cores: ``cpu_floor_ms``.
 Over the one-process step it is the lowest ratio this machine can show
-(``cpu_floor_ratio``); when it is above the target, the target is out of reach
-here whatever the engine does, and the record says so.
+(``cpu_floor_ratio``); when it is above the target, no schedule or overlap of
+this step's work reaches the target here, and the report says so. (The floor
+holds for a local run only: workers on separate machines do not share cores.)
 
 Run as ``python -m towers.bench.workers SPEC_JSON`` in each worker (the parent
 sets ``TF_CONFIG``); each prints one JSON line, the chief's with the timings.
