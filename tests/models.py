@@ -65,3 +65,12 @@ def copy_of(model: keras.Model, builder) -> keras.Model:
     twin = builder()
     twin.set_weights(model.get_weights())
     return twin
+
+
+def step_graph(engine, x, y):
+    """The graph of ``engine``'s training step on a batch like ``(x, y)``: traced
+    afresh from the step's public phases, as ``towers explain`` does."""
+    import tensorflow as tf
+
+    x, y = engine.prepare(x, y)
+    return tf.function(engine.step.train).get_concrete_function(x, y).graph

@@ -116,20 +116,6 @@ def test_starting_after_tensorflow_initialised_says_how_to_fix_it():
         cluster.start()
 
 
-def test_unreachable_names_peers_that_refuse_connections():
-    with socket.socket() as alive, socket.socket() as dead:
-        alive.bind(("127.0.0.1", 0))
-        alive.listen()
-        dead.bind(("127.0.0.1", 0))  # bound, not listening: refuses
-        addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in (alive, dead)]
-        cluster = Cluster(["127.0.0.1:1", *addresses], index=0)
-        lost = cluster.unreachable(timeout=1.0)
-        error = cluster.lost_error(RuntimeError("Collective has timed out."), 10.0)
-    assert [(rank, address) for rank, address, _ in lost] == [(2, addresses[1])]
-    assert f"cannot reach worker 2 ({addresses[1]}" in str(error)
-    assert "Received: Collective has timed out." in str(error)
-
-
 def batches(sizes):
     data = np.arange(sum(sizes) * 2, dtype="float32").reshape(-1, 2)
     bounds = np.cumsum([0, *sizes])
@@ -178,32 +164,3 @@ def test_a_tensorflow_without_the_runtime_calls_fails_with_its_version(monkeypat
     assert f"with TensorFlow {tf.__version__}: its eager context has no" in str(
         error.value
     )
-
-
-@pytest.mark.parametrize(
-    "options, refused",
-    [
-        (dict(placement="balanced"), "placement='balanced'"),
-        (dict(build="bn"), "BatchNormalization layers"),
-    ],
-)
-def test_what_a_cluster_cannot_do_yet_is_refused(options, refused):
-    import keras
-
-    from towers import Towers
-
-    layers = [keras.Input((3,)), keras.layers.Dense(2)]
-    if options.pop("build", None) == "bn":
-        layers.insert(1, keras.layers.BatchNormalization())
-    engine = Towers(
-        lambda: keras.Sequential(layers),
-        "mse",
-        keras.optimizers.SGD(0.1),
-        devices=["/cpu:0", "/cpu:1"],
-        cluster=None,
-        **options,
-    )
-    engine.cluster = Cluster(WORKERS[:2], 0)
-    with pytest.raises(ValueError) as error:
-        engine._join_workers()
-    assert f"a cluster of workers does not support {refused} yet" in str(error.value)

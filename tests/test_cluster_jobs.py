@@ -106,6 +106,22 @@ def test_workers_that_build_different_models_stop_with_the_difference(tmp_path):
     assert time.monotonic() - started < 60
 
 
+def test_explaining_a_step_inside_a_cluster_reports_every_worker(tmp_path):
+    job = launch(tmp_path / "job", "--mode", "explain")
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+
+    for rank in (0, 1):
+        worker = result(tmp_path / "job", rank)
+        report = worker["explain"]
+        assert report["workers"] == 2
+        assert "across workers" in report["stages"]
+        assert report["collective_kinds"] == ["all-reduce"]
+        assert "workers:         2; this is one worker's step" in report["text"]
+        # The step ran, then every variable it touched was put back.
+        assert worker["changed_by_explain"] == 0.0
+        assert worker["steps"] == 1
+
+
 def start_workers(out, *args, timeout):
     """Two workers started directly (no launcher), so each fails on its own."""
     out.mkdir(exist_ok=True)

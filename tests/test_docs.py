@@ -85,9 +85,16 @@ def public_functions():
         obj = getattr(towers, name)
         yield name, obj
         if inspect.isclass(obj):
-            for member, value in vars(obj).items():
-                if member.startswith("_"):
-                    continue
+            # Inherited members too (Towers' fit comes from towers.loop.Trainer),
+            # each as the class resolves it.
+            members = {
+                member
+                for klass in obj.__mro__
+                if klass.__module__.startswith("towers")
+                for member in vars(klass)
+            }
+            for member in sorted(m for m in members if not m.startswith("_")):
+                value = inspect.getattr_static(obj, member)
                 if isinstance(value, property):
                     yield f"{name}.{member}", value.fget
                 elif callable(value) or isinstance(value, classmethod):

@@ -6,10 +6,9 @@ import pytest
 import tensorflow as tf
 
 from tests.models import (
-    build_dense_sparse_unused,
     build_mlp,
-    dense_sparse_batch,
     regression_batch,
+    step_graph,
 )
 from towers import Towers
 
@@ -29,11 +28,6 @@ def assert_unchanged(engine, before):
     assert len(after) == len(before)
     for a, b in zip(after, before):
         np.testing.assert_array_equal(a, b)
-
-
-def step_graph(engine, x, y):
-    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-    return engine._step_fn.get_concrete_function(x, y).graph
 
 
 def test_variables_and_optimizer_slots_live_on_the_variable_device():
@@ -126,30 +120,6 @@ def test_step_traces_once_per_input_signature():
     engine.train_step(*mlp_batch(5))  # a new batch size is a new signature
     engine.train_step(*mlp_batch(5, seed=1))
     assert engine.trace_count == 2
-
-
-def test_sparse_gradients_reach_the_combine_as_indexed_slices():
-    engine = Towers(
-        build_dense_sparse_unused,
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        keras.optimizers.SGD(0.1),
-        devices=["/cpu:0", "/cpu:1"],
-    )
-    x, y = dense_sparse_batch(np.random.default_rng(0), 4)
-    kinds = {}
-
-    @tf.function
-    def tower_grads(x, y):
-        _, grads, _, _ = engine._tower(engine.model, x, y, 4)
-        for var, grad in zip(engine.model.trainable_variables, grads):
-            kind = "slices" if isinstance(grad, tf.IndexedSlices) else "dense"
-            kinds[var.path.split("/")[-1]] = None if grad is None else kind
-        return 0
-
-    tower_grads(x, y)
-    assert kinds["embeddings"] == "slices"
-    assert kinds["kernel"] == "dense"
-    assert kinds["unused"] is None
 
 
 def test_builder_runs_under_the_variable_device():

@@ -6,7 +6,7 @@ import pytest
 
 import towers
 from tests.models import build_mlp, regression_batch
-from towers.explain import stage_of
+from towers.explain_graph import stage_of
 
 CPU = [f"/device:CPU:{i}" for i in range(8)]
 

@@ -13,11 +13,13 @@ from tests.models import (
     build_mlp,
     dense_sparse_batch,
     regression_batch,
+    step_graph,
 )
 from tests.test_equivalence import OPTIMIZERS, devices, reference_trainer
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.placement import balance, bytes_by_device, variable_bytes
+from towers.balance import balance
+from towers.placement import bytes_by_device, variable_bytes
 
 STEPS = 3
 
@@ -38,8 +40,7 @@ def _sparse_loss():
 
 
 def ops_by_type(engine, x, y, types):
-    x, y = engine._prepare(x, y)
-    graph = engine._step_fn.get_concrete_function(x, y).graph
+    graph = step_graph(engine, x, y)
     return [op for op in graph.get_operations() if op.type in types]
 
 
@@ -136,9 +137,9 @@ def test_placement_equals_one_device_on_the_whole_batch(placement, optimizer):
 
 def test_replicated_keeps_a_copy_and_its_slots_on_every_tower():
     engine = engine_with("replicated", num_towers=4)
-    assert len(engine.replicas.models) == 4
+    assert len(engine.placement.models) == 4
     for t, (model, optimizer) in enumerate(
-        zip(engine.replicas.models, engine.replicas.optimizers)
+        zip(engine.placement.models, engine.placement.optimizers)
     ):
         slots = [v for v in optimizer.variables if v.shape.rank]
         assert len(slots) == 2 * len(model.trainable_variables)
@@ -162,9 +163,9 @@ def test_replicated_copies_stay_bit_identical():
     rng = np.random.default_rng(2)
     for batch in (8, 5, 13):
         engine.train_step(*regression_batch(rng, batch))
-    first = engine.replicas.models[0].get_weights()
+    first = engine.placement.models[0].get_weights()
     assert not np.allclose(first[0], build_mlp().get_weights()[0])
-    for model in engine.replicas.models[1:]:
+    for model in engine.placement.models[1:]:
         for got, want in zip(model.get_weights(), first):
             np.testing.assert_array_equal(got, want)
 
@@ -196,7 +197,7 @@ def test_replicated_restore_brings_every_copy_to_the_checkpoint(tmp_path):
 
     # The second fit found the run complete: every copy holds the saved weights.
     assert resumed.steps_done == 3
-    for model in resumed.replicas.models:
+    for model in resumed.placement.models:
         for got, want in zip(model.get_weights(), trained.model.get_weights()):
             np.testing.assert_array_equal(got, want)
 
@@ -212,7 +213,7 @@ def test_independent_towers_never_communicate_and_drift_apart():
     # The one sum in the step is the reported loss's; no gradient is combined.
     summed = ops_by_type(engine, x, y, {"CollectiveReduceV2", "AddN"})
     assert [op.name for op in summed] == ["combine/AddN"]
-    first, second = (m.get_weights() for m in engine.replicas.models)
+    first, second = (m.get_weights() for m in engine.placement.models)
     assert not np.allclose(first[0], second[0])
 
     # Tower 0's copy took one SGD step on its shard alone (loss share n_0 / B).

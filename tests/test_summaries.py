@@ -97,9 +97,10 @@ def test_fit_profiles_the_steps_asked_for(tmp_path):
         for line in space_plane.lines
         for event in line.events
     ]
-    # The trace holds the towers' step function, run twice (steps 2 and 3).
-    steps = [name for name in events if "_step" in name and "__inference" in name]
-    assert len(steps) == 2, sorted(set(events))[:50]
+    # The trace holds the towers' step function (Step.train), run twice (steps 2
+    # and 3).
+    steps = [name for name in events if "__inference_train_" in name]
+    assert len(steps) == 2, [e for e in sorted(set(events)) if "inference" in e]
 
 
 @pytest.mark.parametrize(

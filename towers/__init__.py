@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 _HOME = {
     "Cluster": "towers.cluster",
     "Towers": "towers.engine",
-    "WorkerLostError": "towers.cluster",
+    "WorkerLostError": "towers.faults",
     "shard": "towers.cluster",
     "combine_gradients": "towers.combine",
     "split_batch": "towers.split",

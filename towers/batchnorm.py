@@ -26,7 +26,7 @@ gradients are not the full batch's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import keras
@@ -40,33 +40,50 @@ class MovingStatistics:
     """Collects each tower's BatchNormalization moments and applies one update.
 
     Args:
-      model: the Keras model; every BatchNormalization layer in it (nested ones
-        included) is handled.
+      model: a zero-arg function returning the engine's model (it is asked on
+        each use: a balanced placement rebuilds a lazily built model); every
+        BatchNormalization layer in it (nested ones included) is handled.
       policy: ``"batch"``, ``"tower0"`` or ``"mean"`` (see the module docstring).
 
     Raises:
       ValueError: an unknown policy, or a layer with ``renorm=True`` (its moving
         statistics follow a different rule).
+
+    Example:
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3),
+      ...                           keras.layers.BatchNormalization(name="bn")])
+      >>> [layer.name for layer in MovingStatistics(lambda: model).layers]
+      ['bn']
     """
 
-    def __init__(self, model: keras.Model, policy: MovingStatisticsPolicy = "batch"):
+    def __init__(
+        self,
+        model: Callable[[], keras.Model],
+        policy: MovingStatisticsPolicy = "batch",
+    ):
         if policy not in POLICIES:
             raise ValueError(
                 f"moving_statistics must be one of {list(POLICIES)}; "
                 f"received {policy!r}"
             )
         self.policy = policy
-        self.layers = [
-            layer
-            for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, keras.layers.BatchNormalization)
-        ]
+        self._model = model
         for layer in self.layers:
             if layer.renorm:
                 raise ValueError(
                     "BatchNormalization with renorm=True is not supported under "
                     f"towers; received layer {layer.name!r} with renorm=True"
                 )
+
+    @property
+    def layers(self) -> list[keras.layers.BatchNormalization]:
+        """The model's BatchNormalization layers, nested ones included."""
+        return [
+            layer
+            for layer in self._model()._flatten_layers(include_self=False)
+            if isinstance(layer, keras.layers.BatchNormalization)
+        ]
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[dict]:
@@ -87,17 +104,13 @@ class MovingStatistics:
             for layer in patched:
                 _unpatch(layer)
 
-    def update(self, tower_moments: list[dict]) -> list:
+    def update(self, tower_moments: list[dict]) -> None:
         """Assigns every moving statistic once, as the policy says.
 
         Args:
           tower_moments: per working tower, in tower order, what ``recording``
             yielded for it.
-
-        Returns:
-          The assign ops (for control dependencies).
         """
-        updates = []
         for index, layer in enumerate(self.layers):
             per_tower = [m[index] for m in tower_moments if index in m]
             if not per_tower:
@@ -109,10 +122,7 @@ class MovingStatistics:
                 (layer.moving_variance, variance),
             ]:
                 stat = tf.cast(stat, moving.dtype)
-                updates.append(
-                    moving.assign(moving * momentum + stat * (1.0 - momentum))
-                )
-        return updates
+                moving.assign(moving * momentum + stat * (1.0 - momentum))
 
     def _statistics(self, per_tower: list[tuple]) -> tuple[tf.Tensor, tf.Tensor]:
         means = [mean for mean, _, _ in per_tower]

@@ -11,19 +11,29 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import tensorflow as tf
 
-if TYPE_CHECKING:
-    from towers.engine import Towers
+
+class Checkpointable(Protocol):
+    """What a checkpoint needs of an engine (``towers.Towers`` has it)."""
+
+    variable_device: str
+
+    @property
+    def steps_done(self) -> int: ...
+
+    def training_state(self) -> dict[str, Any]: ...
+
+    def after_restore(self) -> None: ...
 
 
 class TrainingCheckpoint:
     """Saves and restores one engine's training state in ``directory``.
 
     Args:
-      engine: the Towers engine whose model and optimizer are saved.
+      engine: the engine whose ``training_state()`` is saved.
       directory: the checkpoint directory, or None for no checkpoints.
       keep: how many checkpoints to keep.
       writes: whether this process saves (in a cluster, the chief only; every
@@ -31,7 +41,11 @@ class TrainingCheckpoint:
     """
 
     def __init__(
-        self, engine: Towers, directory: str | None, keep: int = 3, writes=True
+        self,
+        engine: Checkpointable,
+        directory: str | None,
+        keep: int = 3,
+        writes: bool = True,
     ):
         self.directory = directory
         self.writes = writes
@@ -42,16 +56,7 @@ class TrainingCheckpoint:
         with tf.device(engine.variable_device):
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
-        state = dict(
-            model=engine.model,
-            optimizer=engine.optimizer,
-            epoch=self.epoch,
-            step=self.step,
-            steps_done=engine.update.steps,
-        )
-        if engine.update.accumulator is not None:
-            # A run stopped inside an accumulate_steps window resumes inside it.
-            state["accumulator"] = engine.update.accumulator
+        state = {**engine.training_state(), "epoch": self.epoch, "step": self.step}
         self._checkpoint = tf.train.Checkpoint(**state)
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, directory, max_to_keep=keep
@@ -75,8 +80,7 @@ class TrainingCheckpoint:
         self._check_matches(path)
         status = self._checkpoint.restore(path)
         status.assert_existing_objects_matched()
-        if self._engine.replicas is not None:
-            self._engine.replicas.sync()  # the checkpoint holds copy 0
+        self._engine.after_restore()
         return int(self.epoch.numpy()), int(self.step.numpy())
 
     def save(self, epoch: int, step: int) -> None:

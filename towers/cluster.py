@@ -1,26 +1,21 @@
 """The workers of a multi-process job: who they are, starting them, feeding them.
 
 A cluster is W worker processes, each running the same script with its own towers.
-``TF_CONFIG`` (set by ``towers launch``, SLURM scripts or a scheduler) names them::
-
-    {"cluster": {"worker": ["host0:port", "host1:port"]},
-     "task": {"type": "worker", "index": 1}}
-
-A ``"chief"`` job of one task is accepted too (it becomes worker 0, the others
-follow in order), as ``MultiWorkerMirroredStrategy`` reads it. Worker 0 is the
-chief: it alone prints progress and writes checkpoints and summaries.
+``TF_CONFIG`` (set by ``towers launch``, SLURM scripts or a scheduler) names them
+(``towers/tf_config.py``). Worker 0 is the chief: it alone prints progress and
+writes checkpoints and summaries.
 
 Each worker feeds its own share of every global batch (:func:`shard`); the engine
 combines its towers' gradients locally, then sums them across workers on
 TensorFlow's collective runtime (``towers/collective.py``), weighted by each
 worker's examples, so W workers × T towers give one process's update on the
-concatenated batch.
+concatenated batch (``towers/workers.py``); a worker that stops answering is
+named (``towers/faults.py``).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -29,30 +24,11 @@ from typing import Any
 import tensorflow as tf
 
 from towers import _runtime
+from towers.split import split_batch
+from towers.tf_config import check_address, parse_tf_config, split_address
 
+# The cluster this process joined (a process joins one at most).
 _started: Cluster | None = None
-
-# Words of the line in TensorFlow's error that says why a collective failed.
-_CAUSES = ("timed out", "aborted by", "Socket closed", "failed to connect")
-
-
-class WorkerLostError(RuntimeError):
-    """A peer worker did not take part in a collective within the timeout.
-
-    The message names the workers that cannot be reached. TensorFlow's collective
-    runtime cannot continue after this in the same process: restart every worker
-    (``fit`` resumes from the last checkpoint).
-
-    Example:
-      >>> import socket
-      >>> with socket.socket() as free:
-      ...     free.bind(("127.0.0.1", 0))
-      ...     port = free.getsockname()[1]  # closed again: nobody listens there
-      >>> cluster = Cluster(["127.0.0.1:1", f"127.0.0.1:{port}"], index=0)
-      >>> error = cluster.lost_error(RuntimeError("Collective ops is aborted"), 5.0)
-      >>> isinstance(error, WorkerLostError), "cannot reach worker 1" in str(error)
-      (True, True)
-    """
 
 
 class Cluster:
@@ -62,7 +38,7 @@ class Cluster:
       workers: every worker's ``"host:port"``, in rank order (worker 0 is the chief).
       index: this process's rank in ``workers``.
       timeout_seconds: how long a collective waits for the other workers during
-        training before this worker gives up with :class:`WorkerLostError`.
+        training before this worker gives up with ``towers.WorkerLostError``.
       startup_timeout_seconds: the same for the first collectives, which wait for
         every worker to start (import TensorFlow, build the model).
 
@@ -84,7 +60,7 @@ class Cluster:
                 'workers must be a non-empty list of "host:port" addresses; '
                 f"received {workers!r}"
             )
-        self.workers = [_check_address(a, "workers") for a in workers]
+        self.workers = [check_address(a, "workers") for a in workers]
         repeated = sorted({a for a in self.workers if self.workers.count(a) > 1})
         if repeated:
             raise ValueError(
@@ -130,8 +106,8 @@ class Cluster:
             tf_config = os.environ.get("TF_CONFIG")
             if not tf_config:
                 raise ValueError("TF_CONFIG is not set; received no cluster to join")
-        workers, index = _parse_tf_config(tf_config)
-        return cls(workers, index, **options)
+        task = parse_tf_config(tf_config)
+        return cls(task.workers, task.index, **options)
 
     @property
     def num_workers(self) -> int:
@@ -200,69 +176,6 @@ class Cluster:
         _started = self
         return self
 
-    def unreachable(self, timeout: float = 2.0) -> list[tuple[int, str, str]]:
-        """Peers that do not accept a connection: ``(rank, address, reason)``.
-
-        Example:
-          >>> import socket
-          >>> with socket.socket() as listening:
-          ...     listening.bind(("127.0.0.1", 0))
-          ...     listening.listen()
-          ...     alive = f"127.0.0.1:{listening.getsockname()[1]}"
-          ...     Cluster(["127.0.0.1:1", alive], index=0).unreachable()
-          []
-        """
-        lost = []
-        for rank, address in enumerate(self.workers):
-            if rank == self.index:
-                continue
-            host, port = _split_address(address)
-            try:
-                with socket.create_connection((host, port), timeout=timeout):
-                    pass
-            except OSError as error:
-                lost.append((rank, address, error.strerror or str(error)))
-        return lost
-
-    def lost_error(self, error: Exception, waited: float) -> WorkerLostError:
-        """The error a survivor raises when a collective failed or timed out.
-
-        Example:
-          >>> cluster = Cluster(["127.0.0.1:1", "127.0.0.1:2"], index=1)
-          >>> error = cluster.lost_error(RuntimeError("Collective ops is aborted"), 3)
-          >>> for part in str(error).split("; ")[:2]:
-          ...     print(part)
-          worker 1 of 2: a collective did not complete (waited 3.0 s)
-          cannot reach worker 0 (127.0.0.1:1: Connection refused)
-        """
-        lost = self.unreachable()
-        if lost:
-            who = ", ".join(f"worker {r} ({a}: {why})" for r, a, why in lost)
-            what = f"cannot reach {who}; it has probably died"
-        else:
-            what = (
-                "every worker still accepts connections, so one is slow or stuck "
-                "(raise timeout_seconds if a step can legitimately take longer)"
-            )
-        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-        # TensorFlow's message starts with "Graph execution error:" and a
-        # traceback; the cause is the line that says what happened.
-        first_line = next(
-            (ln for ln in lines if any(k in ln for k in _CAUSES)),
-            lines[-1] if lines else "",
-        )
-        return WorkerLostError(
-            f"worker {self.index} of {self.num_workers}: a collective did not "
-            f"complete (waited {waited:.1f} s); {what}. Received: {first_line}. "
-            "The job cannot continue; restart every worker (fit resumes from the "
-            "last checkpoint)."
-        )
-
-
-def current() -> Cluster | None:
-    """The cluster this process joined, if any."""
-    return _started
-
 
 def resolve_cluster(cluster: Any) -> Cluster | None:
     """``Towers(cluster=...)``: ``"auto"`` reads ``TF_CONFIG``; None is one process.
@@ -316,104 +229,15 @@ def shard(dataset: tf.data.Dataset, cluster: Cluster | None = None) -> tf.data.D
 
     def share(*batch):
         batch = batch[0] if len(batch) == 1 else batch
-        size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
-        base, extra = size // num, size % num
-        start = rank * base + tf.minimum(tf.constant(rank, tf.int64), extra)
-        length = base + tf.cast(rank < extra, tf.int64)
-        return tf.nest.map_structure(lambda a: a[start : start + length], batch)
+        # The towers' rule, over workers: worker w's is the w-th contiguous slice.
+        return split_batch(batch, num)[rank]
 
     return dataset.map(share)
 
 
-def _parse_tf_config(text: str | Mapping[str, Any]) -> tuple[list[str], int]:
-    where = "TF_CONFIG"
-    if isinstance(text, str):
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{where} must be JSON; received {text!r} ({error.msg} at "
-                f"character {error.pos})"
-            ) from None
-    else:
-        config = text
-    expected = (
-        '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", '
-        '"index": i}}'
-    )
-    if not isinstance(config, Mapping) or not isinstance(
-        config.get("cluster"), Mapping
-    ):
-        raise ValueError(
-            f"{where} must have a 'cluster' object, as in {expected}; received "
-            f"{config!r}"
-        )
-    jobs = config["cluster"]
-    unknown = sorted(set(jobs) - {"chief", "worker"})
-    if unknown:
-        raise ValueError(
-            f"{where}'s cluster may have 'chief' and 'worker' jobs (every task "
-            f"trains); received jobs {unknown}"
-        )
-    for job, addresses in jobs.items():
-        if isinstance(addresses, str) or not isinstance(addresses, list):
-            raise ValueError(
-                f"{where}'s cluster['{job}'] must be a list of \"host:port\"; "
-                f"received {addresses!r}"
-            )
-    chief = jobs.get("chief", [])
-    if len(chief) > 1:
-        raise ValueError(
-            f"{where}'s cluster may have one chief; received {len(chief)}: {chief}"
-        )
-    workers = [*chief, *jobs.get("worker", [])]
-    if not workers:
-        raise ValueError(f"{where} names no workers; received cluster {dict(jobs)}")
-    task = config.get("task")
-    if not isinstance(task, Mapping):
-        raise ValueError(
-            f"{where} must have a 'task' object naming this process, as in "
-            f"{expected}; received task={task!r}"
-        )
-    job, index = task.get("type"), task.get("index", 0)
-    if job not in jobs:
-        raise ValueError(
-            f"{where}'s task type must be one of the cluster's jobs {sorted(jobs)}; "
-            f"received {job!r}"
-        )
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise ValueError(f"{where}'s task index must be an integer; received {index!r}")
-    if not 0 <= index < len(jobs[job]):
-        raise ValueError(
-            f"{where}'s task index must be in 0..{len(jobs[job]) - 1} for the "
-            f"{len(jobs[job])} '{job}' tasks; received {index}"
-        )
-    rank = index if job == "chief" else len(chief) + index
-    return [_check_address(a, where) for a in workers], rank
-
-
-def _check_address(address: Any, where: str) -> str:
-    try:
-        _split_address(address)
-    except (ValueError, TypeError, AttributeError):
-        raise ValueError(
-            f'{where}: every worker address must be "host:port" with a port in '
-            f"1..65535; received {address!r}"
-        ) from None
-    return address
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port_text = address.rpartition(":")
-    port = int(port_text)
-    if not host or not 0 < port < 65536:
-        raise ValueError(address)
-    return host.strip("[]"), port
-
-
 def _check_port_free(address: str, index: int) -> None:
     """Fails early, naming the address, if this worker's port is taken."""
-    _, port = _split_address(address)
+    _, port = split_address(address)
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         probe.bind(("", port))

@@ -79,7 +79,7 @@ def virtual_devices(
 def _logical_names_of(physical: tf.config.PhysicalDevice, kind: str) -> list[str]:
     # Logical devices of the first physical device come first in TensorFlow's list.
     count = len(tf.config.get_logical_device_configuration(physical) or [None])
-    return [_local_name(d.name) for d in tf.config.list_logical_devices(kind)][:count]
+    return [local_name(d.name) for d in tf.config.list_logical_devices(kind)][:count]
 
 
 def _check_kind(kind: str) -> str:
@@ -90,19 +90,24 @@ def _check_kind(kind: str) -> str:
 
 def available_devices() -> list[str]:
     """Returns the canonical names of every logical device TensorFlow sees."""
-    return [_local_name(d.name) for d in tf.config.list_logical_devices()]
+    return [local_name(d.name) for d in tf.config.list_logical_devices()]
 
 
 def default_devices() -> list[str]:
     """Every logical GPU if there is one, else the first CPU."""
-    gpus = [_local_name(d.name) for d in tf.config.list_logical_devices("GPU")]
-    return gpus or [_local_name(tf.config.list_logical_devices("CPU")[0].name)]
+    gpus = [local_name(d.name) for d in tf.config.list_logical_devices("GPU")]
+    return gpus or [local_name(tf.config.list_logical_devices("CPU")[0].name)]
 
 
-def _local_name(name: str) -> str:
+def local_name(name: str) -> str:
     """``/device:CPU:0`` for this process's devices, also when it is a worker of a
     cluster (where TensorFlow lists ``/job:worker/replica:0/task:1/device:CPU:0``;
-    only the process's own devices are listed there)."""
+    only the process's own devices are listed there).
+
+    Example:
+      >>> local_name("/job:worker/replica:0/task:1/device:CPU:0")
+      '/device:CPU:0'
+    """
     spec = tf.DeviceSpec.from_string(name)
     return f"/device:{spec.device_type}:{spec.device_index}"
 

@@ -1,21 +1,23 @@
-"""Variable placements: where the shared variables (and their updates) live.
+"""Variable placements: where the variables live and how gradients reach them.
 
-``Towers(placement=...)`` takes one of:
+``Towers(placement=...)`` takes one of four modes, each a :class:`Placement`
+subclass, as tf_cnn_benchmarks' ``VariableMgr`` family:
 
-- ``"central"`` (default): every variable on ``variable_device`` (the CPU unless
-  told otherwise; pass a tower's device for "on one device"). The towers'
-  gradients are combined there and applied there: a parameter device.
-- ``"balanced"``: variables spread over the tower devices by bytes, greedily,
-  largest first (each goes to the device holding the fewest bytes so far). Each
-  variable's gradients are combined, and its update runs, on its own device, so
-  the combine and apply work is spread as well.
-- ``"replicated"``: a copy of every variable on every tower's device, kept
-  identical: the towers' gradients are all-reduced with TensorFlow's collective
-  ops (a ring over the tower devices) and each tower applies the same sum to its
-  copy, as MirroredStrategy does.
-- ``"independent"``: a copy per tower, and no synchronisation at all: each tower
-  applies its own gradient to its own copy. It is not training (the copies drift
-  apart); it exists as the zero-communication baseline a measurement needs.
+- ``"central"`` (:class:`towers.shared.Central`, default): every variable on
+  ``variable_device`` (the CPU unless told otherwise; pass a tower's device for
+  "on one device"). The towers' gradients are combined there and applied there:
+  a parameter device.
+- ``"balanced"`` (:class:`towers.shared.Balanced`): variables spread over the
+  tower devices by bytes, largest first (``towers/balance.py``). Each variable's
+  gradients are combined, and its update runs, on its own device.
+- ``"replicated"`` (:class:`towers.replicas.Replicated`): a copy of every
+  variable on every tower's device, kept identical: the towers' gradients are
+  all-reduced with TensorFlow's collective ops and each tower applies the same
+  sum to its copy, as MirroredStrategy does.
+- ``"independent"`` (:class:`towers.replicas.Independent`): a copy per tower and
+  no synchronisation at all: each tower applies its own gradient to its own
+  copy. Not training (the copies drift apart): the zero-communication baseline a
+  measurement needs.
 
 What each moves per step, for gradients of S bytes and n towers, is in
 ``docs/sync-cost.md``.
@@ -23,155 +25,167 @@ What each moves per step, for gradients of S bytes and n towers, is in
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import keras
 import tensorflow as tf
 
-Placement = Literal["central", "balanced", "replicated", "independent"]
-PLACEMENTS = ("central", "balanced", "replicated", "independent")
+from towers.devices import same_device
+from towers.split import Shards
+from towers.update import Update
 
 
-def check_placement(placement: Any) -> str:
-    """Returns ``placement`` if it names a placement.
+class Placement(abc.ABC):
+    """Where a model's variables live, and how the towers' gradients reach them.
 
-    Raises:
-      ValueError: anything else; the message lists the valid names.
+    A placement owns the step's variable side::
 
-    Example:
-      >>> check_placement("balanced")
-      'balanced'
+        build(model, optimizer)      the model(s) and optimizer(s), placed
+        model_of(t)                  the model tower t runs
+        combine(tower_grads)         tower_grads[t][v] -> what apply takes
+        apply(update, grads, ...)    once per step
+        refuse(...), check_devices() what it cannot do; where it put things
+
+    Args:
+      devices: the towers' devices, in tower order.
+      variable_device: where shared variables live (the central placement's
+        parameter device; the others' home for the steps counter and metrics).
+      reducer: how dense gradients are summed (``towers/reducers.py``).
     """
-    if placement not in PLACEMENTS:
+
+    name: ClassVar[str]
+    # Whether the workers of a cluster can train with it (towers/workers.py).
+    joins_clusters: ClassVar[bool] = False
+    # Whether sparse gradients travel as dense tensors (an all-reduce's must).
+    sends_slices_dense: ClassVar[bool] = False
+
+    def __init__(self, devices: Sequence[str], variable_device: str, reducer: Any):
+        self.devices = list(devices)
+        self.variable_device = variable_device
+        self.reducer = reducer
+        self.models: list[keras.Model] = []
+        self.optimizers: list[keras.optimizers.Optimizer] = []
+
+    @property
+    def model(self) -> keras.Model:
+        """The engine's model: the shared one, or tower 0's copy (what
+        checkpoints save and evaluation reports)."""
+        return self.models[0]
+
+    @property
+    def optimizer(self) -> keras.optimizers.Optimizer:
+        """The engine's optimizer: the shared one, or tower 0's."""
+        return self.optimizers[0]
+
+    @abc.abstractmethod
+    def build(self, model: Any, optimizer: Any) -> None:
+        """Makes the model(s) and optimizer(s) from the engine's arguments."""
+
+    @abc.abstractmethod
+    def build_from(self, sample: Any) -> None:
+        """Creates a lazily built model's variables from one example."""
+
+    @abc.abstractmethod
+    def build_slots(self) -> None:
+        """Creates the optimizers' slot variables, where the placement says."""
+
+    def model_of(self, t: int) -> keras.Model:
+        """The model tower ``t`` runs (the shared one unless there are copies)."""
+        return self.models[0]
+
+    def working_towers(self, shards: Shards) -> list[int]:
+        """The towers that run this step: those with examples."""
+        return shards.working()
+
+    @abc.abstractmethod
+    def combine(self, tower_grads: list[list[Any]]) -> list[Any]:
+        """``tower_grads[t][v]`` -> the gradients :meth:`apply` takes."""
+
+    @abc.abstractmethod
+    def apply(
+        self,
+        update: Update,
+        grads: list[Any],
+        also: Callable[[], None],
+        examples: Any,
+        has_regularisers: bool,
+    ) -> tf.Tensor | None:
+        """Applies one step's combined gradients, and ``also`` (the moving
+        statistics) with them, inside the step's ``apply`` name scope; returns
+        the finiteness flags, or None."""
+
+    @abc.abstractmethod
+    def refuse(self, update: Update, batch_norm: bool) -> None:
+        """Raises ValueError for an option this placement cannot serve yet."""
+
+    @abc.abstractmethod
+    def check_devices(self) -> None:
+        """Raises ValueError if a model or optimizer variable is elsewhere than
+        the placement says."""
+
+    @abc.abstractmethod
+    def after_restore(self) -> None:
+        """Brings the rest of the state to a restored checkpoint of :attr:`model`
+        and :attr:`optimizer`."""
+
+    @abc.abstractmethod
+    def topology(self) -> str:
+        """How the gradients travel, in words (for ``towers bench``)."""
+
+
+def check_on(var: Any, owner: str, expected: str, where: str) -> None:
+    """Raises ValueError unless ``var`` lives on ``expected``.
+
+    Args:
+      var: a model or optimizer variable.
+      owner: ``"model"`` or ``"optimizer slot"``, for the message.
+      expected: the device it should be on.
+      where: that device in words, e.g. ``"the variable device /device:CPU:0"``.
+    """
+    device = var.handle.device
+    if not same_device(device, expected):
+        name = getattr(var, "path", var.name)
         raise ValueError(
-            f"unknown placement; received {placement!r}, expected one of "
-            f"{list(PLACEMENTS)}"
+            f"{owner} variables must live on {where}; received {name!r} on "
+            f"{device}. "
+            "Pass a zero-arg function that builds the model (towers builds it "
+            f"there), or build it inside `with tf.device({expected!r})`."
         )
-    return placement
 
 
-def balance(sizes: Sequence[int], devices: Sequence[str]) -> list[str]:
-    """Assigns each size to a device, greedily, largest first.
-
-    Each item goes to the device with the fewest bytes so far (the earliest such
-    device on a tie); items of equal size keep their order.
-
-    Args:
-      sizes: bytes of each variable.
-      devices: the devices to spread them over.
-
-    Returns:
-      One device per size, in the order of ``sizes``.
-
-    Example:
-      >>> balance([10, 400, 30, 300], ["A", "B"])
-      ['B', 'A', 'B', 'B']
-    """
-    if not devices:
-        raise ValueError("balance needs at least one device; received []")
-    loads = {device: 0 for device in devices}
-    chosen: list[str] = [""] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        device = min(devices, key=lambda d: loads[d])
-        chosen[index] = device
-        loads[device] += sizes[index]
-    return chosen
+def slot_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The optimizer's variables except the scalars Keras made with it (its
+    iteration count and learning rate, which live where it was made)."""
+    optimizers = [optimizer, getattr(optimizer, "inner_optimizer", None)]
+    own = {
+        id(v)
+        for opt in optimizers
+        if opt is not None
+        for v in (opt.iterations, opt._learning_rate)
+    }
+    return [v for v in optimizer.variables if id(v) not in own]
 
 
-def variable_bytes(var: Any) -> int:
-    """Bytes a variable holds."""
-    return int(var.shape.num_elements()) * tf.as_dtype(var.dtype).size
-
-
-def build_balanced(
-    build: Callable[[], keras.Model], devices: Sequence[str], sample: Any = None
-) -> keras.Model:
-    """Builds a model with its variables balanced over ``devices`` by bytes.
-
-    The model is built twice: once to learn its variables' sizes in creation
-    order (that build is thrown away), once with each variable created on its
-    planned device.
-
-    Args:
-      build: a zero-arg function that makes the model.
-      devices: the devices to spread the variables over.
-      sample: a batch to call the model on if it is built lazily.
-    """
-    with _recording_sizes() as sizes:
-        _make(build, sample)
-    plan = balance(sizes, devices)
-    with _creating_on(plan):
-        return _make(build, sample)
-
-
-def _make(build: Callable[[], keras.Model], sample: Any) -> keras.Model:
-    model = build()
-    if sample is not None and not model.variables:
-        model(sample, training=False)
+def needs_builder(placement: str, model: Any) -> Callable[[], keras.Model]:
+    """``model`` if it is a zero-arg builder; placements that make the model
+    themselves (on several devices, or several times) refuse a built one."""
+    if isinstance(model, keras.Model) or not callable(model):
+        raise ValueError(
+            f"placement={placement!r} builds the model itself: model must "
+            f"be a zero-arg function that builds one; received {model!r}"
+        )
     return model
 
 
-@contextlib.contextmanager
-def _recording_sizes() -> Iterator[list[int]]:
-    sizes: list[int] = []
+def variable_bytes(var: Any) -> int:
+    """Bytes a variable holds.
 
-    def creator(next_creator, **kwargs):
-        var = next_creator(**kwargs)
-        sizes.append(variable_bytes(var))
-        return var
-
-    with tf.variable_creator_scope(creator):
-        yield sizes
-
-
-@contextlib.contextmanager
-def _creating_on(plan: list[str]) -> Iterator[None]:
-    remaining = iter(plan)
-
-    def creator(next_creator, **kwargs):
-        device = next(remaining, None)
-        if device is None:
-            raise RuntimeError(
-                "the model made more variables on its second build than its first "
-                f"({len(plan)}); balanced placement needs a builder that makes the "
-                "same variables every time"
-            )
-        with tf.device(device):
-            return next_creator(**kwargs)
-
-    with tf.variable_creator_scope(creator):
-        yield
-
-
-@contextlib.contextmanager
-def updates_where_variables_live(
-    optimizer: keras.optimizers.Optimizer,
-) -> Iterator[None]:
-    """Runs each variable's optimizer update on that variable's device.
-
-    Keras places an update's arithmetic by the surrounding device scope; with
-    variables on several devices that would pull every update onto one. While
-    the step is traced, the optimizer's ``update_step`` (public, per variable)
-    runs under the variable's device.
-
-    Args:
-      optimizer: the engine's optimizer (a LossScaleOptimizer's inner one is used).
+    >>> variable_bytes(tf.Variable(tf.zeros([3, 4])))
+    48
     """
-    target = getattr(optimizer, "inner_optimizer", optimizer)
-    original = target.update_step
-
-    def update_step(gradient, variable, learning_rate):
-        # Keras hands over the tf.Variable; its device is where it was created.
-        with tf.device(variable.device):
-            return original(gradient, variable, learning_rate)
-
-    target.update_step = update_step
-    try:
-        yield
-    finally:
-        del target.update_step
+    return int(var.shape.num_elements()) * tf.as_dtype(var.dtype).size
 
 
 def bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:

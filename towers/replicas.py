@@ -1,69 +1,54 @@
-"""One copy of the model and optimizer per tower: the replicated and independent
+"""A copy of the model and optimizer per tower: the replicated and independent
 placements.
 
-- ``"replicated"``: the towers' gradients are all-reduced on TensorFlow's
+- :class:`Replicated`: the towers' gradients are all-reduced on TensorFlow's
   collective runtime (``towers/collective.py``) and every tower applies the same
   sum to its own copy, so the copies stay identical. Every tower joins every
   all-reduce, even one with no examples this step (it contributes zeros).
-- ``"independent"``: each tower applies its own gradient to its own copy and
+  Sparse gradients are all-reduced dense.
+- :class:`Independent`: each tower applies its own gradient to its own copy and
   nothing is exchanged: the zero-communication baseline for measurements.
 
 Copy 0 is the engine's ``model`` and ``optimizer`` (what checkpoints save and
 evaluation reads); ``sync`` copies it to the others, at the start and after a
-restore. Sparse gradients are all-reduced dense.
+restore.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from towers.collective import AllReduce
+from towers.options import refuse_unsupported
+from towers.placement import Placement, check_on, needs_builder, slot_variables
+from towers.split import Shards
+from towers.update import Update, make_optimizer, needs_loss_scaling
 
 
-class Replicas:
-    """The towers' model and optimizer copies, one per device.
+class Copies(Placement):
+    """Each tower has its own copy of the variables, on its own device."""
 
-    Args:
-      build: a zero-arg function that makes the model (called once per device).
-      optimizer: a Keras optimizer (tower 0 uses it, the others a copy made from
-        its config) or a zero-arg function that makes one per tower.
-      devices: the towers' devices; copy t lives on ``devices[t]``.
-      placement: ``"replicated"`` or ``"independent"``.
-      reducer: the all-reduce's reducer, ``"per_tensor"`` or ``"packed"``.
-    """
-
-    def __init__(
-        self,
-        build: Callable[[], keras.Model],
-        optimizer: Any,
-        devices: Sequence[str],
-        placement: str,
-        reducer: Any,
-    ):
-        self.devices = list(devices)
-        self.placement = placement
-        self.models = []
-        self.optimizers = []
+    def build(self, model: Any, optimizer: Any) -> None:
+        build = needs_builder(self.name, model)
         for t, device in enumerate(self.devices):
             with tf.device(device):
                 self.models.append(build())
-                self.optimizers.append(_optimizer_for(optimizer, copy=t > 0))
-        self.all_reduce = (
-            AllReduce(self.devices, reducer) if placement == "replicated" else None
-        )
+            self.optimizers.append(_optimizer_for(optimizer, t, device))
 
-    def build(self, sample: Any = None) -> None:
-        """Creates every copy's variables (from ``sample`` if built lazily), then
-        makes them equal to copy 0's."""
-        for model, optimizer, device in zip(self.models, self.optimizers, self.devices):
+    def build_from(self, sample: Any) -> None:
+        for model, device in zip(self.models, self.devices):
             with tf.device(device):
-                if sample is not None and not model.variables:
-                    model(sample, training=False)
-                if not optimizer.built:
+                model(sample, training=False)
+
+    def build_slots(self) -> None:
+        """Creates every copy's slots, then makes every copy equal to copy 0."""
+        for model, optimizer, device in zip(self.models, self.optimizers, self.devices):
+            if not optimizer.built:
+                with tf.device(device):
                     optimizer.build(model.trainable_variables)
         self.sync()
 
@@ -74,26 +59,69 @@ class Replicas:
             for source, target in zip(first, model.variables + optimizer.variables):
                 target.assign(source)
 
-    def reduce(self, tower_grads: list[list[Any]]) -> list[list[Any]]:
-        """Replicated: each tower's gradients replaced by their sum over towers
-        (every tower's, in order). Independent: the gradients as they are."""
-        if self.all_reduce is None:
-            return tower_grads
-        variables = [m.trainable_variables for m in self.models]
-        return self._summed(tower_grads, variables)
+    def after_restore(self) -> None:
+        self.sync()  # the checkpoint holds copy 0
 
-    def apply(self, tower_grads: list[list[Any]]) -> None:
-        """Applies ``tower_grads[t]`` to copy t, on tower t's device."""
+    def model_of(self, t: int) -> keras.Model:
+        return self.models[t]
+
+    def working_towers(self, shards: Shards) -> list[int]:
+        # Every copy takes part in every step (with zeros when it has no examples).
+        return list(range(len(self.devices)))
+
+    def apply(
+        self,
+        update: Update,
+        grads: list[list[Any]],
+        also: Callable[[], None],
+        examples: Any,
+        has_regularisers: bool,
+    ) -> None:
+        """Applies ``grads[t]`` to copy t, on tower t's device."""
         for t, device in enumerate(self.devices):
             with tf.device(device), tf.name_scope(f"apply_{t}"):
                 variables = self.models[t].trainable_variables
-                pairs = [
-                    (g, v) for g, v in zip(tower_grads[t], variables) if g is not None
-                ]
+                pairs = [(g, v) for g, v in zip(grads[t], variables) if g is not None]
                 self.optimizers[t].apply_gradients(pairs)
+        also()
+        return None
 
-    def _summed(self, tower_grads: list[list[Any]], variables) -> list[list[Any]]:
-        """Every tower's gradients replaced by their sum over towers."""
+    def refuse(self, update: Update, batch_norm: bool) -> None:
+        refuse_unsupported(
+            f"placement={self.name!r}",
+            {
+                "accumulate_steps > 1": update.accumulate_steps > 1,
+                f"on_nonfinite={update.on_nonfinite!r}": update.on_nonfinite
+                != "ignore",
+                "BatchNormalization layers": batch_norm,
+                "mixed_float16 (loss scaling)": needs_loss_scaling(self.model),
+            },
+            "Use placement='central' or 'balanced'.",
+        )
+
+    def check_devices(self) -> None:
+        for t, device in enumerate(self.devices):
+            where = f"{device} (placement={self.name!r})"
+            for var in self.models[t].variables:
+                check_on(var, "model", device, where)
+            for slot in slot_variables(self.optimizers[t]):
+                check_on(slot, "optimizer slot", device, where)
+
+
+class Replicated(Copies):
+    """Copies kept identical: every tower applies the all-reduced sum."""
+
+    name = "replicated"
+    sends_slices_dense = True
+
+    def build(self, model: Any, optimizer: Any) -> None:
+        super().build(model, optimizer)
+        # Refuses reducers an all-reduce cannot take, before anything runs.
+        self.all_reduce = AllReduce(self.devices, self.reducer)
+
+    def combine(self, tower_grads: list[list[Any]]) -> list[list[Any]]:
+        """Each tower's gradients replaced by their sum over every tower."""
+        variables = [m.trainable_variables for m in self.models]
         used = [
             v
             for v in range(len(variables[0]))
@@ -111,6 +139,21 @@ class Replicas:
                 out[t][v] = total
         return out
 
+    def topology(self) -> str:
+        return "ring all-reduce over the towers (CollectiveReduceV2)"
+
+
+class Independent(Copies):
+    """Copies that never synchronise: a measurement baseline, not training."""
+
+    name = "independent"
+
+    def combine(self, tower_grads: list[list[Any]]) -> list[list[Any]]:
+        return tower_grads  # each tower keeps its own
+
+    def topology(self) -> str:
+        return "none: towers never exchange gradients"
+
 
 def _dense(grad: Any, var: Any) -> tf.Tensor:
     if grad is None:  # this tower's examples do not reach the variable
@@ -118,16 +161,10 @@ def _dense(grad: Any, var: Any) -> tf.Tensor:
     return tf.convert_to_tensor(grad)
 
 
-def _optimizer_for(optimizer: Any, copy: bool) -> keras.optimizers.Optimizer:
-    """Tower 0 gets the optimizer as given; the others a copy from its config."""
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return (
-            type(optimizer).from_config(optimizer.get_config()) if copy else optimizer
-        )
-    made = optimizer() if callable(optimizer) else optimizer
-    if not isinstance(made, keras.optimizers.Optimizer):
-        raise ValueError(
-            "optimizer must be a keras.optimizers.Optimizer or a zero-arg function "
-            f"that makes one; received {optimizer!r}"
-        )
-    return made
+def _optimizer_for(optimizer: Any, t: int, device: str) -> keras.optimizers.Optimizer:
+    """Tower 0 gets the optimizer as given; the others a copy from its config
+    (or their own, from a zero-arg function)."""
+    if t > 0 and isinstance(optimizer, keras.optimizers.Optimizer):
+        with tf.device(device):
+            return type(optimizer).from_config(optimizer.get_config())
+    return make_optimizer(optimizer, device)

@@ -8,6 +8,7 @@ back, which is what makes T towers add up to one device on the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -31,8 +32,17 @@ def split_sizes(batch_size: int, num_towers: int) -> list[int]:
       [1, 1, 0, 0]
     """
     _check_num_towers(num_towers)
-    base, extra = divmod(int(batch_size), num_towers)
-    return [base + (1 if t < extra else 0) for t in range(num_towers)]
+    return _part_sizes(int(batch_size), num_towers)
+
+
+def _part_sizes(size: Any, parts: int) -> Any:
+    """The one rule for B examples over N parts (towers, or a cluster's workers):
+    contiguous, in order, the first ``B % N`` parts one larger. A list for a
+    Python int; an int32 tensor for a B known only when the step runs."""
+    base, extra = size // parts, size % parts
+    if isinstance(size, int):
+        return [base + (1 if t < extra else 0) for t in range(parts)]
+    return base + tf.cast(tf.range(parts) < extra, size.dtype)
 
 
 def batch_size_of(batch: Any) -> int | tf.Tensor:
@@ -90,19 +100,69 @@ def split_batch(batch: Any, num_towers: int) -> list[Any]:
     """
     _check_num_towers(num_towers)
     size = batch_size_of(batch)
-    if isinstance(size, int):
-        if size == 0:
-            raise ValueError("a batch needs at least one example; received 0")
-        sizes = split_sizes(size, num_towers)
-    else:
-        # Unknown B at trace time: the same rule as split_sizes, as tensors.
-        base, extra = size // num_towers, size % num_towers
-        sizes = base + tf.cast(tf.range(num_towers) < extra, tf.int32)
+    if isinstance(size, int) and size == 0:
+        raise ValueError("a batch needs at least one example; received 0")
+    sizes = _part_sizes(size, num_towers)
     per_leaf = [_split_leaf(leaf, sizes, num_towers) for leaf in tf.nest.flatten(batch)]
     return [
         tf.nest.pack_sequence_as(batch, [shards[t] for shards in per_leaf])
         for t in range(num_towers)
     ]
+
+
+@dataclasses.dataclass
+class Shards:
+    """One step's batch, cut for its towers.
+
+    Attributes:
+      size: B, the step's examples: an int, or a scalar tensor when only the run
+        knows it.
+      parts: ``parts[t]``, tower t's shard: the batch's structure over its n_t
+        examples.
+      sizes: ``[n_0, ..., n_{T-1}]`` when B is known at trace time, else None.
+    """
+
+    size: Any
+    parts: list[Any]
+    sizes: list[int] | None
+
+    @property
+    def normaliser(self) -> Any:
+        """What each tower's loss share divides by: B, or 1 for a worker of a
+        cluster whose share of a small batch is empty (its towers add zeros)."""
+        if isinstance(self.size, int):
+            return max(self.size, 1)
+        return tf.maximum(self.size, 1)
+
+    def working(self) -> list[int]:
+        """The towers that get examples. With none (an empty share), tower 0
+        alone still runs, so the worker joins its cluster's step with zeros.
+
+        Example:
+          >>> split_for_towers(np.arange(2), 4).working()
+          [0, 1]
+          >>> split_for_towers(np.arange(0), 4).working()
+          [0]
+        """
+        if self.sizes is None:  # B unknown when traced: every tower runs
+            return list(range(len(self.parts)))
+        return [t for t, n in enumerate(self.sizes) if n] or [0]
+
+
+def split_for_towers(batch: Any, num_towers: int) -> Shards:
+    """``split_batch`` for a step: the shards with their sizes. An empty batch
+    (only a worker of a cluster gets one) gives every tower the empty batch.
+
+    Example:
+      >>> shards = split_for_towers((np.arange(5), np.arange(5)), 2)
+      >>> shards.size, shards.sizes, shards.parts[1][0].tolist()
+      (5, [3, 2], [3, 4])
+    """
+    size = batch_size_of(batch)
+    if isinstance(size, int) and size == 0:
+        return Shards(0, [batch] * num_towers, [0] * num_towers)
+    sizes = split_sizes(size, num_towers) if isinstance(size, int) else None
+    return Shards(size, split_batch(batch, num_towers), sizes)
 
 
 def _split_leaf(leaf: Any, sizes: Any, num_towers: int) -> list[Any]:

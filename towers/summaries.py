@@ -14,13 +14,20 @@ tab; ``pip install "towers[tensorboard]"``).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-if TYPE_CHECKING:
-    from towers.engine import Towers
+
+class Logged(Protocol):
+    """What the logs read of an engine (``towers.Towers`` has it)."""
+
+    optimizer: keras.optimizers.Optimizer
+
+    @property
+    def steps_done(self) -> int: ...
 
 
 class TrainingLog:
@@ -39,7 +46,7 @@ class TrainingLog:
 
     def __init__(
         self,
-        engine: Towers,
+        engine: Logged,
         log_dir: str | None,
         profile_steps: tuple[int, int] | None = None,
     ):

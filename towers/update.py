@@ -7,9 +7,10 @@ run together, or, when the policy says to skip, neither does.
 - ``on_nonfinite``: ``"ignore"`` applies whatever the gradients are (Keras'
   behaviour, no check); ``"skip"`` and ``"raise"`` check every combined gradient and
   apply nothing if one is inf or NaN (``"raise"`` then names it).
-- Loss scaling: with a ``keras.optimizers.LossScaleOptimizer`` each tower's loss is
-  multiplied by the scale; the optimizer unscales the combined gradient once,
-  applies or skips, and adjusts the scale.
+- Loss scaling: under a ``mixed_float16`` policy the optimizer is wrapped in a
+  ``keras.optimizers.LossScaleOptimizer`` (:func:`make_optimizer`, as Keras'
+  ``compile`` does); each tower's loss is multiplied by the scale; the optimizer
+  unscales the combined gradient once, applies or skips, and adjusts the scale.
 - ``accumulate_steps=k``: each step adds its combined gradient, weighted by its
   examples, to accumulators on the variable device; every k-th step applies their
   weighted mean. That is exactly one step on the k batches together, uneven
@@ -25,8 +26,51 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from towers.accumulate import Accumulator
+
 NonfinitePolicy = Literal["ignore", "raise", "skip"]
 NONFINITE_POLICIES = ("ignore", "raise", "skip")
+
+
+def needs_loss_scaling(model: keras.Model) -> bool:
+    """Whether ``model`` computes in float16, whose gradients need loss scaling
+    (``mixed_bfloat16`` does not: bfloat16 has float32's range)."""
+    return model.dtype_policy.name == "mixed_float16"
+
+
+def make_optimizer(
+    optimizer: Any, device: str, loss_scaling: bool = False
+) -> keras.optimizers.Optimizer:
+    """The optimizer an engine applies with.
+
+    Args:
+      optimizer: a Keras optimizer, or a zero-arg function that makes one (called
+        under ``device``, so the scalars Keras makes with it live there).
+      device: the device the optimizer is made on.
+      loss_scaling: wrap it in a ``LossScaleOptimizer`` unless it is one already
+        (for a ``mixed_float16`` model: float16 gradients underflow without it).
+
+    Raises:
+      ValueError: ``optimizer`` is neither.
+
+    Example:
+      >>> opt = make_optimizer(keras.optimizers.SGD, "/cpu:0", loss_scaling=True)
+      >>> type(opt).__name__, type(opt.inner_optimizer).__name__
+      ('LossScaleOptimizer', 'SGD')
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer) and callable(optimizer):
+        with tf.device(device):
+            optimizer = optimizer()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "optimizer must be a keras.optimizers.Optimizer or a zero-arg function "
+            f"that makes one; received {optimizer!r}"
+        )
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if loss_scaling and not scaled:
+        with tf.device(device):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
 
 
 class Update:
@@ -82,6 +126,13 @@ class Update:
         if self.accumulate_steps > 1 and self.accumulator is None:
             self.accumulator = Accumulator(self.variables, self.device)
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint saves of the update: the steps counter, and the
+        window's sums (a run stopped inside a window resumes inside it)."""
+        if self.accumulator is None:
+            return {"steps_done": self.steps}
+        return {"steps_done": self.steps, "accumulator": self.accumulator}
+
     @property
     def loss_scaled(self) -> bool:
         return isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -91,6 +142,11 @@ class Update:
         """Whether the step checks its gradients (and so returns flags)."""
         return self.on_nonfinite != "ignore" or self.loss_scaled
 
+    def count_step(self) -> None:
+        """Advances the steps counter: once per step, applied, skipped or
+        accumulated."""
+        self.steps.assign_add(1)
+
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """A tower's loss as its gradient should see it (scaled, if scaling)."""
         return self.optimizer.scale_loss(loss) if self.loss_scaled else loss
@@ -99,7 +155,7 @@ class Update:
         self,
         grads: list,
         also: Callable[[], Any],
-        global_batch: Any,
+        examples: Any,
         has_regularisers: bool,
     ) -> tf.Tensor | None:
         """Applies (or accumulates) one step's combined gradients.
@@ -107,7 +163,7 @@ class Update:
         Args:
           grads: the combined gradient per variable (None for no gradient).
           also: the step's other update (BN moving statistics), run with it.
-          global_batch: B of this step.
+          examples: B of this step.
           has_regularisers: whether the loss includes model regularisation.
 
         Returns:
@@ -121,7 +177,6 @@ class Update:
                 "loss that does not depend on the model's variables"
             )
         self.applied = [v for _, v in pairs]
-        self.steps.assign_add(1)
         if self.accumulator is None:
             return self._apply_or_skip(pairs, also)
         if has_regularisers and not self.normalised_by_batch:
@@ -131,19 +186,40 @@ class Update:
                 "micro-batch; received a 'sum' loss and a model with losses. Use a "
                 "mean reduction."
             )
-        return self._accumulate(pairs, also, global_batch)
+        return self._accumulate(pairs, also, examples)
 
-    def flush(self) -> tf.Tensor | None:
+    def raise_if_nonfinite(self, finite: Any, loss: Any = None) -> None:
+        """With ``on_nonfinite="raise"``: raises if a flag of the step is False.
+
+        Args:
+          finite: the flags ``apply`` (or ``flush``) returned, or None.
+          loss: the step's loss, for the message (None after a flush).
+
+        Raises:
+          FloatingPointError: naming the first variable whose combined gradient
+            had an inf or NaN; nothing was applied.
+        """
+        if finite is None or self.on_nonfinite != "raise":
+            return
+        name = first_nonfinite(finite, self.applied)
+        if name is not None:
+            raise FloatingPointError(
+                f"the combined gradient of {name!r} is not finite (inf or NaN); "
+                "nothing was applied (on_nonfinite='raise'). Received "
+                + ("" if loss is None else f"a batch with loss {float(loss)} and ")
+                + "gradients with inf or NaN."
+            )
+
+    def flush(self) -> None:
         """Applies a partly filled accumulation window now (fit: at epoch end).
 
-        Returns:
-          The finiteness flags of the applied gradients, or None if nothing was
-          pending or the policy does not check.
+        Raises:
+          FloatingPointError: with ``on_nonfinite="raise"``, the window's
+            gradient is not finite; nothing was applied.
         """
         if self.accumulator is None or not int(self.accumulator.count.numpy()):
-            return None
-        finite = self._flush_fn()
-        return finite if self.checks else None
+            return
+        self.raise_if_nonfinite(self._flush_fn())
 
     # -- internals ----------------------------------------------------------------
 
@@ -169,10 +245,10 @@ class Update:
             tf.cond(all_finite, update, lambda: None)
         return finite
 
-    def _accumulate(self, pairs: list, also: Callable[[], Any], global_batch: Any):
+    def _accumulate(self, pairs: list, also: Callable[[], Any], examples: Any):
         # A mean loss was divided by this step's B: weight it back by B, and
         # divide the window's sum by its total B, as one step on all of it would.
-        weight = tf.cast(global_batch, tf.float32) if self.normalised_by_batch else 1.0
+        weight = tf.cast(examples, tf.float32) if self.normalised_by_batch else 1.0
         also = _returning_none(also)
         if self.checks:
             # The moving statistics update per micro-batch (each is a forward
@@ -199,47 +275,6 @@ class Update:
 
     def _all_finite(self) -> tf.Tensor:
         return tf.ones([len(self.applied)], tf.bool)
-
-
-class Accumulator(tf.Module):
-    """Gradient sums on the variable device, saved with checkpoints.
-
-    Attributes:
-      sums: per trainable variable, the weighted sum of this window's gradients.
-      weight: the sum of the weights (examples, for a mean loss).
-      count: steps in the current window.
-    """
-
-    def __init__(self, variables: Sequence[Any], device: str):
-        super().__init__(name="gradient_accumulator")
-        self._index = {id(v): i for i, v in enumerate(variables)}
-        with tf.device(device):
-            self.sums = [
-                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
-                for v in variables
-            ]
-            self.weight = tf.Variable(0.0, trainable=False)
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def add(self, pairs: list, weight: Any) -> None:
-        for grad, var in pairs:
-            total = self.sums[self._index[id(var)]]
-            if isinstance(grad, tf.IndexedSlices):
-                # Slices stay slices: only the rows this step touched are added.
-                total.scatter_add(tf.IndexedSlices(grad.values * weight, grad.indices))
-            else:
-                total.assign_add(grad * weight)
-        self.weight.assign_add(weight)
-        self.count.assign_add(1)
-
-    def read(self, var: Any) -> tf.Tensor:
-        return self.sums[self._index[id(var)]].read_value()
-
-    def reset(self) -> None:
-        for total in self.sums:
-            total.assign(tf.zeros_like(total))
-        self.weight.assign(0.0)
-        self.count.assign(0)
 
 
 def finite_flags(grads: list) -> tf.Tensor:

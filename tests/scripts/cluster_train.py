@@ -12,6 +12,8 @@ Modes:
           number of workers), then evaluate.
   fit     fit with metrics and validation, checkpointing every --every steps
           into --checkpoint; --die-at K makes worker 1 exit abruptly at step K.
+  explain one step, then ``engine.explain`` on the next batch: the report's
+          facts go to the result, with how much explaining changed (nothing).
 
 The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
 (with --nan-in K: the last example of global batch K is NaN, which is in the
@@ -31,7 +33,7 @@ import towers  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
-parser.add_argument("--mode", choices=["steps", "fit"], default="steps")
+parser.add_argument("--mode", choices=["steps", "fit", "explain"], default="steps")
 parser.add_argument("--towers", type=int, default=None)
 parser.add_argument("--optimizer", default="adam")
 parser.add_argument("--timeout", type=float, default=60.0)
@@ -137,6 +139,26 @@ if args.mode == "steps":
     result["acc"] = float(engine.metrics[0].result())
     evaluation = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(9))
     result["evaluate"] = engine.evaluate(evaluation)
+elif args.mode == "explain":
+    share = towers.shard(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16).take(2), cluster
+    )
+    (x0, y0), (x1, y1) = list(share)
+    engine.train_step(x0, y0)
+    state = engine.model.variables + engine.optimizer.variables
+    before = [v.numpy() for v in state]
+    report = engine.explain(x1, y1)
+    result["changed_by_explain"] = max(
+        float(np.abs(v.numpy() - b).max()) for v, b in zip(state, before)
+    )
+    result["explain"] = {
+        "workers": report.workers,
+        "stages": list(report.ops),
+        "collective_kinds": sorted(
+            {t.kind for t in report.transfers if t.target == "collective group"}
+        ),
+        "text": str(report),
+    }
 else:
     train = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(10), cluster)
     valid = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(25), cluster)

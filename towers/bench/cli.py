@@ -1,4 +1,7 @@
-"""``towers bench`` from parsed arguments: check them, run, report, write files."""
+"""``towers bench``: its arguments, and from them a run, a report and files.
+
+Only light modules load here: every ``towers`` command builds the whole parser.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,144 @@ import platform
 import sys
 from typing import Any
 
-from towers.bench.run import BASELINES, PLACEMENTS, BenchOptions, choose_devices
+from towers.arguments import int_list, name_list, positive_float, positive_int
+from towers.bench.run import (
+    BASELINES,
+    PLACEMENTS,
+    PRESET_NAMES,
+    BenchOptions,
+    choose_devices,
+)
+
+BENCH_HELP = """\
+Measure what gradient synchronisation costs. For each configuration (tower
+count x placement x reducer) and each baseline, a fresh process times the step
+beside the plain single-device step on the same batch, in alternating rounds,
+and reports: step time and its ratio to one device; examples/s, speedup and
+scaling efficiency against the same contender on 1 tower; the towers' phases
+(forward+backward, combine, apply), each timed as its own compiled function;
+gradient bytes each tower hands to the combine; algbw = bytes / combine time and
+busbw = algbw * 2(n-1)/n (nccl-tests' conventions; the topology that really ran
+is printed beside them); and where the variables lived.
+
+Baselines: single (the plain single-device step; its ratio to itself is the
+noise floor), mirrored (tf.distribute.MirroredStrategy) and central_storage
+(CentralStorageStrategy), on the same devices and batch.
+
+--batch is per tower (global batch = towers x batch), as in tf_cnn_benchmarks.
+With no GPU the CPU is split into logical devices automatically; with GPUs, more
+towers than GPUs needs --virtual.
+
+--predict does not measure: it projects step time and efficiency on GPU
+topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
+
+--workers W runs the preset as W worker processes on loopback (TensorFlow's
+collective runtime between them, T towers each) and times that step against one
+process with W x T towers on the same global batch, both in the chief, in
+alternating rounds (docs/multi-worker.md). With T = 1 the target is a ratio
+<= 1.3. Each worker also counts its process's CPU time per step: summed over
+the cores the workers share, it is the least a step can take on this machine
+(the CPU floor), and the report says when that floor puts the target out of
+reach.
+"""
+
+
+def add_bench_parser(commands: Any) -> None:
+    """Adds ``towers bench`` to the ``towers`` command's sub-parsers."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure gradient-sync cost: towers vs single device and tf.distribute",
+        description=BENCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument(
+        "--preset", choices=PRESET_NAMES, default="mlp", help="model (default: mlp)"
+    )
+    bench.add_argument(
+        "--towers",
+        type=int_list,
+        default=[1, 2, 4],
+        metavar="LIST",
+        help="tower counts, comma-separated (default: 1,2,4)",
+    )
+    bench.add_argument(
+        "--reducer",
+        type=name_list,
+        default=["per_tensor"],
+        metavar="LIST",
+        help="reducers, comma-separated: per_tensor, packed, sharded, cast, or "
+        "bf16+/fp16+ before one (default: per_tensor)",
+    )
+    bench.add_argument(
+        "--placement",
+        type=name_list,
+        default=["cpu"],
+        metavar="LIST",
+        help=f"variable placements, comma-separated: {', '.join(PLACEMENTS)} "
+        "(default: cpu)",
+    )
+    bench.add_argument(
+        "--batch",
+        type=positive_int,
+        default=64,
+        help="examples per tower (default: 64)",
+    )
+    bench.add_argument(
+        "--steps",
+        type=positive_int,
+        default=50,
+        help="timed steps per contender (default: 50)",
+    )
+    bench.add_argument(
+        "--baselines",
+        type=name_list,
+        default=list(BASELINES),
+        metavar="LIST",
+        help=f"baselines, comma-separated, or none (default: {','.join(BASELINES)})",
+    )
+    bench.add_argument(
+        "--virtual",
+        action="store_true",
+        help="split one device into logical devices even when GPUs exist",
+    )
+    bench.add_argument(
+        "--max-seconds",
+        type=positive_float,
+        metavar="S",
+        help="stop starting configurations after S seconds; what finished is "
+        "still reported and written",
+    )
+    bench.add_argument(
+        "--workers",
+        type=positive_int,
+        metavar="W",
+        help="run the preset as W local worker processes (a cluster on loopback) "
+        "and time it against one process with W x T towers, in the same run",
+    )
+    bench.add_argument(
+        "--towers-per-worker",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="with --workers: towers in each worker (default: 1)",
+    )
+    bench.add_argument("--json", metavar="FILE", help="write every record as JSON")
+    bench.add_argument(
+        "--plot", metavar="FILE.png", help="plot step time and efficiency vs towers"
+    )
+    bench.add_argument(
+        "--predict",
+        action="store_true",
+        help="project GPU step times from the cost model instead of measuring",
+    )
+    bench.add_argument(
+        "--compute-ms",
+        type=positive_float,
+        metavar="MS",
+        help="with --predict: one tower's forward + backward time on the target "
+        "device, to project the preset on each topology",
+    )
+    bench.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

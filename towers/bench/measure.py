@@ -198,33 +198,12 @@ def _phases_and_bytes(engine, x, y, spec) -> dict[str, Any]:
         "bytes_per_tower": sent,
         "algbw_gbps": algbw / 1e9,
         "busbw_gbps": algbw * 2 * (num - 1) / num / 1e9,
-        "topology": topology(engine),
+        # busbw assumes a ring; this says what actually ran.
+        "topology": engine.placement.topology(),
         "variables_by_device": bytes_by_device(
-            [v for model in _copies(engine) for v in model.variables]
+            [v for model in engine.placement.models for v in model.variables]
         ),
     }
-
-
-def _copies(engine) -> list:
-    """The engine's model, or every tower's copy of it."""
-    return [engine.model] if engine.replicas is None else engine.replicas.models
-
-
-def topology(engine) -> str:
-    """How the gradients travel, in words (busbw assumes a ring; this says what
-    actually ran)."""
-    if engine.placement == "independent":
-        return "none: towers never exchange gradients"
-    if engine.placement == "replicated":
-        return "ring all-reduce over the towers (CollectiveReduceV2)"
-    where = (
-        engine.variable_device
-        if engine.placement == "central"
-        else "each variable's device"
-    )
-    if type(engine.reducer).__name__ == "Sharded":
-        return f"reduce-scatter over the towers, then gather to {where}"
-    return f"reduce to {where} (a star, not a ring)"
 
 
 if __name__ == "__main__":

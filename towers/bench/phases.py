@@ -2,52 +2,54 @@
 
 The step's phases overlap when it runs as one function, so subtracting times says
 little. Instead each phase runs alone on the same tensors the step would give it:
-towers' forward + backward, the combine, and the apply. They are the engine's own
-three phases (``Towers._compute``, ``_combine``, ``_apply``), whatever the
-placement.
+towers' forward + backward, the combine, and the apply. They are the step's own
+phases (``Step.compute``, ``combine`` and ``apply``, ``towers/step.py``),
+whatever the placement.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tensorflow as tf
 
-if TYPE_CHECKING:
-    from towers.engine import Towers
 
-
-def time_phases(engine: Towers, x: Any, y: Any, repeats: int = 20) -> dict[str, float]:
+def time_phases(engine: Any, x: Any, y: Any, repeats: int = 20) -> dict[str, float]:
     """Milliseconds per call of each phase, and of the whole step, on ``(x, y)``.
 
     The apply phase and the full step update the model: call this when training is
     over, or on a copy.
 
+    Args:
+      engine: a ``towers.Towers``.
+      x, y: one batch.
+
     Returns:
       ``{"compute": ms, "combine": ms, "apply": ms, "step": ms}``.
     """
-    x, y = engine._prepare(x, y)
-    global_batch = len(y)
+    x, y = engine.prepare(x, y)
+    step = engine.step
+    examples = len(y)
 
     # Each phase captures its inputs rather than taking them as arguments: passing a
     # nest of dozens of tensors per call would time Python, not the phase.
     @tf.function
     def compute():
-        return engine._compute(x, y)[1][1]
+        return _tower_grads(step, x, y)
 
     tower_grads = compute()
 
     @tf.function
     def combine():
-        return engine._combine(tower_grads)
+        return step.combine(tower_grads)
 
     grads = combine()
 
     @tf.function
     def apply():
-        engine._apply(grads, [], global_batch)
-        return engine.update.steps
+        step.apply(grads, [], examples)
+        return step.update.steps
 
     return {
         "compute": _time(compute, repeats),
@@ -57,20 +59,21 @@ def time_phases(engine: Towers, x: Any, y: Any, repeats: int = 20) -> dict[str, 
     }
 
 
-def gradient_bytes(engine: Towers, x: Any, y: Any) -> float:
+def gradient_bytes(engine: Any, x: Any, y: Any) -> float:
     """Bytes one tower hands to the combine per step, averaged over towers.
 
     Dense gradients count their elements at the reducer's wire dtype (half, for a
     bf16/fp16 cast); IndexedSlices count their values and indices, as they travel,
-    except under the replicated placement, which all-reduces them dense.
+    except under a placement that all-reduces them dense (replicated).
     """
-    x, y = engine._prepare(x, y)
-    tower_grads = tf.function(lambda: engine._compute(x, y)[1][1])()
+    x, y = engine.prepare(x, y)
+    tower_grads = tf.function(lambda: _tower_grads(engine.step, x, y))()
     wire = getattr(engine.reducer, "wire_dtype", None)
+    dense = engine.placement.sends_slices_dense
     total = 0
     for grads in tower_grads:
         for grad in grads:
-            if isinstance(grad, tf.IndexedSlices) and engine.placement == "replicated":
+            if isinstance(grad, tf.IndexedSlices) and dense:
                 total += int(tf.reduce_prod(grad.dense_shape)) * grad.values.dtype.size
             elif isinstance(grad, tf.IndexedSlices):
                 total += _nbytes(grad.values) + _nbytes(grad.indices)
@@ -78,6 +81,11 @@ def gradient_bytes(engine: Towers, x: Any, y: Any) -> float:
                 size = (wire or grad.dtype).size
                 total += grad.shape.num_elements() * size
     return total / len(tower_grads)
+
+
+def _tower_grads(step: Any, x: Any, y: Any) -> list[list[Any]]:
+    """``tower_grads[t][v]`` of every working tower, as the step computes them."""
+    return [result.grads for result in step.compute(step.split(x, y))]
 
 
 def _nbytes(tensor: tf.Tensor) -> int:

@@ -183,7 +183,9 @@ def measure(spec: dict[str, Any], cluster, devices: list[str]) -> dict[str, Any]
     # The step's cross-worker sum alone (the same tensors, zeros), no compute.
     zeros = [tf.zeros(v.shape, v.dtype) for v in distributed.model.trainable_variables]
     exchange = tf.function(
-        lambda: distributed.workers.step(zeros, tf.constant(0.0), share, [], True)[1:2]
+        lambda: [
+            distributed.workers.step(zeros, tf.constant(0.0), share, [], True).loss
+        ]
     )
     if cluster.is_chief:
         local = engine(devices, False)

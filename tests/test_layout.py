@@ -1,0 +1,78 @@
+"""The layout shows the data path (docs/architecture.md): small modules, no import
+circle (visible or hidden in a function), and no module reaching into the
+engine's private names."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "towers"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every towers module ``path`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("towers"):
+                found.add(node.module)
+                # `from towers import _runtime` imports the module towers._runtime.
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("towers")}
+    return found
+
+
+def test_no_module_is_long_and_the_front_door_is_thin():
+    lengths = {module_name(p): len(p.read_text().splitlines()) for p in MODULES}
+    assert max(lengths.values()) <= 400, lengths
+    assert lengths["towers.engine"] <= 300
+
+
+def test_no_import_circle_even_through_local_imports():
+    known = {module_name(p) for p in MODULES}
+    graph = {module_name(p): imports_of(p) & known for p in MODULES}
+    graph = {name: deps - {"towers"} for name, deps in graph.items()}
+
+    def cycle_from(start, node, seen):
+        for dep in graph.get(node, ()):
+            if dep == start:
+                return [node, dep]
+            if dep not in seen:
+                seen.add(dep)
+                rest = cycle_from(start, dep, seen)
+                if rest:
+                    return [node, *rest]
+        return None
+
+    cycles = {name: cycle_from(name, name, set()) for name in graph}
+    assert {k: v for k, v in cycles.items() if v} == {}
+    assert not [p for p in MODULES if "TYPE_CHECKING" in p.read_text()]
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["loop", "checkpoint", "summaries", "explain", "explain_graph", "explain_report"],
+)
+def test_the_engines_users_touch_no_private_name(module):
+    text = (PACKAGE / f"{module}.py").read_text()
+    assert not re.findall(r"engine\._\w+", text)
+
+
+def test_bench_touches_no_private_name_of_the_engine():
+    found = {
+        p.name: re.findall(
+            r"engine\._\w+|\.step\._\w+|\.placement\._\w+", p.read_text()
+        )
+        for p in (PACKAGE / "bench").glob("*.py")
+    }
+    assert {name: hits for name, hits in found.items() if hits} == {}

@@ -1,0 +1,104 @@
+"""One tower's work: loss share, regularisers, gradients (towers/tower.py)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tests.models import build_dense_sparse_unused, dense_sparse_batch
+from towers.batchnorm import MovingStatistics
+from towers.losses import TowerLoss
+from towers.tower import Tower
+
+
+def tower_for(model, loss="mse", scale_loss=tf.identity):
+    return Tower(TowerLoss(loss), MovingStatistics(lambda: model), scale_loss)
+
+
+def line(bias=0.0, l2=0.0):
+    """y = x @ [1, 2] + bias, with an optional L2 regulariser on the kernel."""
+    model = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(
+                1,
+                kernel_initializer=keras.initializers.Constant([[1.0], [2.0]]),
+                bias_initializer=keras.initializers.Constant(bias),
+                kernel_regularizer=keras.regularizers.L2(l2) if l2 else None,
+            ),
+        ]
+    )
+    return model
+
+
+def test_loss_share_divides_by_the_whole_steps_examples():
+    model = line(bias=1.0)
+    x = np.array([[1.0, 0.0], [0.0, 1.0]], "float32")  # predictions 2 and 3
+    y = np.zeros((2, 1), "float32")
+
+    result = tower_for(model).train(model, x, y, normaliser=5)
+
+    # Squared errors 4 and 9 of 2 examples, over the step's 5.
+    np.testing.assert_allclose(float(result.loss), (4.0 + 9.0) / 5, rtol=1e-6)
+    # d/d bias of sum (p - y)^2 / 5 = 2 (2 + 3) / 5.
+    np.testing.assert_allclose(result.grads[1].numpy(), [2.0], rtol=1e-6)
+    assert [tuple(p.shape) for p in [result.predictions]] == [(2, 1)]
+
+
+def test_regulariser_is_weighted_by_the_towers_share_of_examples():
+    model = line(l2=0.5)
+    x, y = np.zeros((2, 2), "float32"), np.zeros((2, 1), "float32")
+
+    result = tower_for(model).evaluate(model, x, y, normaliser=8)
+
+    # Errors are 0; the L2 term 0.5 * (1 + 4) counts n_t / B = 2 / 8 of itself.
+    np.testing.assert_allclose(float(result.loss), 0.5 * 5.0 * 2 / 8, rtol=1e-6)
+    assert result.grads is None and result.moments == {}
+
+
+def test_gradients_are_of_the_scaled_loss():
+    model = line(bias=1.0)
+    x, y = np.ones((3, 2), "float32"), np.zeros((3, 1), "float32")
+    plain = tower_for(model).train(model, x, y, normaliser=3)
+
+    scaled = tower_for(model, scale_loss=lambda loss: 8.0 * loss).train(
+        model, x, y, normaliser=3
+    )
+
+    # The loss reported is unscaled; the gradients carry the scale.
+    np.testing.assert_allclose(float(scaled.loss), float(plain.loss), rtol=1e-6)
+    for a, b in zip(scaled.grads, plain.grads):
+        np.testing.assert_allclose(a.numpy(), 8.0 * b.numpy(), rtol=1e-6)
+
+
+def test_sparse_gradients_reach_the_combine_as_indexed_slices():
+    model = build_dense_sparse_unused()
+    tower = tower_for(model, keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = dense_sparse_batch(np.random.default_rng(0), 4)
+    kinds = {}
+
+    @tf.function
+    def tower_grads(x, y):
+        grads = tower.train(model, x, y, normaliser=4).grads
+        for var, grad in zip(model.trainable_variables, grads):
+            kind = "slices" if isinstance(grad, tf.IndexedSlices) else "dense"
+            kinds[var.path.split("/")[-1]] = None if grad is None else kind
+        return 0
+
+    tower_grads(x, y)
+    assert kinds["embeddings"] == "slices"
+    assert kinds["kernel"] == "dense"
+    assert kinds["unused"] is None
+
+
+def test_batch_norm_moments_are_recorded_not_assigned():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.BatchNormalization()])
+    x = np.array([[1.0, 2.0], [3.0, 6.0]], "float32")
+    before = model.layers[0].moving_mean.numpy().copy()
+
+    result = tower_for(model).train(model, x, np.zeros((2, 2), "float32"), 2)
+
+    mean, variance, count = result.moments[0]
+    np.testing.assert_allclose(mean.numpy(), [2.0, 4.0])
+    np.testing.assert_allclose(variance.numpy(), [1.0, 4.0])
+    assert float(count) == 2.0
+    np.testing.assert_array_equal(model.layers[0].moving_mean.numpy(), before)
