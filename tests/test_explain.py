@@ -167,3 +167,25 @@ def test_explain_refuses_an_empty_batch():
 )
 def test_stage_of_reads_the_engines_name_scopes(name, stage):
     assert stage_of(name) == stage
+
+
+def test_explaining_again_reads_only_its_own_step_and_collects_nothing_after():
+    from tensorflow.python.eager import context
+
+    x, y = regression_batch(np.random.default_rng(3), 9)
+    make_engine(CPU[:3]).explain(x, y)  # a larger step, explained first
+    report = make_engine(CPU[:2]).explain(x, y)
+
+    # The second report is of its own 2-tower step, not the first one's.
+    assert report.sizes == [5, 4]
+    assert {s for s in report.ops if s.startswith("tower")} == {
+        "tower 0 forward",
+        "tower 0 backward",
+        "tower 1 forward",
+        "tower 1 backward",
+    }
+    # After explaining, TensorFlow keeps no graphs of the functions that follow.
+    make_engine(CPU[:2]).train_step(x, y)
+    leftover = context.context().export_run_metadata()
+    kept = 0 if leftover is None else len(leftover.function_graphs)
+    assert kept == 0

@@ -124,19 +124,27 @@ def placed_graphs() -> Iterator[list]:
     from tensorflow.python.eager import context
 
     ctx = context.context()
-    for name in ("enable_run_metadata", "export_run_metadata"):
+    needed = ("enable_run_metadata", "export_run_metadata", "disable_graph_collection")
+    for name in needed:
         if not hasattr(ctx, name):  # pragma: no cover - depends on the installed TF
             raise RuntimeError(
                 f"towers explain cannot read placed graphs with TensorFlow "
                 f"{tf.__version__}: its eager context has no {name}()"
             )
     functions: list = []
+    # Drop what earlier collection left (a profiler's, say): only the functions
+    # instantiated inside count.
+    ctx.export_run_metadata()
     ctx.enable_run_metadata()
     try:
         yield functions
     finally:
         metadata = ctx.export_run_metadata()
         ctx.disable_run_metadata()
+        # Enabling run metadata also turns on graph collection, and disabling it
+        # does not turn that off (TensorFlow 2.21): without this, every function
+        # the process instantiates later would keep its graphs in memory.
+        ctx.disable_graph_collection()
         if metadata is not None:
             for function in metadata.function_graphs:
                 functions.append(list(function.partition_graphs))

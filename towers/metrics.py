@@ -47,12 +47,12 @@ class Metrics:
 
     Example:
       >>> import numpy as np
-      >>> metrics = Metrics(["mae"], "/cpu:0")
+      >>> metrics = Metrics([keras.metrics.MeanAbsoluteError(name="mae")], "/cpu:0")
       >>> y = np.zeros((3, 1), "float32")
       >>> metrics.update(y, [np.ones((2, 1), "float32"), np.full((1, 1), 4.0)])
       >>> metrics.track_loss(tf.constant(2.0), 3)
-      >>> {name: float(value) for name, value in metrics.results().items()}
-      {'loss': 2.0, 'mean_absolute_error': 2.0}
+      >>> float(metrics.loss_tracker.result()), float(metrics.results()["mae"])
+      (2.0, 2.0)
     """
 
     def __init__(self, metrics: Sequence[Any] | None, device: str):
@@ -93,8 +93,8 @@ class Metrics:
         )
 
     def results(self) -> dict[str, tf.Tensor]:
-        """``{"loss": running mean, metric name: value}``."""
-        return {m.name: m.result() for m in [self.loss_tracker, *self.metrics]}
+        """``{metric name: value}``, the loss tracker's not included."""
+        return {m.name: m.result() for m in self.metrics}
 
     @property
     def _variables(self) -> list[tf.Variable]:

@@ -80,7 +80,7 @@ class Step:
         # Every tower (and every check in it) has finished before any update.
         with tf.control_dependencies([loss]):
             finite = self.apply(grads, [r.moments for r in towers], examples)
-        logs = {**self._track(loss, examples), "loss": loss}
+        logs = {"loss": loss, **self._track(loss, examples)}
         return {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
 
     def evaluate(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
@@ -94,7 +94,8 @@ class Step:
         else:
             summed = self._across_workers([], loss, shards, y, towers, "eval")
             loss, examples = summed.loss, summed.examples
-        return self._track(loss, examples)
+        metrics = self._track(loss, examples)
+        return {"loss": self.metrics.loss_tracker.result(), **metrics}
 
     def start(self) -> None:
         """Makes the parts ready once the model has its variables: the
@@ -174,6 +175,7 @@ class Step:
             self.metrics.update(y, [r.predictions for r in towers])
 
     def _track(self, loss: tf.Tensor, examples: Any) -> dict[str, tf.Tensor]:
+        """Adds the loss to its tracker; returns the metrics' values."""
         with tf.device(self.device), tf.name_scope("metrics"):
             self.metrics.track_loss(loss, examples)
             return self.metrics.results()
