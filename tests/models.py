@@ -72,5 +72,6 @@ def step_graph(engine, x, y):
     afresh from the step's public phases, as ``towers explain`` does."""
     import tensorflow as tf
 
-    x, y = engine.prepare(x, y)
-    return tf.function(engine.step.train).get_concrete_function(x, y).graph
+    x, y, sample_weight = engine.prepare(x, y)
+    train = tf.function(engine.step.train)
+    return train.get_concrete_function(x, y, sample_weight).graph

@@ -30,7 +30,7 @@ def test_phases_composed_by_hand_give_the_steps_update():
 
     # Manually walk the data path: split, towers, combine, apply.
     step = by_hand.step
-    x_t, y_t = by_hand.prepare(x, y)
+    x_t, y_t, _ = by_hand.prepare(x, y)
 
     @tf.function
     def walk():
@@ -38,7 +38,9 @@ def test_phases_composed_by_hand_give_the_steps_update():
         towers = step.compute(shards)
         loss = step.sum_losses(towers)
         grads = step.combine([r.grads for r in towers])
-        step.apply(grads, [r.moments for r in towers], shards.size)
+        variables = [r.variables for r in towers]
+        weight = tf.cast(shards.size, tf.float32)  # a mean: the step's examples
+        step.apply(grads, variables, [r.moments for r in towers], weight)
         return loss, shards.sizes
 
     loss, sizes = walk()
@@ -57,7 +59,7 @@ def test_phases_composed_by_hand_give_the_steps_update():
 )
 def test_towers_without_examples_join_only_under_copies(placement, working):
     engine = engine_with(4, placement=placement)
-    x, y = engine.prepare(*regression_batch(np.random.default_rng(1), 2))
+    x, y, _ = engine.prepare(*regression_batch(np.random.default_rng(1), 2))
 
     shards = engine.step.split(x, y)
 

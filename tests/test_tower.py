@@ -6,12 +6,21 @@ import tensorflow as tf
 
 from tests.models import build_dense_sparse_unused, dense_sparse_batch
 from towers.batchnorm import MovingStatistics
-from towers.losses import TowerLoss
+from towers.losses import StepLoss
 from towers.tower import Tower
 
 
-def tower_for(model, loss="mse", scale_loss=tf.identity):
-    return Tower(TowerLoss(loss), MovingStatistics(lambda: model), scale_loss)
+def tower_for(model, loss="mse", loss_scale=1.0):
+    return Tower(StepLoss(loss), MovingStatistics(lambda: model), lambda: loss_scale)
+
+
+def train(tower, model, x, y, examples, sample_weight=None):
+    """Both halves of a tower's work, for a tower that is the whole step's."""
+    tower_pass = tower.forward(model, x, y, sample_weight, examples)
+    divisors = [t.divisor for t in tower_pass.terms]
+    if examples != len(x):  # this tower is one of several: the step's divisor
+        divisors = [d * examples // len(x) for d in divisors]
+    return tower.gradients(tower_pass, divisors)
 
 
 def line(bias=0.0, l2=0.0):
@@ -35,7 +44,7 @@ def test_loss_share_divides_by_the_whole_steps_examples():
     x = np.array([[1.0, 0.0], [0.0, 1.0]], "float32")  # predictions 2 and 3
     y = np.zeros((2, 1), "float32")
 
-    result = tower_for(model).train(model, x, y, normaliser=5)
+    result = train(tower_for(model), model, x, y, examples=5)
 
     # Squared errors 4 and 9 of 2 examples, over the step's 5.
     np.testing.assert_allclose(float(result.loss), (4.0 + 9.0) / 5, rtol=1e-6)
@@ -44,25 +53,36 @@ def test_loss_share_divides_by_the_whole_steps_examples():
     assert [tuple(p.shape) for p in [result.predictions]] == [(2, 1)]
 
 
+def test_sample_weights_weigh_the_loss_and_the_gradient():
+    model = line(bias=1.0)
+    x = np.array([[1.0, 0.0], [0.0, 1.0]], "float32")  # predictions 2 and 3
+    y = np.zeros((2, 1), "float32")
+    weights = np.array([1.0, 0.0], "float32")  # the second example counts nothing
+
+    result = train(tower_for(model), model, x, y, examples=2, sample_weight=weights)
+
+    # Keras' default reduction divides by the examples, not by the weights.
+    np.testing.assert_allclose(float(result.loss), 4.0 / 2, rtol=1e-6)
+    np.testing.assert_allclose(result.grads[1].numpy(), [2.0 * 2.0 / 2], rtol=1e-6)
+
+
 def test_regulariser_is_weighted_by_the_towers_share_of_examples():
     model = line(l2=0.5)
     x, y = np.zeros((2, 2), "float32"), np.zeros((2, 1), "float32")
 
-    result = tower_for(model).evaluate(model, x, y, normaliser=8)
+    tower_pass = tower_for(model).evaluate(model, x, y, None, examples=8)
 
     # Errors are 0; the L2 term 0.5 * (1 + 4) counts n_t / B = 2 / 8 of itself.
-    np.testing.assert_allclose(float(result.loss), 0.5 * 5.0 * 2 / 8, rtol=1e-6)
-    assert result.grads is None and result.moments == {}
+    np.testing.assert_allclose(float(tower_pass.extra), 0.5 * 5.0 * 2 / 8, rtol=1e-6)
+    assert tower_pass.tape is None and tower_pass.moments == {}
 
 
 def test_gradients_are_of_the_scaled_loss():
     model = line(bias=1.0)
     x, y = np.ones((3, 2), "float32"), np.zeros((3, 1), "float32")
-    plain = tower_for(model).train(model, x, y, normaliser=3)
+    plain = train(tower_for(model), model, x, y, examples=3)
 
-    scaled = tower_for(model, scale_loss=lambda loss: 8.0 * loss).train(
-        model, x, y, normaliser=3
-    )
+    scaled = train(tower_for(model, loss_scale=8.0), model, x, y, examples=3)
 
     # The loss reported is unscaled; the gradients carry the scale.
     np.testing.assert_allclose(float(scaled.loss), float(plain.loss), rtol=1e-6)
@@ -78,7 +98,7 @@ def test_sparse_gradients_reach_the_combine_as_indexed_slices():
 
     @tf.function
     def tower_grads(x, y):
-        grads = tower.train(model, x, y, normaliser=4).grads
+        grads = train(tower, model, x, y, examples=4).grads
         for var, grad in zip(model.trainable_variables, grads):
             kind = "slices" if isinstance(grad, tf.IndexedSlices) else "dense"
             kinds[var.path.split("/")[-1]] = None if grad is None else kind
@@ -95,7 +115,7 @@ def test_batch_norm_moments_are_recorded_not_assigned():
     x = np.array([[1.0, 2.0], [3.0, 6.0]], "float32")
     before = model.layers[0].moving_mean.numpy().copy()
 
-    result = tower_for(model).train(model, x, np.zeros((2, 2), "float32"), 2)
+    result = train(tower_for(model), model, x, np.zeros((2, 2), "float32"), 2)
 
     mean, variance, count = result.moments[0]
     np.testing.assert_allclose(mean.numpy(), [2.0, 4.0])

@@ -62,8 +62,8 @@ def alone():
     return Workers(Cluster(["127.0.0.1:1"], index=0), "/cpu:0")
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-def test_step_sums_weighted_gradients_loss_and_examples(weighted):
+@pytest.mark.parametrize("weight", [4.0, None])  # a mean of 4 examples, or a sum
+def test_step_sums_weighted_gradients_loss_and_examples(weight):
     workers = alone()
     grad = tf.constant([1.0, -2.0])
     slices = tf.IndexedSlices(tf.constant([[3.0]]), tf.constant([1]), [2, 1])
@@ -71,9 +71,7 @@ def test_step_sums_weighted_gradients_loss_and_examples(weighted):
     @tf.function
     def step():
         extras = [tf.constant([7.0])]
-        summed = workers.step(
-            [grad, None, slices], tf.constant(0.5), 4, extras, weighted
-        )
+        summed = workers.step([grad, None, slices], tf.constant(0.5), 4, extras, weight)
         return vars(summed)  # a dataclass does not leave a tf.function
 
     summed = step()

@@ -9,25 +9,14 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers.batchnorm import MovingStatistics, MovingStatisticsPolicy
+from towers.batchnorm import MovingStatisticsPolicy
 from towers.cluster import Cluster, resolve_cluster
 from towers.devices import canonical_device, resolve_devices
 from towers.explain import Explanation, explain
 from towers.loop import Trainer
-from towers.losses import TowerLoss
-from towers.metrics import Metrics
-from towers.placement import Placement
+from towers.parts import FROM_COMPILE, make_step
 from towers.reducers import get_reducer
-from towers.replicas import Independent, Replicated
-from towers.shared import Balanced, Central
-from towers.step import Step
-from towers.tower import Tower
-from towers.update import NonfinitePolicy, Update
-from towers.workers import join_workers
-
-PLACEMENTS: dict[str, type[Placement]] = {
-    cls.name: cls for cls in (Central, Balanced, Replicated, Independent)
-}
+from towers.update import NonfinitePolicy
 
 
 class Towers(Trainer):
@@ -88,8 +77,8 @@ class Towers(Trainer):
     def __init__(
         self,
         model: keras.Model | Callable[[], keras.Model],
-        loss: Any,
-        optimizer: keras.optimizers.Optimizer | Callable[[], Any],
+        loss: Any = FROM_COMPILE,
+        optimizer: Any = FROM_COMPILE,
         devices: Sequence[str] | None = None,
         variable_device: str = "/cpu:0",
         metrics: Sequence[Any] | None = None,
@@ -101,50 +90,44 @@ class Towers(Trainer):
             "central", "balanced", "replicated", "independent"
         ] = "central",
         cluster: Cluster | str | None = "auto",
+        loss_weights: Any = None,
+        weighted_metrics: Sequence[Any] | None = None,
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = resolve_cluster(cluster)
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
         self.reducer = get_reducer(reducer)
-        if placement not in PLACEMENTS:
-            raise ValueError(
-                f"unknown placement; received {placement!r}, expected one of "
-                f"{list(PLACEMENTS)}"
-            )
-        self.placement = PLACEMENTS[placement](
-            self.devices, self.variable_device, self.reducer
+        options = dict(
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            loss_weights=loss_weights,
+            moving_statistics=moving_statistics,
+            on_nonfinite=on_nonfinite,
+            accumulate_steps=accumulate_steps,
         )
-        self.placement.build(model, optimizer)
-        self.model, self.optimizer = self.placement.model, self.placement.optimizer
-        self.moving_statistics = MovingStatistics(
-            lambda: self.placement.model, moving_statistics
-        )
-        self.loss = TowerLoss(loss)
-        self.update = Update(
-            self.optimizer,
+        self.step = make_step(
+            model,
+            loss,
+            optimizer,
+            self.devices,
             self.variable_device,
-            on_nonfinite,
-            accumulate_steps,
-            normalised_by_batch=self.loss.normalised_by_batch,
+            self.reducer,
+            placement,
+            self.cluster,
+            options,
         )
-        batch_norm = bool(self.moving_statistics.layers)
-        self.placement.refuse(self.update, batch_norm)
-        self.workers = join_workers(
-            self.cluster, self.placement, batch_norm, self.variable_device
+        self.placement, self.update = self.step.placement, self.step.update
+        self.workers, self.moving_statistics = (
+            self.step.workers,
+            self.step.moving_statistics,
         )
-        self.step = Step(
-            self.placement,
-            Tower(self.loss, self.moving_statistics, self.update.scale_loss),
-            self.update,
-            Metrics(metrics, self.variable_device),
-            self.moving_statistics,
-            self.workers,
-        )
+        self.model, self.optimizer = self.placement.model, self.placement.optimizer
         self.metrics = self.step.metrics.metrics
         self.loss_tracker = self.step.metrics.loss_tracker
         self._train = tf.function(self.step.train)
         self._evaluate = tf.function(self.step.evaluate)
+        self._predict = tf.function(self.step.predict)
         if self.model.built and self.model.variables:
             self.step.start()
 
@@ -181,19 +164,23 @@ class Towers(Trainer):
         """
         return 0 if self.update.steps is None else int(self.update.steps.numpy())
 
-    def train_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+    def train_step(
+        self, x: Any, y: Any = None, sample_weight: Any = None
+    ) -> dict[str, tf.Tensor]:
         """Runs one training step on a global batch.
 
         Args:
           x: inputs, a tensor/array or nest of them, B examples on the first axis.
-          y: targets, the same B.
+          y: targets, the same B (a list or dict for several outputs); None for a
+            model that adds its own loss.
+          sample_weight: None, or B weights (a list or dict for several outputs).
 
         Returns:
           ``{"loss": the batch's loss before the update, metric: running value}``.
 
         Raises:
-          ValueError: x and y disagree on B, B == 0, or the loss does not return one
-            value per example. Nothing is updated when a step fails.
+          ValueError: x, y and sample_weight disagree on B, B == 0, or the loss
+            does not return one value per example. Nothing is updated then.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 
@@ -205,11 +192,13 @@ class Towers(Trainer):
           >>> eng.steps_done, int(eng.optimizer.iterations)
           (1, 1)
         """
-        out = self._run(self._train, *self.prepare(x, y))
+        out = self._run(self._train, *self.prepare(x, y, sample_weight))
         self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
         return out["logs"]
 
-    def evaluate_step(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+    def evaluate_step(
+        self, x: Any, y: Any = None, sample_weight: Any = None
+    ) -> dict[str, tf.Tensor]:
         """Updates the loss and metrics with one batch; no training.
 
         Returns:
@@ -222,7 +211,17 @@ class Towers(Trainer):
           >>> float(logs["loss"]), float(logs["mean_absolute_error"])  # y^2, |y|
           (2.0, 1.0)
         """
-        return self._run(self._evaluate, *self.prepare(x, y))
+        return self._run(self._evaluate, *self.prepare(x, y, sample_weight))
+
+    def predict_step(self, x: Any) -> Any:
+        """The model's outputs on one batch: each tower predicts its shard; the
+        outputs are concatenated in order (``predict`` feeds many batches).
+
+        >>> make_engine().predict_step(np.zeros((3, 3), "f4")).shape  # bias 0
+        TensorShape([3, 1])
+        """
+        x, _, _ = self.prepare(x)
+        return self._run(self._predict, x)
 
     def apply_accumulated(self) -> None:
         """Applies the gradients of a partly filled ``accumulate_steps`` window
@@ -238,20 +237,21 @@ class Towers(Trainer):
         """
         self.update.flush()
 
-    def prepare(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """What a step does before its compiled part: checks the batch, puts it on
         the host as tensors, and builds a lazily built model from it.
 
-        >>> x, y = make_engine().prepare(np.ones((2, 3)), np.ones((2, 1)))
-        >>> x.device, tuple(y.shape)
-        ('/job:localhost/replica:0/task:0/device:CPU:0', (2, 1))
+        >>> x, y, sw = make_engine().prepare(np.ones((2, 3)), np.ones((2, 1)))
+        >>> x.device, tuple(y.shape), sw
+        ('/job:localhost/replica:0/task:0/device:CPU:0', (2, 1), None)
         """
-        x, y = self.step.prepare(x, y)
+        batch = self.step.prepare(x, y, sample_weight)
         if not self.model.variables:
-            self.placement.build_from(tf.nest.map_structure(lambda a: a[:1], x))
+            sample = tf.nest.map_structure(lambda a: a[:1], batch[0])
+            self.placement.build_from(sample)
             self.model = self.placement.model  # a balanced placement builds anew
             self.step.start()
-        return x, y
+        return batch
 
     def explain(self, x: Any, y: Any) -> Explanation:
         """Where one step on ``(x, y)`` put every variable and op, as TensorFlow
@@ -286,5 +286,5 @@ class Towers(Trainer):
         """
         self.placement.after_restore()
 
-    def _run(self, step: Callable[..., Any], x: Any, y: Any) -> Any:
-        return step(x, y) if self.workers is None else self.workers.run(step, x, y)
+    def _run(self, step: Callable[..., Any], *batch: Any) -> Any:
+        return step(*batch) if self.workers is None else self.workers.run(step, *batch)

@@ -87,7 +87,7 @@ class Explainable(Protocol):
     cluster: Any  # a towers.Cluster, or None
     step: Any  # a towers.step.Step: the train step, metrics, update
 
-    def prepare(self, x: Any, y: Any) -> tuple[Any, Any]: ...
+    def prepare(self, x: Any, y: Any) -> tuple[Any, Any, Any]: ...
 
 
 def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
@@ -100,12 +100,12 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
     Returns:
       The :class:`Explanation` of that step.
     """
-    x, y = engine.prepare(x, y)
-    concrete = tf.function(engine.step.train).get_concrete_function(x, y)
+    x, y, sample_weight = engine.prepare(x, y)
+    concrete = tf.function(engine.step.train).get_concrete_function(x, y, sample_weight)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
         with _runtime.placed_graphs() as functions:
-            tf.nest.map_structure(_read, concrete(x, y))
+            tf.nest.map_structure(_read, concrete(x, y, sample_weight))
     finally:
         for var, value in saved:  # the engine is left as it was found
             var.assign(value)

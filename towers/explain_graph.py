@@ -84,7 +84,7 @@ def stage_of(name: str) -> str:
     if tower:
         return f"tower {tower.group(1)} {'backward' if backward else 'forward'}"
     base = re.sub(r"_\d+$", "", scope)
-    if base in ("combine", "all_reduce"):
+    if base in ("combine", "all_reduce", "divisors"):
         return "combine"
     if base == "across_workers":
         return "across workers"

@@ -35,7 +35,7 @@ class Trainer(abc.ABC):
     """
 
     @abc.abstractmethod
-    def prepare(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch and builds a lazily built model from it."""
 
     @abc.abstractmethod

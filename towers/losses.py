@@ -1,110 +1,375 @@
-"""Per-example losses and the one normaliser that makes T towers add up to one.
+"""The user's loss as terms that T shards add up to exactly.
 
-Each tower computes ``sum(per_example_t) / N`` where N is the *global* count the
-user's reduction divides by (B for a per-example function, B * elements-per-example
-for Keras's ``sum_over_batch_size``, 1 for ``sum``). Summing those over towers gives
-exactly the loss one device computes on the whole batch.
+A Keras loss reduces over the batch it sees: ``S / D``, the weighted values summed
+(``S``) over what its reduction divides by (``D``): the number of loss values for
+``sum_over_batch_size`` (Keras' default), the sum of the sample weights for
+``mean_with_sample_weight``, the valid entries when a mask is set, 1 for ``sum``.
+``S`` and ``D`` add up over shards; their quotient does not. So each tower
+computes, per output, a :class:`Term` (its ``S_t`` and ``D_t``), and the step
+divides by the whole batch's ``D = sum_t D_t``::
+
+    loss = sum_o weight_o * (sum_t S_to) / (sum_t D_to)   (+ the model's own losses)
+
+which is Keras' value on the whole batch (``tests/test_losses.py`` checks each
+reduction, with sample weights and masks, against Keras itself).
+
+The loss is one loss for every output, one per output (a list in output order or
+a dict by output name, as ``model.compile`` takes them), or None when the model
+adds its loss itself (``add_loss``).
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-# Keras reductions that divide the summed loss by the number of loss elements.
-_MEAN_REDUCTIONS = (
+from towers._keras import apply_mask, get_keras_mask, squeeze_or_expand_to_same_rank
+
+_REDUCTIONS = (
     None,
     "none",
     "sum_over_batch_size",
     "mean",
     "mean_with_sample_weight",
+    "sum",
 )
 
+TermKind = Literal["examples", "sum", "weights"]
 
-class TowerLoss:
-    """The user's loss as per-example values plus its global normaliser.
 
-    Args:
-      loss: a ``keras.losses.Loss`` (any reduction), the name of a Keras loss
-        (``"mse"``), or a function ``f(y_true, y_pred)`` that returns one value per
-        example, shape ``[B_t]``.
+@dataclasses.dataclass
+class Term:
+    """One output's loss on a tower's shard, before the reduction.
 
-    Raises:
-      ValueError: ``loss`` is none of those, or a Keras loss has an unknown reduction.
+    Attributes:
+      total: f32[], ``S_t``: the weighted loss values, summed.
+      divisor: ``D_t``: what Keras' reduction divides ``S_t`` by on this shard
+        (a number when known at trace time, else an f32[] tensor); None for a
+        ``sum``, which divides by nothing.
+      weight: the output's loss weight.
+      name: the output's name (``"loss"`` for a model with one output).
+      kind: ``"examples"``: ``D_t`` is the shard's examples times a constant;
+        ``"sum"``: ``D_t`` is 1; ``"weights"``: ``D_t`` comes from sample
+        weights or a mask.
     """
 
-    def __init__(self, loss: Any):
-        self.name = getattr(loss, "name", None) or getattr(loss, "__name__", repr(loss))
-        if isinstance(loss, str):
-            loss = keras.losses.get(loss)
-        if isinstance(loss, keras.losses.Loss):
-            if loss.reduction not in (*_MEAN_REDUCTIONS, "sum"):
-                raise ValueError(
-                    f"unsupported loss reduction {loss.reduction!r} on {self.name}; "
-                    f"expected one of {['sum', *_MEAN_REDUCTIONS]}"
-                )
-            self._sum = loss.reduction == "sum"
-            # Same loss, same preprocessing, but give us the values unreduced.
-            self._fn = copy.copy(loss)
-            self._fn.reduction = None
-            self._strict = False
-        elif callable(loss):
-            self._sum, self._fn, self._strict = False, loss, True
-        else:
-            raise ValueError(
-                "loss must be a keras.losses.Loss, a Keras loss name, or a function "
-                f"(y_true, y_pred) -> per-example losses; received {loss!r}"
-            )
+    total: tf.Tensor
+    divisor: Any
+    weight: float
+    name: str
+    kind: TermKind
 
-    @property
-    def normalised_by_batch(self) -> bool:
-        """Whether the loss divides by the batch size (every reduction but sum)."""
-        return not self._sum
 
-    def tower_loss(self, y_true: Any, y_pred: Any, global_batch: Any) -> tf.Tensor:
-        """This tower's share of the full-batch loss (a float32 scalar).
+class StepLoss:
+    """The user's loss, per output, as terms each tower computes on its shard.
 
-        Args:
-          y_true, y_pred: the tower's targets and predictions, ``[B_t, ...]``.
-          global_batch: B, the examples in the whole step (int or scalar tensor).
-        """
-        values = self._fn(y_true, y_pred)
-        values = tf.cast(values, tf.float32)  # values: f32[B_t, ...]
-        values = self._check_per_example(values, y_pred)
-        total = tf.reduce_sum(values)
-        if self._sum:
-            return total
-        per_example = int(np.prod(values.shape[1:])) if values.shape.rank else 1
-        return total / tf.cast(global_batch * per_example, tf.float32)
+    Args:
+      loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name
+        (``"mse"``), or a function ``(y_true, y_pred) -> one value per example``;
+        a list (output order) or dict (output names) of those, None for an
+        output without a loss; or None when the model adds its loss itself.
+      loss_weights: None, or one number per loss, in the loss's structure.
+      output_names: the model's output names, for a dict over list outputs.
 
-    def _check_per_example(self, values: tf.Tensor, y_pred: Any) -> tf.Tensor:
-        tower_batch = _leading_dim(y_pred)
-        rank_ok = values.shape.rank == 1 or (not self._strict and values.shape.rank)
-        if values.shape.rank is not None and not rank_ok:
-            raise ValueError(
-                f"loss {self.name} must return one value per example, shape "
-                f"[{tower_batch}]; received shape {values.shape}. Return per-example "
-                "losses (e.g. a Keras loss with reduction=None), not their mean."
-            )
-        if isinstance(tower_batch, int) and values.shape[0] is not None:
-            if values.shape[0] != tower_batch:
-                raise ValueError(
-                    f"loss {self.name} must return one value per example: "
-                    f"{tower_batch} predictions gave {values.shape[0]} loss values"
-                )
-            return values
-        check = tf.debugging.assert_equal(
-            tf.shape(values)[0],
-            tf.shape(tf.nest.flatten(y_pred)[0])[0],
-            message=f"loss {self.name} must return one value per example",
+    Raises:
+      ValueError: an unknown loss or reduction, or weights that do not match the
+        losses; the message names what was received.
+
+    Example:
+      >>> loss = StepLoss("mse")
+      >>> y, p = tf.constant([[1.0], [3.0]]), tf.constant([[0.0], [0.0]])
+      >>> [term] = loss.terms(y[:1], p[:1], None)  # a tower with 1 of 2 examples
+      >>> float(term.total), term.divisor, term.kind  # 1^2, over 1 example
+      (1.0, 1, 'examples')
+    """
+
+    def __init__(
+        self,
+        loss: Any,
+        loss_weights: Any = None,
+        output_names: Sequence[str] | None = None,
+    ):
+        self.output_names = list(output_names) if output_names else None
+        self.losses = _map(_as_loss, loss)
+        self.loss_weights = _check_weights(loss_weights, self.losses)
+
+    def terms(self, y_true: Any, y_pred: Any, sample_weight: Any) -> list[Term]:
+        """This shard's terms, one per output that has a loss."""
+        if self.losses is None:
+            return []
+        if not isinstance(y_pred, (Mapping, list, tuple)):
+            single = _only(self.losses)
+            weight = _only(self.loss_weights, default=1.0)
+            return [_term(single, y_true, y_pred, sample_weight, weight, "loss")]
+        names = _output_names(y_pred, self.output_names)
+        _check_keys(self.losses, names, "loss")
+        _check_keys(self.loss_weights, names, "loss_weights")
+        preds = list(y_pred.values()) if isinstance(y_pred, Mapping) else y_pred
+        terms = []
+        for i, (name, pred) in enumerate(zip(names, preds)):
+            loss = _entry(self.losses, name, i, repeat=True)
+            if loss is not None:
+                y_t = _entry(y_true, name, i, repeat=False, what="y", names=names)
+                weight = _entry(self.loss_weights, name, i, repeat=True, default=1.0)
+                sw = _entry(sample_weight, name, i, repeat=True)
+                terms.append(_term(loss, y_t, pred, sw, weight, name))
+        return terms
+
+
+def _term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, weight, name):
+    """As ``loss(y_true, y_pred, sample_weight)`` computes it, stopped before the
+    reduction: the weighted values' sum and the reduction's divisor."""
+    in_mask = get_keras_mask(y_pred)  # before a cast drops it
+    y_pred = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_pred)
+    y_true = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_true)
+    values = _check_per_example(loss, loss.call(y_true, y_pred), y_pred)
+    mask = _both(in_mask, get_keras_mask(values))
+    # Weights and mask merged as for a "sum": the plain 0/1 mask, no rescaling.
+    weights = apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    weighted = values
+    if weights is not None:
+        weighted, weights = squeeze_or_expand_to_same_rank(
+            values, tf.cast(weights, values.dtype)
         )
-        with tf.control_dependencies([check]):
-            return tf.identity(values)
+        weighted = weighted * weights
+    total = tf.cast(tf.reduce_sum(weighted), tf.float32)
+    divisor, kind = _divisor(loss.reduction, weighted, weights, mask)
+    return Term(total, divisor, float(weight), name, kind)
 
 
-def _leading_dim(nest: Any) -> int | None:
-    return tf.nest.flatten(nest)[0].shape[0]
+def _both(in_mask: Any, out_mask: Any) -> Any:
+    if in_mask is not None and out_mask is not None:
+        return in_mask & out_mask
+    return in_mask if in_mask is not None else out_mask
+
+
+def _divisor(reduction: Any, values: tf.Tensor, weights: Any, mask: Any):
+    """What Keras' ``reduction`` divides the summed values by, and its kind."""
+    if reduction == "sum":
+        return None, "sum"
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        return tf.cast(tf.reduce_sum(weights), tf.float32), "weights"
+    size = _size(values)
+    if mask is None or reduction == "mean_with_sample_weight":
+        return size, "examples"
+    # Keras scales a mask by total / valid, so the mean is over the valid entries.
+    mask = tf.cast(mask, tf.float32)
+    return tf.cast(size, tf.float32) * tf.reduce_sum(mask) / tf.cast(
+        tf.size(mask), tf.float32
+    ), "weights"
+
+
+def _size(values: tf.Tensor) -> Any:
+    """The number of loss values: an int when the shape is known."""
+    if values.shape.is_fully_defined():
+        return int(np.prod(values.shape.as_list()))
+    return tf.cast(tf.size(values), tf.float32)
+
+
+class PerExample(keras.losses.Loss):
+    """A function ``(y_true, y_pred) -> one value per example`` as a Keras loss:
+    the mean over examples (checked: one value per example, no more).
+
+    >>> float(PerExample(lambda y, p: tf.abs(y - p))(tf.ones(4), tf.zeros(4)))
+    1.0
+    """
+
+    def __init__(self, fn: Any, name: str | None = None):
+        super().__init__(name=name or getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self.fn(y_true, y_pred)
+
+
+def _as_loss(loss: Any) -> keras.losses.Loss | None:
+    """A Keras loss object for one output's loss spec."""
+    if loss is None:
+        return None
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        if loss.reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"unsupported loss reduction {loss.reduction!r} on {loss.name}; "
+                f"expected one of {['sum', *_REDUCTIONS[:-1]]}"
+            )
+        return loss
+    if callable(loss):
+        return PerExample(loss)
+    raise ValueError(
+        "loss must be a keras.losses.Loss, a Keras loss name, or a function "
+        f"(y_true, y_pred) -> per-example losses; received {loss!r}"
+    )
+
+
+def _map(fn, spec: Any) -> Any:
+    """``fn`` applied to each entry of a loss spec: one, a list, or a dict."""
+    if spec is None:
+        return None
+    if isinstance(spec, Mapping):
+        return {key: fn(value) for key, value in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return [fn(value) for value in spec]
+    return fn(spec)
+
+
+def _only(spec: Any, default: Any = None) -> Any:
+    """The one entry of a spec for a model with one output."""
+    if spec is None:
+        return default
+    if isinstance(spec, (Mapping, list, tuple)):
+        values = list(spec.values()) if isinstance(spec, Mapping) else list(spec)
+        if len(values) != 1:
+            raise ValueError(
+                f"the model has one output; received {len(values)} entries: {spec!r}"
+            )
+        return values[0]
+    return spec
+
+
+def _entry(spec, name, i, repeat, default=None, what="", names=()):
+    """Output ``i`` (named ``name``)'s entry of a list or dict; a single value
+    is every output's when ``repeat``."""
+    if spec is None:
+        return default
+    if isinstance(spec, Mapping):
+        return spec.get(name, default)
+    if isinstance(spec, (list, tuple)):
+        return spec[i] if i < len(spec) else default
+    if repeat:
+        return spec
+    raise ValueError(
+        f"the model has {len(names)} outputs {names}: {what} must be a list or a "
+        f"dict with one entry per output; received a single {type(spec).__name__}"
+    )
+
+
+def _output_names(y_pred: Any, names: list[str] | None) -> list[str]:
+    if isinstance(y_pred, Mapping):
+        return list(y_pred)
+    if names and len(names) == len(y_pred):
+        return names
+    return [f"output_{i}" for i in range(len(y_pred))]
+
+
+def _check_keys(spec: Any, names: list[str], what: str) -> None:
+    if isinstance(spec, Mapping):
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{what} names outputs the model does not have; received "
+                f"{unknown}, the model's outputs are {names}"
+            )
+    elif isinstance(spec, (list, tuple)) and len(spec) != len(names):
+        raise ValueError(
+            f"{what} must have one entry per output ({len(names)}: {names}); "
+            f"received {len(spec)}"
+        )
+
+
+def _check_weights(weights: Any, losses: Any) -> Any:
+    if weights is None:
+        return None
+    flat = (
+        list(weights.values())
+        if isinstance(weights, Mapping)
+        else list(weights)
+        if isinstance(weights, (list, tuple))
+        else [weights]
+    )
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in flat):
+        raise ValueError(f"loss_weights must be numbers; received {weights!r}")
+    if losses is None:
+        raise ValueError(
+            f"loss_weights weigh losses; received {weights!r} with loss=None"
+        )
+    return weights
+
+
+def _check_per_example(loss: keras.losses.Loss, values: tf.Tensor, y_pred: Any):
+    """The values, if they are one per example (more per example for a Keras
+    loss, e.g. per timestep); else a ValueError naming the loss."""
+    examples = tf.nest.flatten(y_pred)[0].shape[0]
+    strict = isinstance(loss, PerExample)
+    rank_ok = values.shape.rank == 1 or (not strict and values.shape.rank)
+    if values.shape.rank is not None and not rank_ok:
+        raise ValueError(
+            f"loss {loss.name} must return one value per example, shape "
+            f"[{examples}]; received shape {values.shape}. Return per-example "
+            "losses (e.g. a Keras loss with reduction=None), not their mean."
+        )
+    if isinstance(examples, int) and values.shape[0] is not None:
+        if values.shape[0] != examples:
+            raise ValueError(
+                f"loss {loss.name} must return one value per example: "
+                f"{examples} predictions gave {values.shape[0]} loss values"
+            )
+        return values
+    check = tf.debugging.assert_equal(
+        tf.shape(values)[0],
+        tf.shape(tf.nest.flatten(y_pred)[0])[0],
+        message=f"loss {loss.name} must return one value per example",
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(values)
+
+
+Normalisation = Literal["examples", "sum", "global"]
+
+
+def normalisation(terms: list[Term], has_extra: bool) -> Normalisation:
+    """How a step's loss is normalised, from one tower's terms.
+
+    ``"examples"``: every divisor is the examples times a constant (Keras'
+    default reductions, with or without sample weights), so a worker's or a
+    micro-batch's loss, weighted by its examples, adds up to the whole batch's.
+    ``"sum"``: nothing is divided (and no model losses, which are means).
+    ``"global"``: anything else; the step needs every divisor of the batch.
+
+    >>> normalisation([], has_extra=True)  # a model that adds its own loss
+    'examples'
+    """
+    kinds = {term.kind for term in terms}
+    if kinds <= {"examples"}:
+        return "examples"
+    if kinds == {"sum"} and not has_extra:
+        return "sum"
+    return "global"
+
+
+def step_divisors(tower_terms: list[list[Term]]) -> list[Any]:
+    """Each term's divisor for the whole step: the towers' divisors summed (a
+    number when every one is), None for a sum.
+
+    >>> t = [[Term(tf.constant(1.0), 3, 1.0, "loss", "examples")],
+    ...      [Term(tf.constant(2.0), 2, 1.0, "loss", "examples")]]
+    >>> step_divisors(t)
+    [5]
+    """
+    divisors = []
+    for per_tower in zip(*tower_terms):
+        parts = [term.divisor for term in per_tower]
+        if parts[0] is None:
+            divisors.append(None)
+        elif all(isinstance(d, (int, float)) for d in parts):
+            divisors.append(sum(parts))
+        else:
+            divisors.append(tf.add_n([tf.cast(d, tf.float32) for d in parts]))
+    return divisors
+
+
+def over(value: Any, divisor: Any) -> Any:
+    """``value / divisor``, 0 where the divisor is 0 (as Keras' reductions), and
+    ``value`` itself for no divisor."""
+    if divisor is None:
+        return value
+    if isinstance(divisor, (int, float)):
+        return value / divisor if divisor else value * 0.0
+    value = tf.convert_to_tensor(value, tf.float32)
+    return tf.math.divide_no_nan(value, tf.cast(divisor, value.dtype))

@@ -39,8 +39,9 @@ class Metrics:
 
     Args:
       metrics: Keras metrics, objects or names (``"mae"``,
-        ``"sparse_categorical_accuracy"``).
+        ``"sparse_categorical_accuracy"``), updated without sample weights.
       device: where their variables live (the variable device).
+      weighted_metrics: metrics updated with the batch's sample weights.
 
     Raises:
       ValueError: a metric that is neither a ``keras.metrics.Metric`` nor a name.
@@ -55,28 +56,42 @@ class Metrics:
       (2.0, 2.0)
     """
 
-    def __init__(self, metrics: Sequence[Any] | None, device: str):
+    def __init__(
+        self,
+        metrics: Sequence[Any] | None,
+        device: str,
+        weighted_metrics: Sequence[Any] | None = None,
+    ):
         self.device = device
         with tf.device(device):
-            self.metrics = [_as_metric(m) for m in metrics or []]
+            self.unweighted = [_as_metric(m) for m in metrics or []]
+            self.weighted = [_as_metric(m) for m in weighted_metrics or []]
+            self.metrics = self.unweighted + self.weighted
             # Keras' fit reports the epoch's loss as a mean weighted by batch size.
             self.loss_tracker = keras.metrics.Mean(name="loss")
 
-    def update(self, y: Any, tower_predictions: list[Any]) -> None:
+    def update(
+        self, y: Any, tower_predictions: list[Any], sample_weight: Any = None
+    ) -> None:
         """Updates every metric with the batch's targets and the towers'
-        predictions (in tower order, so together they are the batch's)."""
+        predictions (in tower order, so together they are the batch's); weighted
+        metrics with the sample weights too."""
         if not self.metrics:
             return
         y_pred = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *tower_predictions
         )
-        for metric in self.metrics:
+        for metric in self.unweighted:
             metric.update_state(y, y_pred)
+        for metric in self.weighted:
+            metric.update_state(y, y_pred, sample_weight=sample_weight)
 
-    def update_changes(self, y: Any, tower_predictions: list[Any]) -> Changes:
+    def update_changes(
+        self, y: Any, tower_predictions: list[Any], sample_weight: Any = None
+    ) -> Changes:
         """Updates the metrics, and returns how that moved their variables."""
         before = [tf.convert_to_tensor(v) for v in self._variables]
-        self.update(y, tower_predictions)
+        self.update(y, tower_predictions, sample_weight)
         deltas = [tf.convert_to_tensor(v) - b for v, b in zip(self._variables, before)]
         return Changes(before, deltas)
 

@@ -108,13 +108,18 @@ class Placement(abc.ABC):
         self,
         update: Update,
         grads: list[Any],
+        tower_variables: list[list[Any]],
         also: Callable[[], None],
-        examples: Any,
-        has_regularisers: bool,
+        weight: Any,
     ) -> tf.Tensor | None:
         """Applies one step's combined gradients, and ``also`` (the moving
         statistics) with them, inside the step's ``apply`` name scope; returns
-        the finiteness flags, or None."""
+        the finiteness flags, or None.
+
+        ``tower_variables[t]``: the variables tower t's gradients are for, read
+        when the step was traced; ``weight``: the step's weight in an
+        accumulation window (``Update.apply``).
+        """
 
     @abc.abstractmethod
     def refuse(self, update: Update, batch_norm: bool) -> None:

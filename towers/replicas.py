@@ -73,15 +73,18 @@ class Copies(Placement):
         self,
         update: Update,
         grads: list[list[Any]],
+        tower_variables: list[list[Any]],
         also: Callable[[], None],
-        examples: Any,
-        has_regularisers: bool,
+        weight: Any,
     ) -> None:
-        """Applies ``grads[t]`` to copy t, on tower t's device."""
+        """Applies ``grads[t]`` to copy t's variables, on tower t's device."""
         for t, device in enumerate(self.devices):
             with tf.device(device), tf.name_scope(f"apply_{t}"):
-                variables = self.models[t].trainable_variables
-                pairs = [(g, v) for g, v in zip(grads[t], variables) if g is not None]
+                pairs = [
+                    (g, v)
+                    for g, v in zip(grads[t], tower_variables[t])
+                    if g is not None
+                ]
                 self.optimizers[t].apply_gradients(pairs)
         also()
         return None

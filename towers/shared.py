@@ -63,13 +63,13 @@ class SharedVariables(Placement):
         self,
         update: Update,
         grads: list[Any],
+        tower_variables: list[list[Any]],
         also: Callable[[], None],
-        examples: Any,
-        has_regularisers: bool,
+        weight: Any,
     ) -> tf.Tensor | None:
         with tf.device(self.variable_device):
             with self.placing_updates(update.optimizer):
-                return update.apply(grads, also, examples, has_regularisers)
+                return update.apply(grads, tower_variables[0], also, weight)
 
     def groups(self) -> list[tuple[str, list[int]]]:
         """(device, indices of the trainable variables combined there)."""

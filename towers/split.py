@@ -54,7 +54,8 @@ def batch_size_of(batch: Any) -> int | tf.Tensor:
     Raises:
       ValueError: the batch has no leaves, a leaf is a scalar, or leaves disagree.
     """
-    leaves = tf.nest.flatten(batch)
+    # None stands for a part the batch does not have (no targets, no weights).
+    leaves = [leaf for leaf in tf.nest.flatten(batch) if leaf is not None]
     if not leaves:
         raise ValueError(f"a batch needs at least one tensor; received {batch!r}")
     static = []
@@ -82,7 +83,8 @@ def split_batch(batch: Any, num_towers: int) -> list[Any]:
 
     Args:
       batch: a tensor, a NumPy array, or any nest (tuple, list, dict) of them, all
-        with the same first dimension B >= 1.
+        with the same first dimension B >= 1; a None in the nest (no targets,
+        say) stays None in every shard.
       num_towers: T >= 1.
 
     Returns:
@@ -103,7 +105,10 @@ def split_batch(batch: Any, num_towers: int) -> list[Any]:
     if isinstance(size, int) and size == 0:
         raise ValueError("a batch needs at least one example; received 0")
     sizes = _part_sizes(size, num_towers)
-    per_leaf = [_split_leaf(leaf, sizes, num_towers) for leaf in tf.nest.flatten(batch)]
+    per_leaf = [
+        [None] * num_towers if leaf is None else _split_leaf(leaf, sizes, num_towers)
+        for leaf in tf.nest.flatten(batch)
+    ]
     return [
         tf.nest.pack_sequence_as(batch, [shards[t] for shards in per_leaf])
         for t in range(num_towers)

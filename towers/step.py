@@ -23,12 +23,13 @@ from typing import Any
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatistics
+from towers.losses import normalisation, step_divisors
 from towers.metrics import Metrics
 from towers.placement import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.tower import Tower, TowerResult
 from towers.update import Update
-from towers.workers import Summed, Workers
+from towers.workers import Workers
 
 # Input arrives on the host and is split there, whatever the compute devices are.
 HOST = "/device:CPU:0"
@@ -63,39 +64,63 @@ class Step:
         self.workers = workers
         self.device = placement.variable_device
 
-    def train(self, x: Any, y: Any) -> dict[str, Any]:
+    def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
         metric: value}}``, and ``"finite"`` (per applied gradient) when the
         update checks its gradients."""
-        shards = self.split(x, y)
+        shards = self.split(x, y, sample_weight)
         towers = self.compute(shards)
         loss = self.sum_losses(towers)
         grads = self.combine([r.grads for r in towers])
-        examples = shards.size
+        examples, weight = shards.size, self._weight(towers, shards)
         if self.workers is None:
-            self._update_metrics(y, towers)
+            self._update_metrics(y, sample_weight, towers)
         else:
-            summed = self._across_workers(grads, loss, shards, y, towers, "train")
+            summed = self._across_workers(
+                grads, loss, weight, shards.size, (y, sample_weight), towers, "train"
+            )
             grads, loss, examples = summed.grads, summed.loss, summed.examples
+            weight = None if weight is None else tf.cast(examples, tf.float32)
         # Every tower (and every check in it) has finished before any update.
         with tf.control_dependencies([loss]):
-            finite = self.apply(grads, [r.moments for r in towers], examples)
+            variables = [r.variables for r in towers]
+            finite = self.apply(grads, variables, [r.moments for r in towers], weight)
         logs = {"loss": loss, **self._track(loss, examples)}
         return {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
 
-    def evaluate(self, x: Any, y: Any) -> dict[str, tf.Tensor]:
+    def evaluate(
+        self, x: Any, y: Any, sample_weight: Any = None
+    ) -> dict[str, tf.Tensor]:
         """Updates the loss and metrics with one batch; returns their results."""
-        shards = self.split(x, y)
-        towers = self._each_tower(shards, self.tower.evaluate)
-        loss = self.sum_losses(towers)
+        shards = self.split(x, y, sample_weight)
+        passes = self._each_tower(shards, self.tower.evaluate)
+        divisors = step_divisors([p.terms for p in passes])
+        towers = [p.loss(divisors) for p in passes]
+        with tf.device(self.device), tf.name_scope("combine"):
+            loss = tf.add_n(towers)
         examples = shards.size
         if self.workers is None:
-            self._update_metrics(y, towers)
+            self._update_metrics(y, sample_weight, passes)
         else:
-            summed = self._across_workers([], loss, shards, y, towers, "eval")
+            weight = self._weight(passes, shards)
+            summed = self._across_workers(
+                [], loss, weight, shards.size, (y, sample_weight), passes, "eval"
+            )
             loss, examples = summed.loss, summed.examples
         metrics = self._track(loss, examples)
         return {"loss": self.metrics.loss_tracker.result(), **metrics}
+
+    def predict(self, x: Any) -> Any:
+        """The model's outputs on ``x``: each tower predicts its shard, and the
+        shards' outputs are concatenated in tower order."""
+        shards = self.split(x, None, None)
+        outputs = []
+        for t in shards.working():
+            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
+                model = self.placement.model_of(t)
+                outputs.append(self.tower.predict(model, shards.parts[t][0]))
+        with tf.device(HOST):
+            return _concat(outputs)
 
     def start(self) -> None:
         """Makes the parts ready once the model has its variables: the
@@ -107,34 +132,52 @@ class Step:
         if self.workers is not None:
             self.workers.start_together(self.placement.model.variables)
 
-    def prepare(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch and puts it on the host as tensors.
 
         Raises:
-          ValueError: x and y disagree on B, or B == 0 outside a cluster (a
-            worker's share of a small batch may be empty: it joins with zeros).
+          ValueError: x, y and sample_weight disagree on B, or B == 0 outside a
+            cluster (a worker's share of a small batch may be empty: it joins
+            with zeros).
         """
-        x_size, y_size = batch_size_of(x), batch_size_of(y)
-        if x_size != y_size:
+        sizes = {
+            name: batch_size_of(part)
+            for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight))
+            if part is not None
+        }
+        if len(set(sizes.values())) > 1:
+            names = " and ".join(sizes)
+            counts = [f"{name} with {n}" for name, n in sizes.items()]
             raise ValueError(
-                "x and y must have the same batch size; received x with "
-                f"{x_size} examples and y with {y_size}"
+                f"{names} must have the same batch size; received {counts[0]} "
+                f"examples and {' and '.join(counts[1:])}"
             )
-        if x_size == 0 and self.workers is None:
+        if sizes["x"] == 0 and self.workers is None:
             raise ValueError("a batch needs at least one example; received 0")
         with tf.device(HOST):
-            return tf.nest.map_structure(tf.convert_to_tensor, (x, y))
+            return tf.nest.map_structure(
+                lambda a: None if a is None else tf.convert_to_tensor(a),
+                (x, y, sample_weight),
+            )
 
     # -- the phases ---------------------------------------------------------------
 
-    def split(self, x: Any, y: Any) -> Shards:
-        """The batch cut into the towers' shards, on the host."""
+    def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
+        """The batch cut into the towers' shards ``(x_t, y_t, sw_t)``, on the host."""
         with tf.device(HOST), tf.name_scope("split"):
-            return split_for_towers((x, y), len(self.placement.devices))
+            return split_for_towers((x, y, sample_weight), len(self.placement.devices))
 
     def compute(self, shards: Shards) -> list[TowerResult]:
-        """Every working tower's forward and backward pass, on its device."""
-        return self._each_tower(shards, self.tower.train)
+        """Every working tower's forward pass, the step's divisors, then every
+        tower's loss share and gradients, each on its tower's device."""
+        working = self.placement.working_towers(shards)
+        passes = self._each_tower(shards, self.tower.forward)
+        divisors = self._divisors(passes)
+        results = []
+        for t, tower_pass in zip(working, passes):
+            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
+                results.append(self.tower.gradients(tower_pass, divisors))
+        return results
 
     def sum_losses(self, towers: list[TowerResult]) -> tf.Tensor:
         """The step's loss: the towers' shares, summed on the variable device."""
@@ -145,34 +188,77 @@ class Step:
         """``tower_grads[t][v]`` combined by the placement."""
         return self.placement.combine(tower_grads)
 
-    def apply(self, grads: list[Any], moments: list[dict], examples: Any):
-        """Counts the step and applies ``grads`` (and the moving statistics);
-        returns the finiteness flags or None."""
+    def apply(self, grads: list, tower_variables: list, moments: list, weight: Any):
+        """Counts the step and applies ``grads`` to the variables (tower t's:
+        ``tower_variables[t]``), and the moving statistics; returns the
+        finiteness flags or None."""
         with tf.name_scope("apply"):
             with tf.device(self.device):
                 self.update.count_step()
             return self.placement.apply(
                 self.update,
                 grads,
+                tower_variables,
                 also=lambda: self.moving_statistics.update(moments),
-                examples=examples,
-                has_regularisers=bool(self.placement.model.losses),
+                weight=weight,
             )
 
     # -- helpers ------------------------------------------------------------------
 
-    def _each_tower(self, shards: Shards, work: Callable[..., TowerResult]) -> list:
+    def _each_tower(self, shards: Shards, work: Callable[..., Any]) -> list:
         results = []
         for t in self.placement.working_towers(shards):
             device = self.placement.devices[t]
             with tf.device(device), tf.name_scope(f"tower_{t}"):
                 model = self.placement.model_of(t)
-                results.append(work(model, *shards.parts[t], shards.normaliser))
+                x, y, sample_weight = shards.parts[t]
+                results.append(work(model, x, y, sample_weight, shards.normaliser))
         return results
 
-    def _update_metrics(self, y: Any, towers: list[TowerResult]) -> None:
+    def _divisors(self, passes: list) -> list[Any]:
+        """The step's divisor per loss term (towers/losses.py)."""
+        if not any(p.terms for p in passes) and all(p.extra is None for p in passes):
+            raise ValueError(
+                "the step has no loss: loss=None needs a model that adds its own "
+                "(add_loss); received a model with no losses"
+            )
+        if self.workers is not None and self._normalisation(passes) == "global":
+            raise ValueError(
+                "in a cluster, a loss must be a mean over examples (Keras' default "
+                "reductions, sample weights included) or a sum without model losses; "
+                "received losses whose divisor comes from sample weights or a mask, "
+                "or a mix of sums and means. Use one process."
+            )
+        with tf.device(self.device), tf.name_scope("divisors"):
+            return step_divisors([p.terms for p in passes])
+
+    def _normalisation(self, passes: list) -> str:
+        return normalisation(passes[0].terms, passes[0].extra is not None)
+
+    def _weight(self, towers: list, shards: Shards) -> Any:
+        """What this step weighs when steps are added up (workers, micro-batches):
+        its examples for a mean, nothing (None) for a sum."""
+        mode = self._normalisation(towers)
+        if mode == "global" and self.update.accumulate_steps > 1:
+            sums = {t.kind for t in towers[0].terms} == {"sum"}
+            why = (
+                "a loss reduction='sum' and regularisation losses: the regulariser "
+                "would count once per micro-batch"
+                if sums
+                else "losses whose divisor comes from sample weights or a mask, "
+                "or a mix of sums and means"
+            )
+            raise ValueError(
+                f"accumulate_steps > 1 cannot be exact with {why}; received them "
+                "together. Use a mean reduction (Keras' default)."
+            )
+        if mode == "sum":
+            return None
+        return tf.cast(shards.size, tf.float32)
+
+    def _update_metrics(self, y: Any, sample_weight: Any, towers: list) -> None:
         with tf.device(self.device), tf.name_scope("metrics"):
-            self.metrics.update(y, [r.predictions for r in towers])
+            self.metrics.update(y, [r.predictions for r in towers], sample_weight)
 
     def _track(self, loss: tf.Tensor, examples: Any) -> dict[str, tf.Tensor]:
         """Adds the loss to its tracker; returns the metrics' values."""
@@ -180,18 +266,19 @@ class Step:
             self.metrics.track_loss(loss, examples)
             return self.metrics.results()
 
-    def _across_workers(self, grads, loss, shards, y, towers, kind) -> Summed:
+    def _across_workers(self, grads, loss, weight, examples, targets, towers, kind):
         """This worker's gradients, loss and metric changes summed with every
-        other worker's (the metrics then hold the cluster's)."""
+        other worker's (the metrics then hold the cluster's); a ``Summed``."""
+        y, sample_weight = targets
         with tf.device(self.device), tf.name_scope("across_workers"):
-            changes = self.metrics.update_changes(y, [r.predictions for r in towers])
+            predictions = [r.predictions for r in towers]
+            changes = self.metrics.update_changes(y, predictions, sample_weight)
             summed = self.workers.step(
-                grads,
-                loss,
-                shards.size,
-                changes.deltas,
-                self.update.normalised_by_batch,
-                kind,
+                grads, loss, examples, changes.deltas, weight, kind
             )
             self.metrics.set_changes(changes, summed.extras)
         return summed
+
+
+def _concat(parts: list[Any]) -> Any:
+    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)

@@ -1,15 +1,21 @@
 """One tower's work: its forward pass, its share of the loss, and its gradients.
 
 Every tower runs the same code on its own device (the step opens the device
-scope); only the shard and, for a copy per tower, the model differ::
+scope); only the shard and, for a copy per tower, the model differ. A tower's
+work has two halves, because its loss divides by the whole step's divisor,
+which needs every tower's shard::
 
-    x_t, y_t: the tower's n_t examples
-      -> y_pred = model(x_t)
-      -> loss_t = sum(per-example losses) / B  (+ regularisers * n_t / B)
-      -> grads_t = d loss_t / d trainable variables        (training only)
+    forward:    y_pred = model(x_t)                 under a GradientTape
+                S_to, D_to per output               (towers/losses.py)
+                extra_t = model.losses * n_t / B    (regularisers, add_loss)
+    gradients:  D_o = sum_t D_to                    (the step, towers/step.py)
+                loss_t  = sum_o w_o S_to / D_o + extra_t
+                grads_t = d loss_t / d vars: the tape's gradient of [S_to...,
+                          extra_t] with upstream [w_o / D_o..., 1]
 
-Dividing by the whole step's B, not by n_t, is what lets the towers' gradients
-simply add up to the full batch's: sum_t loss_t is the full-batch loss.
+The divisors do not depend on the variables, so the gradient of each ``S_to``,
+scaled by ``w_o / D_o``, is exactly the gradient of the tower's loss. The towers'
+losses and gradients then add up to the full batch's.
 """
 
 from __future__ import annotations
@@ -22,8 +28,37 @@ import keras
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatistics
-from towers.losses import TowerLoss
+from towers.losses import StepLoss, Term, over
 from towers.split import batch_size_of
+
+
+@dataclasses.dataclass
+class TowerPass:
+    """A tower's forward pass, recorded for its gradients.
+
+    Attributes:
+      terms: per output with a loss, its ``S_t`` and ``D_t``.
+      extra: the model's own losses (regularisers, ``add_loss``), weighted by the
+        tower's share of the step's examples; None if the model has none.
+      predictions: the model's outputs on the shard, ``[n_t, ...]``.
+      variables: the trainable variables, read when the step was traced.
+      tape: the tape that recorded the pass (None in evaluation).
+      moments: BatchNormalization moments by layer index (training only).
+    """
+
+    terms: list[Term]
+    extra: tf.Tensor | None
+    predictions: Any
+    variables: list[Any]
+    tape: tf.GradientTape | None = None
+    moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+    def loss(self, divisors: list[Any]) -> tf.Tensor:
+        """The tower's share of the step's loss, given the step's divisors."""
+        shares = [_weighted(t, over(t.total, d)) for t, d in zip(self.terms, divisors)]
+        if self.extra is not None:
+            shares.append(self.extra)
+        return tf.add_n(shares) if shares else tf.constant(0.0)
 
 
 @dataclasses.dataclass
@@ -31,81 +66,123 @@ class TowerResult:
     """What one tower hands back to the step.
 
     Attributes:
-      loss: f32[], the tower's share of the full-batch loss (unscaled).
+      loss: f32[], the tower's share of the step's loss (unscaled).
       predictions: the model's outputs on the tower's shard, ``[n_t, ...]``.
-      grads: per trainable variable, a Tensor, IndexedSlices or None (no path
-        from the loss); None in evaluation. Of ``scale * loss`` under loss
-        scaling: the update unscales their combination once.
-      moments: BatchNormalization moments by layer index (see
-        ``towers/batchnorm.py``); empty in evaluation.
+      grads: per variable of ``variables``, a Tensor, IndexedSlices or None (no
+        path from the loss). Of ``scale * loss`` under loss scaling: the update
+        unscales their combination once.
+      variables: the trainable variables the gradients are for.
+      moments: BatchNormalization moments by layer index (``towers/batchnorm.py``).
+      terms, extra: the pass's loss terms and model losses (how the step's loss
+        is normalised: ``towers/losses.py``).
     """
 
     loss: tf.Tensor
     predictions: Any
-    grads: list[Any] | None = None
-    moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    grads: list[Any]
+    variables: list[Any]
+    moments: dict[int, tuple]
+    terms: list[Term]
+    extra: tf.Tensor | None
 
 
 class Tower:
     """The work of one tower, the same on every device.
 
     Args:
-      loss: the user's loss as per-example values and a global normaliser.
+      loss: the user's loss, as terms per output.
       moving_statistics: records each BatchNormalization layer's moments
         instead of letting every tower move the shared statistics.
-      scale_loss: what the gradient sees of the loss (loss scaling, or identity).
+      loss_scale: the current loss scale (a zero-arg function; 1 without loss
+        scaling).
 
     Example:
       >>> import keras, numpy as np
-      >>> from towers.batchnorm import MovingStatistics
-      >>> from towers.losses import TowerLoss
       >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-      >>> tower = Tower(TowerLoss("mse"), MovingStatistics(lambda: model), tf.identity)
+      >>> tower = Tower(StepLoss("mse"), MovingStatistics(lambda: model), lambda: 1.0)
       >>> x, y = np.zeros((3, 2), "float32"), np.ones((3, 1), "float32")
-      >>> result = tower.train(model, x, y, normaliser=6)  # 3 of 6 examples
+      >>> tower_pass = tower.forward(model, x, y, None, examples=6)  # 3 of 6
+      >>> result = tower.gradients(tower_pass, divisors=[6])
       >>> float(result.loss), len(result.grads)  # errors of 1: 3 * 1 / 6
       (0.5, 2)
     """
 
     def __init__(
         self,
-        loss: TowerLoss,
+        loss: StepLoss,
         moving_statistics: MovingStatistics,
-        scale_loss: Callable[[tf.Tensor], tf.Tensor],
+        loss_scale: Callable[[], Any],
     ):
         self.loss = loss
         self.moving_statistics = moving_statistics
-        self.scale_loss = scale_loss
+        self.loss_scale = loss_scale
 
-    def evaluate(
-        self, model: keras.Model, x: Any, y: Any, normaliser: Any
-    ) -> TowerResult:
-        """The tower's predictions and loss share, in inference mode."""
-        return self._forward(model, x, y, normaliser, training=False)
-
-    def train(self, model: keras.Model, x: Any, y: Any, normaliser: Any) -> TowerResult:
-        """The forward pass in training mode, then the gradients of its loss share.
+    def forward(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
+    ) -> TowerPass:
+        """The forward pass in training mode, recorded for :meth:`gradients`.
 
         Args:
           model: the model this tower runs (shared, or the tower's copy).
-          x, y: the tower's shard, ``[n_t, ...]``.
-          normaliser: B, the step's examples (1 for an empty share).
+          x, y, sample_weight: the tower's shard, ``[n_t, ...]`` (y and
+            sample_weight may be None).
+          examples: B, the step's examples (1 for an empty share).
         """
-        with tf.GradientTape() as tape, self.moving_statistics.recording() as moments:
-            result = self._forward(model, x, y, normaliser, training=True)
-            scaled = self.scale_loss(result.loss)
-        result.grads = tape.gradient(scaled, model.trainable_variables)
-        result.moments = moments
-        return result
+        variables = list(model.trainable_variables)  # read at trace: the set now
+        tape = tf.GradientTape()
+        with tape, self.moving_statistics.recording() as moments:
+            tower_pass = self._pass(model, x, y, sample_weight, examples, True)
+        tower_pass.tape, tower_pass.variables = tape, variables
+        tower_pass.moments = moments
+        return tower_pass
 
-    def _forward(self, model, x, y, normaliser, training: bool) -> TowerResult:
+    def gradients(self, tower_pass: TowerPass, divisors: list[Any]) -> TowerResult:
+        """The tower's loss share and its gradients, given the step's divisors."""
+        scale = self.loss_scale()
+        targets = [t.total for t in tower_pass.terms]
+        upstream = [
+            over(scale * t.weight, d) for t, d in zip(tower_pass.terms, divisors)
+        ]
+        if tower_pass.extra is not None:
+            targets.append(tower_pass.extra)
+            upstream.append(scale)
+        upstream = [tf.cast(u, tf.float32) for u in upstream]
+        grads = tower_pass.tape.gradient(
+            targets, tower_pass.variables, output_gradients=upstream
+        )
+        return TowerResult(
+            loss=tower_pass.loss(divisors),
+            predictions=tower_pass.predictions,
+            grads=grads,
+            variables=tower_pass.variables,
+            moments=tower_pass.moments,
+            terms=tower_pass.terms,
+            extra=tower_pass.extra,
+        )
+
+    def evaluate(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
+    ) -> TowerPass:
+        """The tower's predictions and loss terms, in inference mode."""
+        return self._pass(model, x, y, sample_weight, examples, False)
+
+    def predict(self, model: keras.Model, x: Any) -> Any:
+        """The model's outputs on the tower's shard, in inference mode."""
+        return model(x, training=False)
+
+    def _pass(self, model, x, y, sample_weight, examples, training: bool) -> TowerPass:
         y_pred = model(x, training=training)
-        loss = self.loss.tower_loss(y, y_pred, normaliser)
+        terms = self.loss.terms(y, y_pred, sample_weight)
+        extra = None
         if model.losses:
-            # Regularisers are per-batch means in Keras 3: weight by n_t / B so
-            # the towers' shares add up to the full batch's one.
+            # The model's own losses are per-batch means in Keras 3: weight by
+            # n_t / B so the towers' shares add up to the full batch's one.
             share = tf.cast(batch_size_of(x), tf.float32) / tf.cast(
-                normaliser, tf.float32
+                examples, tf.float32
             )
-            loss += tf.add_n(model.losses) * share
-        return TowerResult(loss=loss, predictions=y_pred)
+            extra = tf.add_n(model.losses) * share
+        return TowerPass(terms, extra, y_pred, list(model.trainable_variables))
+
+
+def _weighted(term: Term, value: tf.Tensor) -> tf.Tensor:
+    return value if term.weight == 1.0 else term.weight * value

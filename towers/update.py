@@ -83,8 +83,6 @@ class Update:
       device: the variable device (accumulators live there).
       on_nonfinite: ``"ignore"``, ``"skip"`` or ``"raise"``.
       accumulate_steps: apply every this many steps.
-      normalised_by_batch: whether the loss divides by the batch size (every
-        reduction but ``"sum"``); decides how accumulated steps are weighted.
 
     Raises:
       ValueError: an unknown policy, ``"raise"`` with a LossScaleOptimizer, or
@@ -97,7 +95,6 @@ class Update:
         device: str,
         on_nonfinite: NonfinitePolicy = "ignore",
         accumulate_steps: int = 1,
-        normalised_by_batch: bool = True,
     ):
         self.optimizer = optimizer
         self.device = device
@@ -109,7 +106,7 @@ class Update:
                 f"{accumulate_steps!r}"
             )
         self.accumulate_steps = accumulate_steps
-        self.normalised_by_batch = normalised_by_batch
+        self._divide_window = True  # set when traced: a mean, or a sum
         self.accumulator: Accumulator | None = None
         # Steps (batches) trained, skipped ones and micro-batches included: the x
         # axis of the logs and the checkpoints' number.
@@ -147,30 +144,34 @@ class Update:
         accumulated."""
         self.steps.assign_add(1)
 
-    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        """A tower's loss as its gradient should see it (scaled, if scaling)."""
-        return self.optimizer.scale_loss(loss) if self.loss_scaled else loss
+    def loss_scale(self) -> Any:
+        """What each tower's loss is multiplied by before its gradient: the loss
+        scale of a ``LossScaleOptimizer``, else 1."""
+        if not self.loss_scaled:
+            return 1.0
+        return self.optimizer.scale_loss(tf.constant(1.0))
 
     def apply(
         self,
         grads: list,
+        variables: Sequence[Any],
         also: Callable[[], Any],
-        examples: Any,
-        has_regularisers: bool,
+        weight: Any,
     ) -> tf.Tensor | None:
         """Applies (or accumulates) one step's combined gradients.
 
         Args:
           grads: the combined gradient per variable (None for no gradient).
+          variables: the trainable variables, in the order of ``grads``.
           also: the step's other update (BN moving statistics), run with it.
-          examples: B of this step.
-          has_regularisers: whether the loss includes model regularisation.
+          weight: what this step weighs in an accumulation window: its examples
+            for a mean loss, or None for a sum (every step counts once).
 
         Returns:
           Per applied variable, whether its gradient was finite, or None when the
           policy does not check.
         """
-        pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not pairs:
             raise ValueError(
                 "no trainable variable gets a gradient from the loss; received a "
@@ -179,14 +180,7 @@ class Update:
         self.applied = [v for _, v in pairs]
         if self.accumulator is None:
             return self._apply_or_skip(pairs, also)
-        if has_regularisers and not self.normalised_by_batch:
-            raise ValueError(
-                "accumulate_steps > 1 cannot be exact with a loss reduction='sum' "
-                "and regularisation losses: the regulariser would count once per "
-                "micro-batch; received a 'sum' loss and a model with losses. Use a "
-                "mean reduction."
-            )
-        return self._accumulate(pairs, also, examples)
+        return self._accumulate(pairs, also, weight)
 
     def raise_if_nonfinite(self, finite: Any, loss: Any = None) -> None:
         """With ``on_nonfinite="raise"``: raises if a flag of the step is False.
@@ -245,10 +239,11 @@ class Update:
             tf.cond(all_finite, update, lambda: None)
         return finite
 
-    def _accumulate(self, pairs: list, also: Callable[[], Any], examples: Any):
-        # A mean loss was divided by this step's B: weight it back by B, and
-        # divide the window's sum by its total B, as one step on all of it would.
-        weight = tf.cast(examples, tf.float32) if self.normalised_by_batch else 1.0
+    def _accumulate(self, pairs: list, also: Callable[[], Any], weight: Any):
+        # A mean loss was divided by this step's examples: weight it back by
+        # them, and divide the window's sum by its total, as one step on all of
+        # it would. A sum adds up as it is.
+        self._divide_window = weight is not None
         also = _returning_none(also)
         if self.checks:
             # The moving statistics update per micro-batch (each is a forward
@@ -258,14 +253,14 @@ class Update:
             )
         else:
             also()
-        self.accumulator.add(pairs, weight)
+        self.accumulator.add(pairs, 1.0 if weight is None else weight)
         ready = self.accumulator.count >= self.accumulate_steps
         finite = tf.cond(ready, self._apply_window, self._all_finite)
         return finite if self.checks else None
 
     def _apply_window(self) -> tf.Tensor:
         """Applies the accumulated mean and empties the accumulators."""
-        divisor = self.accumulator.weight if self.normalised_by_batch else 1.0
+        divisor = self.accumulator.weight if self._divide_window else 1.0
         pairs = [(self.accumulator.read(v) / divisor, v) for v in self.applied]
         finite = self._apply_or_skip(pairs, lambda: None)
         deps = [finite] if finite is not None else []

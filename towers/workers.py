@@ -142,33 +142,40 @@ class Workers:
         loss: tf.Tensor,
         examples: Any,
         extras: Sequence[tf.Tensor],
-        weighted: bool,
+        weight: Any,
         kind: str = "train",
     ) -> Summed:
         """The whole cluster's gradients, loss and examples of one step.
 
-        Each worker's ``grads`` and ``loss`` are over its own ``examples``:
-        means (``weighted``) or sums. Means are weighted by ``examples`` before
-        the sum and divided by the total after, so uneven shares give the global
-        batch's mean. ``extras`` (metric changes) are summed as they are.
-        IndexedSlices are sent dense. One collective per bucket carries it all.
+        Each worker's ``grads`` and ``loss`` are over its own ``examples``: means
+        (``weight``: the worker's examples) or sums (``weight`` None). Means are
+        weighted before the sum and divided by the total weight after, so uneven
+        shares give the global batch's mean. ``extras`` (metric changes) are
+        summed as they are. IndexedSlices are sent dense. One collective per
+        bucket carries it all.
         """
         count = tf.cast(examples, tf.float32)
-        weight = count if weighted else tf.constant(1.0)
+        scale = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
         # IndexedSlices go dense: every worker must send the same shapes.
         send = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        send = [g * tf.cast(weight, g.dtype) for g in send]
+        send = [g * tf.cast(scale, g.dtype) for g in send]
         n = len(send)
         summed = self.sum(
-            [*send, tf.reshape(loss * weight, [1]), tf.reshape(count, [1]), *extras],
+            [
+                *send,
+                tf.reshape(loss * scale, [1]),
+                tf.reshape(count, [1]),
+                tf.reshape(scale, [1]),
+                *extras,
+            ],
             kind,
         )
-        loss_sum, total = summed[n][0], summed[n + 1][0]
-        norm = total if weighted else tf.constant(1.0)
+        loss_sum, total, norm = summed[n][0], summed[n + 1][0], summed[n + 2][0]
+        norm = tf.constant(1.0) if weight is None else norm
         out = iter(g / tf.cast(norm, g.dtype) for g in summed[:n])
         combined = [None if g is None else next(out) for g in grads]
         return Summed(
-            combined, loss_sum / norm, tf.cast(total, tf.int32), summed[n + 2 :]
+            combined, loss_sum / norm, tf.cast(total, tf.int32), summed[n + 3 :]
         )
 
     def check_same(self, description: Sequence[tuple[str, str, str]]) -> None:

@@ -28,9 +28,14 @@ def time_phases(engine: Any, x: Any, y: Any, repeats: int = 20) -> dict[str, flo
     Returns:
       ``{"compute": ms, "combine": ms, "apply": ms, "step": ms}``.
     """
-    x, y = engine.prepare(x, y)
+    x, y, _ = engine.prepare(x, y)
     step = engine.step
-    examples = len(y)
+    weight = tf.constant(float(len(y)))
+    # Tower t's variables (the same shared ones, or its copy's).
+    variables = [
+        list(engine.placement.model_of(t).trainable_variables)
+        for t in range(engine.num_towers)
+    ]
 
     # Each phase captures its inputs rather than taking them as arguments: passing a
     # nest of dozens of tensors per call would time Python, not the phase.
@@ -48,7 +53,7 @@ def time_phases(engine: Any, x: Any, y: Any, repeats: int = 20) -> dict[str, flo
 
     @tf.function
     def apply():
-        step.apply(grads, [], examples)
+        step.apply(grads, variables, [], weight)
         return step.update.steps
 
     return {
@@ -66,7 +71,7 @@ def gradient_bytes(engine: Any, x: Any, y: Any) -> float:
     bf16/fp16 cast); IndexedSlices count their values and indices, as they travel,
     except under a placement that all-reduces them dense (replicated).
     """
-    x, y = engine.prepare(x, y)
+    x, y, _ = engine.prepare(x, y)
     tower_grads = tf.function(lambda: _tower_grads(engine.step, x, y))()
     wire = getattr(engine.reducer, "wire_dtype", None)
     dense = engine.placement.sends_slices_dense

@@ -184,7 +184,7 @@ def measure(spec: dict[str, Any], cluster, devices: list[str]) -> dict[str, Any]
     zeros = [tf.zeros(v.shape, v.dtype) for v in distributed.model.trainable_variables]
     exchange = tf.function(
         lambda: [
-            distributed.workers.step(zeros, tf.constant(0.0), share, [], True).loss
+            distributed.workers.step(zeros, tf.constant(0.0), share, [], share).loss
         ]
     )
     if cluster.is_chief:

@@ -1,0 +1,132 @@
+"""The step's parts, made from ``Towers``' arguments.
+
+``Towers(...)`` resolves what it was given into the parts of the data path: a
+placement (which builds the model and optimizer), the loss as per-output terms,
+the update, the metrics, the workers of a cluster, and the ``Step`` that runs
+them (``towers/step.py``). A model compiled with ``model.compile(...)`` brings
+its own loss, loss weights, optimizer and metrics; what is passed explicitly wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from towers.batchnorm import MovingStatistics
+from towers.cluster import Cluster
+from towers.losses import StepLoss
+from towers.metrics import Metrics
+from towers.placement import Placement
+from towers.replicas import Independent, Replicated
+from towers.shared import Balanced, Central
+from towers.step import Step
+from towers.tower import Tower
+from towers.update import Update
+from towers.workers import join_workers
+
+PLACEMENTS: dict[str, type[Placement]] = {
+    cls.name: cls for cls in (Central, Balanced, Replicated, Independent)
+}
+
+
+class FromCompile:
+    """The default of ``Towers``' loss and optimizer: what ``model.compile``
+    said (a model that was not compiled must be given them)."""
+
+    def __repr__(self) -> str:
+        return "<from model.compile>"
+
+
+FROM_COMPILE = FromCompile()
+
+
+def make_step(
+    model: Any,
+    loss: Any,
+    optimizer: Any,
+    devices: list[str],
+    variable_device: str,
+    reducer: Any,
+    placement: str,
+    cluster: Cluster | None,
+    options: dict[str, Any],
+) -> Step:
+    """The step of an engine; ``options``: ``metrics``, ``weighted_metrics``,
+    ``loss_weights``, ``moving_statistics``, ``on_nonfinite``,
+    ``accumulate_steps``."""
+    compiled = _compile_config(model)
+    loss = _given(loss, compiled, "loss")
+    optimizer = _given(optimizer, compiled, "optimizer")
+    if placement not in PLACEMENTS:
+        raise ValueError(
+            f"unknown placement; received {placement!r}, expected one of "
+            f"{list(PLACEMENTS)}"
+        )
+    where = PLACEMENTS[placement](devices, variable_device, reducer)
+    where.build(model, optimizer)
+    moving = MovingStatistics(lambda: where.model, options["moving_statistics"])
+    step_loss = StepLoss(
+        loss,
+        _option(options, compiled, "loss_weights"),
+        getattr(where.model, "output_names", None),
+    )
+    update = Update(
+        where.optimizer,
+        variable_device,
+        options["on_nonfinite"],
+        options["accumulate_steps"],
+    )
+    batch_norm = bool(moving.layers)
+    where.refuse(update, batch_norm)
+    workers = join_workers(cluster, where, batch_norm, variable_device)
+    metrics = Metrics(
+        _option(options, compiled, "metrics"),
+        variable_device,
+        _option(options, compiled, "weighted_metrics"),
+    )
+    tower = Tower(step_loss, moving, update.loss_scale)
+    return Step(where, tower, update, metrics, moving, workers)
+
+
+def _compile_config(model: Any) -> dict[str, Any]:
+    """What ``model.compile`` said (objects as given), or {} if it was not."""
+    if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
+        return {}
+    config = model.get_compile_config() or {}
+    return {
+        "loss": model.loss,
+        "optimizer": model.optimizer,
+        "loss_weights": config.get("loss_weights"),
+        "metrics": _deserialize(config.get("metrics")),
+        "weighted_metrics": _deserialize(config.get("weighted_metrics")),
+    }
+
+
+def _given(value: Any, compiled: dict[str, Any], name: str) -> Any:
+    if value is not FROM_COMPILE:
+        return value
+    if name in compiled:
+        return compiled[name]
+    raise ValueError(
+        f"Towers needs a {name}: pass {name}=..., or a model compiled with one "
+        f"(model.compile({name}=...)); received a model that was not compiled"
+    )
+
+
+def _option(options: dict[str, Any], compiled: dict[str, Any], name: str) -> Any:
+    """An explicit option, else the compiled model's."""
+    value = options.get(name)
+    return value if value is not None else compiled.get(name)
+
+
+def _deserialize(spec: Any) -> Any:
+    """Metrics from a compile config: names stay names; objects come back."""
+    if spec is None:
+        return None
+    if isinstance(spec, Sequence) and not isinstance(spec, str):
+        return [_deserialize(item) for item in spec]
+    if isinstance(spec, dict) and "class_name" in spec:
+        return keras.saving.deserialize_keras_object(spec)
+    return spec
