@@ -4,7 +4,10 @@ The jobs with real worker processes are in test_cluster_jobs.py.
 """
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -164,3 +167,30 @@ def test_a_tensorflow_without_the_runtime_calls_fails_with_its_version(monkeypat
     assert f"with TensorFlow {tf.__version__}: its eager context has no" in str(
         error.value
     )
+
+
+def test_an_optimizer_made_before_the_engine_in_a_cluster_is_named_with_the_fix():
+    # A fresh process: making the optimizer starts TensorFlow before the cluster.
+    script = (
+        "import json, os\n"
+        "os.environ['TF_CONFIG'] = json.dumps({'cluster': {'worker': "
+        "['127.0.0.1:1', '127.0.0.1:2']}, 'task': {'type': 'worker', 'index': 0}})\n"
+        "import keras, towers\n"
+        "optimizer = keras.optimizers.Adam(1e-3)\n"
+        "towers.Towers(lambda: keras.Sequential([keras.Input((2,)), "
+        "keras.layers.Dense(1)]), 'mse', optimizer)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+
+    assert done.returncode != 0
+    assert (
+        "making the optimizer started it: received the optimizer Adam, made before "
+        "towers.Towers. Pass a zero-arg function instead (optimizer=lambda: "
+        "keras.optimizers.Adam(...))" in done.stderr
+    ), done.stderr[-2000:]

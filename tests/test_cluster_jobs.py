@@ -252,3 +252,24 @@ def test_update_policies_in_a_cluster_match_one_process(tmp_path, policy):
         assert expected["errors"] and "is not finite" in expected["errors"][0]
     if policy == "mixed_float16":
         assert expected["scale"] == 2.0**14  # halved once, by the NaN step
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--weighted"], ["--outputs", "2", "--weighted"]],
+    ids=["sample-weights", "two-outputs-weighted"],
+)
+def test_what_keras_users_bring_trains_in_a_cluster_as_one_process(tmp_path, args):
+    ref = reference(tmp_path / "ref", *args)
+    job = launch(tmp_path / "job", *args)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+
+    out = tmp_path / "job"
+    assert_same_as(ref, out)
+    expected = result(ref, 0)
+    for rank in (0, 1):
+        got = result(out, rank)
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        np.testing.assert_allclose(
+            got["evaluate"]["loss"], expected["evaluate"]["loss"], rtol=1e-5
+        )

@@ -1,50 +1,152 @@
-"""Input for ``fit`` and ``evaluate``: global batches of ``(x, y)`` from tf.data."""
+"""Input for ``fit``, ``evaluate`` and ``predict``: global batches from tf.data.
+
+Keras' forms: a ``tf.data.Dataset`` of batches whose elements are ``x``,
+``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; or arrays ``x`` (and ``y``,
+``sample_weight``) cut into batches of ``batch_size``. towers' own older form, a
+tuple ``(x, y)`` (or ``(x, y, sample_weight)``) passed as ``x`` with no ``y``,
+is read as those arrays; a model with two inputs and no targets passes its
+inputs as a dict instead.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 
-def as_dataset(data: Any, batch_size: int | None = None) -> tf.data.Dataset:
-    """A dataset of ``(x, y)`` global batches, prefetched.
+def as_dataset(
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    batch_size: int | None = None,
+    class_weight: Mapping[int, float] | None = None,
+) -> tf.data.Dataset:
+    """A dataset of global batches, prefetched.
 
     Args:
-      data: a ``tf.data.Dataset`` whose elements are ``(x, y)`` batches, or a tuple
-        ``(x, y)`` of NumPy arrays / tensors (then ``batch_size`` is required).
-      batch_size: global batch size for array input. The last batch may be smaller:
-        it is trained exactly, not dropped or padded.
+      x: a ``tf.data.Dataset`` of batches, or inputs (an array, a tensor, or a
+        nest of them), or the tuple ``(x, y[, sample_weight])``.
+      y, sample_weight: targets and per-example weights, for array input.
+      batch_size: global batch size for array input. The last batch may be
+        smaller: it is trained exactly, not dropped or padded.
+      class_weight: ``{class index: weight}``: each example's weight is
+        multiplied by its class's (integer or one-hot targets of one output),
+        as Keras' ``fit(class_weight=...)``; classes not named weigh 1.
 
     Raises:
-      ValueError: elements are not ``(x, y)``, array input without ``batch_size``, or
-        a dataset with no elements.
+      ValueError: arrays without ``batch_size``, ``batch_size`` or ``y`` with a
+        dataset, a dataset with no elements, or ``class_weight`` with several
+        outputs; the message says what was received.
+
+    Example:
+      >>> ds = as_dataset(np.zeros((5, 2)), np.ones(5), batch_size=2)
+      >>> [len(x) for x, y in ds]
+      [2, 2, 1]
     """
-    if isinstance(data, tf.data.Dataset):
-        if batch_size is not None:
-            raise ValueError(
-                f"batch_size is for array input; received batch_size={batch_size} "
-                "with a tf.data.Dataset, which is batched already"
-            )
-        dataset = data
-    elif isinstance(data, (tuple, list)) and len(data) == 2:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(
-                "array input (x, y) needs a positive batch_size; received "
-                f"batch_size={batch_size!r}"
-            )
-        dataset = tf.data.Dataset.from_tensor_slices(tuple(data)).batch(batch_size)
+    if isinstance(x, tf.data.Dataset):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("y", y),
+            ("sample_weight", sample_weight),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is for array input; received {name}={_short(value)} "
+                    "with a tf.data.Dataset, which is batched and carries its "
+                    "targets already"
+                )
+        dataset = x
     else:
-        raise ValueError(
-            "data must be a tf.data.Dataset of (x, y) batches or a tuple (x, y) of "
-            f"arrays; received {type(data).__name__}"
-        )
-    spec = dataset.element_spec
-    if not (isinstance(spec, tuple) and len(spec) == 2):
-        raise ValueError(
-            f"dataset elements must be (x, y) pairs; received elements of {spec}"
-        )
+        dataset = _from_arrays(x, y, sample_weight, batch_size)
     if dataset.cardinality() == 0:
         raise ValueError("the dataset is empty; received a dataset with 0 batches")
+    if class_weight is not None:
+        dataset = dataset.map(_weigh_by_class(class_weight))
     # Input is prepared on the host while the towers compute the previous step.
     return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def unpack(batch: Any) -> tuple[Any, Any, Any]:
+    """A dataset element as ``(x, y, sample_weight)``, None for what it lacks.
+
+    >>> unpack((1, 2))
+    (1, 2, None)
+    """
+    return keras.utils.unpack_x_y_sample_weight(batch)
+
+
+def _from_arrays(x, y, sample_weight, batch_size) -> tf.data.Dataset:
+    if y is None and sample_weight is None and _is_pair(x):
+        x, y, sample_weight = (*x, None)[:3]
+    leaves = tf.nest.flatten(x)
+    if x is None or not leaves or any(isinstance(a, (str, bytes)) for a in leaves):
+        raise ValueError(
+            "data must be a tf.data.Dataset, or arrays (NumPy, tensors, or a nest "
+            f"of them) with batch_size; received {type(x).__name__}"
+        )
+    if (
+        not isinstance(batch_size, int)
+        or isinstance(batch_size, bool)
+        or batch_size < 1
+    ):
+        raise ValueError(
+            "array input needs a positive batch_size; received "
+            f"batch_size={batch_size!r}"
+        )
+    parts = tuple(part for part in (x, y, sample_weight) if part is not None)
+    if sample_weight is not None and y is None:
+        raise ValueError("sample_weight weighs targets; received it with y=None")
+    return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+
+
+def _is_pair(x: Any) -> bool:
+    """towers' older form: a tuple (x, y) or (x, y, sample_weight) of arrays."""
+    return (
+        isinstance(x, (tuple, list))
+        and len(x) in (2, 3)
+        and all(not isinstance(part, (tuple, list)) for part in x)
+    )
+
+
+def _weigh_by_class(class_weight: Mapping[int, float]):
+    if not class_weight or not all(
+        isinstance(k, (int, np.integer)) for k in class_weight
+    ):
+        raise ValueError(
+            f"class_weight must map class indices to weights; received {class_weight!r}"
+        )
+    table = np.ones(max(int(k) for k in class_weight) + 1, "float32")
+    for label, weight in class_weight.items():
+        table[int(label)] = weight
+    table = tf.constant(table)
+
+    def weigh(*batch):
+        x, y, sample_weight = unpack(batch if len(batch) > 1 else batch[0])
+        if y is None or isinstance(y, (Mapping, list, tuple)):
+            raise ValueError(
+                "class_weight weighs the classes of one output's targets; received "
+                f"targets {y!r}. Pass sample_weight per output instead."
+            )
+        labels = y
+        if labels.shape.rank == 2 and labels.shape[-1] != 1:
+            labels = tf.argmax(labels, axis=-1)  # one-hot targets
+        labels = tf.reshape(tf.cast(labels, tf.int32), [-1])
+        weights = tf.gather(table, labels)
+        if sample_weight is not None:
+            weights = weights * tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
+        return x, y, weights
+
+    return weigh
+
+
+def _short(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return (
+        f"<{type(value).__name__} of shape {tuple(shape)}>"
+        if shape is not None
+        else repr(value)
+    )

@@ -10,12 +10,13 @@ import keras
 import tensorflow as tf
 
 from towers.batchnorm import MovingStatisticsPolicy
-from towers.cluster import Cluster, resolve_cluster
+from towers.cluster import Cluster
 from towers.devices import canonical_device, resolve_devices
 from towers.explain import Explanation, explain
 from towers.loop import Trainer
-from towers.parts import FROM_COMPILE, make_step
+from towers.parts import FROM_COMPILE, join_cluster, make_step
 from towers.reducers import get_reducer
+from towers.step import Compiled
 from towers.update import NonfinitePolicy
 
 
@@ -94,7 +95,7 @@ class Towers(Trainer):
         weighted_metrics: Sequence[Any] | None = None,
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
-        self.cluster = resolve_cluster(cluster)
+        self.cluster = join_cluster(cluster, model, optimizer)
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device)
         self.reducer = get_reducer(reducer)
@@ -123,11 +124,12 @@ class Towers(Trainer):
             self.step.moving_statistics,
         )
         self.model, self.optimizer = self.placement.model, self.placement.optimizer
+        # Keras callbacks (LearningRateScheduler, ...) find it there, as after
+        # model.compile.
+        self.model.optimizer = self.optimizer
         self.metrics = self.step.metrics.metrics
         self.loss_tracker = self.step.metrics.loss_tracker
-        self._train = tf.function(self.step.train)
-        self._evaluate = tf.function(self.step.evaluate)
-        self._predict = tf.function(self.step.predict)
+        self._compiled = Compiled(self.step)
         if self.model.built and self.model.variables:
             self.step.start()
 
@@ -150,7 +152,7 @@ class Towers(Trainer):
         >>> eng.trace_count  # batches of 4 share a trace; 5 needs its own
         2
         """
-        return self._train.experimental_get_tracing_count()
+        return self._compiled.train_traces
 
     @property
     def steps_done(self) -> int:
@@ -192,7 +194,8 @@ class Towers(Trainer):
           >>> eng.steps_done, int(eng.optimizer.iterations)
           (1, 1)
         """
-        out = self._run(self._train, *self.prepare(x, y, sample_weight))
+        batch = self.prepare(x, y, sample_weight)
+        out = self._run(self._compiled.train(), *batch)
         self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
         return out["logs"]
 
@@ -208,10 +211,10 @@ class Towers(Trainer):
           >>> eng, x = make_engine(metrics=["mae"]), np.zeros((4, 3), "float32")
           >>> _ = eng.evaluate_step(x, np.full((4, 1), 2.0, "float32"))
           >>> logs = eng.evaluate_step(x, np.zeros((4, 1), "float32"))
-          >>> float(logs["loss"]), float(logs["mean_absolute_error"])  # y^2, |y|
+          >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
           (2.0, 1.0)
         """
-        return self._run(self._evaluate, *self.prepare(x, y, sample_weight))
+        return self._run(self._compiled.evaluate, *self.prepare(x, y, sample_weight))
 
     def predict_step(self, x: Any) -> Any:
         """The model's outputs on one batch: each tower predicts its shard; the
@@ -221,7 +224,7 @@ class Towers(Trainer):
         TensorShape([3, 1])
         """
         x, _, _ = self.prepare(x)
-        return self._run(self._predict, x)
+        return self._run(self._compiled.predict, x)
 
     def apply_accumulated(self) -> None:
         """Applies the gradients of a partly filled ``accumulate_steps`` window
@@ -250,6 +253,7 @@ class Towers(Trainer):
             sample = tf.nest.map_structure(lambda a: a[:1], batch[0])
             self.placement.build_from(sample)
             self.model = self.placement.model  # a balanced placement builds anew
+            self.model.optimizer = self.optimizer
             self.step.start()
         return batch
 

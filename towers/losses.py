@@ -124,6 +124,12 @@ class StepLoss:
 def _term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, weight, name):
     """As ``loss(y_true, y_pred, sample_weight)`` computes it, stopped before the
     reduction: the weighted values' sum and the reduction's divisor."""
+    if y_true is None:
+        raise ValueError(
+            f"loss {loss.name} compares predictions with targets; received a batch "
+            "without targets (y=None). Pass y, or loss=None for a model that adds "
+            "its own loss (add_loss)."
+        )
     in_mask = get_keras_mask(y_pred)  # before a cast drops it
     y_pred = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_pred)
     y_true = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_true)

@@ -34,20 +34,32 @@ class Changes:
     deltas: list[tf.Tensor]
 
 
+@dataclasses.dataclass
+class _Entry:
+    """A metric, the output it watches (None: the only one), and whether it
+    takes the sample weights."""
+
+    metric: keras.metrics.Metric
+    output: str | int | None
+    weighted: bool
+
+
 class Metrics:
     """An engine's loss tracker and metrics, living on ``device``.
 
     Args:
       metrics: Keras metrics, objects or names (``"mae"``,
-        ``"sparse_categorical_accuracy"``), updated without sample weights.
+        ``"sparse_categorical_accuracy"``), updated without sample weights: a
+        list for a model with one output; for several, a dict by output name (or
+        a list per output) of lists, named ``<output>_<metric>`` as Keras does.
       device: where their variables live (the variable device).
-      weighted_metrics: metrics updated with the batch's sample weights.
+      weighted_metrics: the same, updated with the batch's sample weights.
+      output_names: the model's output names, for list outputs.
 
     Raises:
       ValueError: a metric that is neither a ``keras.metrics.Metric`` nor a name.
 
     Example:
-      >>> import numpy as np
       >>> metrics = Metrics([keras.metrics.MeanAbsoluteError(name="mae")], "/cpu:0")
       >>> y = np.zeros((3, 1), "float32")
       >>> metrics.update(y, [np.ones((2, 1), "float32"), np.full((1, 1), 4.0)])
@@ -58,15 +70,16 @@ class Metrics:
 
     def __init__(
         self,
-        metrics: Sequence[Any] | None,
+        metrics: Any,
         device: str,
-        weighted_metrics: Sequence[Any] | None = None,
+        weighted_metrics: Any = None,
+        output_names: Sequence[str] | None = None,
     ):
         self.device = device
+        self.output_names = list(output_names or [])
         with tf.device(device):
-            self.unweighted = [_as_metric(m) for m in metrics or []]
-            self.weighted = [_as_metric(m) for m in weighted_metrics or []]
-            self.metrics = self.unweighted + self.weighted
+            self.entries = _entries(metrics, False) + _entries(weighted_metrics, True)
+            self.metrics = [entry.metric for entry in self.entries]
             # Keras' fit reports the epoch's loss as a mean weighted by batch size.
             self.loss_tracker = keras.metrics.Mean(name="loss")
 
@@ -81,10 +94,15 @@ class Metrics:
         y_pred = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *tower_predictions
         )
-        for metric in self.unweighted:
-            metric.update_state(y, y_pred)
-        for metric in self.weighted:
-            metric.update_state(y, y_pred, sample_weight=sample_weight)
+        for entry in self.entries:
+            y_o, p_o = self._pick(y, entry.output), self._pick(y_pred, entry.output)
+            if entry.weighted:
+                weights = sample_weight
+                if isinstance(weights, (dict, list, tuple)):
+                    weights = self._pick(weights, entry.output)
+                entry.metric.update_state(y_o, p_o, sample_weight=weights)
+            else:
+                entry.metric.update_state(y_o, p_o)
 
     def update_changes(
         self, y: Any, tower_predictions: list[Any], sample_weight: Any = None
@@ -111,18 +129,56 @@ class Metrics:
         """``{metric name: value}``, the loss tracker's not included."""
         return {m.name: m.result() for m in self.metrics}
 
+    def _pick(self, structure: Any, output: str | int | None) -> Any:
+        """One output's part of ``y`` or ``y_pred`` (dict or list)."""
+        if output is None:
+            return structure
+        if isinstance(structure, dict):
+            if isinstance(output, int):
+                return list(structure.values())[output]
+            return structure[output]
+        if isinstance(output, str):
+            output = self.output_names.index(output)
+        return structure[output]
+
     @property
     def _variables(self) -> list[tf.Variable]:
         return [v for m in self.metrics for v in m.variables]
+
+
+def _entries(spec: Any, weighted: bool) -> list[_Entry]:
+    """Metrics per output: a list (the model's one output), a dict by output
+    name, or a list of lists (one per output)."""
+    if not spec:
+        return []
+    if isinstance(spec, dict):
+        pairs = list(spec.items())
+    elif all(isinstance(item, (list, tuple)) for item in spec):
+        pairs = list(enumerate(spec))
+    else:
+        return [_Entry(_as_metric(m), None, weighted) for m in spec]
+    entries = []
+    for output, metrics in pairs:
+        metrics = metrics if isinstance(metrics, (list, tuple)) else [metrics]
+        for metric in metrics:
+            entries.append(_Entry(_named(_as_metric(metric), output), output, weighted))
+    return entries
+
+
+def _named(metric: keras.metrics.Metric, output: Any) -> keras.metrics.Metric:
+    """The metric named ``<output>_<name>``, as Keras names per-output metrics."""
+    config = {**metric.get_config(), "name": f"{output}_{metric.name}"}
+    return type(metric).from_config(config)
 
 
 def _as_metric(metric: Any) -> keras.metrics.Metric:
     if isinstance(metric, str):
         # Keras resolves "accuracy" by the loss at compile time; here the name must
         # say which one (e.g. "sparse_categorical_accuracy").
-        metric = keras.metrics.get(metric)
+        name, metric = metric, keras.metrics.get(metric)
         if not isinstance(metric, keras.metrics.Metric):
-            metric = keras.metrics.MeanMetricWrapper(metric, name=metric.__name__)
+            metric = keras.metrics.MeanMetricWrapper(metric)
+        metric.name = name  # as given ("mae"), as Keras' compile names it
     if not isinstance(metric, keras.metrics.Metric):
         raise ValueError(
             "metrics must be keras.metrics.Metric objects or names; "

@@ -15,7 +15,7 @@ from typing import Any
 import keras
 
 from towers.batchnorm import MovingStatistics
-from towers.cluster import Cluster
+from towers.cluster import Cluster, resolve_cluster
 from towers.losses import StepLoss
 from towers.metrics import Metrics
 from towers.placement import Placement
@@ -40,6 +40,35 @@ class FromCompile:
 
 
 FROM_COMPILE = FromCompile()
+
+
+def join_cluster(cluster: Any, model: Any, optimizer: Any) -> Cluster | None:
+    """``resolve_cluster``, with the usual reason it is too late named: a model or
+    optimizer the script made before the engine (making one starts TensorFlow).
+    """
+    try:
+        return resolve_cluster(cluster)
+    except RuntimeError as error:
+        made = [
+            (what, obj)
+            for what, obj in (("optimizer", optimizer), ("model", model))
+            if isinstance(obj, (keras.optimizers.Optimizer, keras.Model))
+        ]
+        if "before TensorFlow initialises" not in str(error) or not made:
+            raise
+        what, obj = made[0]
+        name = type(obj).__name__
+        instead = (
+            f"optimizer=lambda: keras.optimizers.{name}(...)"
+            if what == "optimizer"
+            else "model=build_model, a function that builds it"
+        )
+        raise RuntimeError(
+            "the cluster must start before TensorFlow initialises, and making the "
+            f"{what} started it: received the {what} {name}, made before "
+            f"towers.Towers. Pass a zero-arg function instead ({instead}); towers "
+            "makes it after the cluster has started."
+        ) from None
 
 
 def make_step(
@@ -85,6 +114,7 @@ def make_step(
         _option(options, compiled, "metrics"),
         variable_device,
         _option(options, compiled, "weighted_metrics"),
+        getattr(where.model, "output_names", None),
     )
     tower = Tower(step_loss, moving, update.loss_scale)
     return Step(where, tower, update, metrics, moving, workers)

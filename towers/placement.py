@@ -91,6 +91,11 @@ class Placement(abc.ABC):
     def build_slots(self) -> None:
         """Creates the optimizers' slot variables, where the placement says."""
 
+    @abc.abstractmethod
+    def follow_trainable(self) -> None:
+        """Makes every model a tower runs train what :attr:`model` trains (a
+        copy per tower follows copy 0)."""
+
     def model_of(self, t: int) -> keras.Model:
         """The model tower ``t`` runs (the shared one unless there are copies)."""
         return self.models[0]

@@ -22,6 +22,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import layers_of, trainable_capable
 from towers.collective import AllReduce
 from towers.options import refuse_unsupported
 from towers.placement import Placement, check_on, needs_builder, slot_variables
@@ -49,7 +50,7 @@ class Copies(Placement):
         for model, optimizer, device in zip(self.models, self.optimizers, self.devices):
             if not optimizer.built:
                 with tf.device(device):
-                    optimizer.build(model.trainable_variables)
+                    optimizer.build(trainable_capable(model))
         self.sync()
 
     def sync(self) -> None:
@@ -61,6 +62,14 @@ class Copies(Placement):
 
     def after_restore(self) -> None:
         self.sync()  # the checkpoint holds copy 0
+
+    def follow_trainable(self) -> None:
+        """Every copy's layers take copy 0's ``trainable`` (the user changes
+        ``engine.model``, which is copy 0)."""
+        first = layers_of(self.models[0])
+        for model in self.models[1:]:
+            for source, target in zip(first, layers_of(model)):
+                target.trainable = source.trainable
 
     def model_of(self, t: int) -> keras.Model:
         return self.models[t]

@@ -20,6 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import trainable_capable
 from towers.balance import build_balanced, updates_where_variables_live
 from towers.combine import combine_gradients
 from towers.devices import same_device
@@ -34,7 +35,8 @@ class SharedVariables(Placement):
     def build_slots(self) -> None:
         if not self.optimizer.built:
             with tf.device(self.variable_device):
-                self.optimizer.build(self.model.trainable_variables)
+                # Every variable a layer can train: one unfrozen later has slots.
+                self.optimizer.build(trainable_capable(self.model))
 
     def refuse(self, update: Update, batch_norm: bool) -> None:
         # One set of variables and one apply: every update policy and
@@ -43,6 +45,10 @@ class SharedVariables(Placement):
 
     def after_restore(self) -> None:
         # The checkpoint restored the only copy.
+        return None
+
+    def follow_trainable(self) -> None:
+        # Every tower runs the one model.
         return None
 
     def combine(self, tower_grads: list[list[Any]]) -> list[Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers._keras import trainable_capable
 from towers.batchnorm import MovingStatistics
 from towers.losses import normalisation, step_divisors
 from towers.metrics import Metrics
@@ -33,6 +34,34 @@ from towers.workers import Workers
 
 # Input arrives on the host and is split there, whatever the compute devices are.
 HOST = "/device:CPU:0"
+
+
+class Compiled:
+    """A step's phases as ``tf.function``s. The train step is traced for the
+    variables the model trains: a change of ``trainable`` between steps (which
+    tf.function would not see) traces it anew, and copies follow copy 0."""
+
+    def __init__(self, step: Step):
+        self.step = step
+        self.evaluate = tf.function(step.evaluate)
+        self.predict = tf.function(step.predict)
+        self._train, self._trainable, self._retired = None, None, 0
+
+    def train(self) -> Callable[..., Any]:
+        """The compiled train step for the model's trainable variables now."""
+        model = self.step.placement.model
+        trainable = tuple(id(v) for v in model.trainable_variables)
+        if trainable != self._trainable:
+            self.step.placement.follow_trainable()
+            self._retired = self.train_traces
+            self._train, self._trainable = tf.function(self.step.train), trainable
+        return self._train
+
+    @property
+    def train_traces(self) -> int:
+        """How many times the train step has been traced, retraces included."""
+        current = self._train.experimental_get_tracing_count() if self._train else 0
+        return self._retired + current
 
 
 class Step:
@@ -127,7 +156,7 @@ class Step:
         optimizers' slots, the update's counters, the placement's device checks,
         and in a cluster the chief's values on every worker."""
         self.placement.build_slots()
-        self.update.build(self.placement.model.trainable_variables)
+        self.update.build(trainable_capable(self.placement.model))
         self.placement.check_devices()
         if self.workers is not None:
             self.workers.start_together(self.placement.model.variables)

@@ -15,6 +15,8 @@ Modes:
   explain one step, then ``engine.explain`` on the next batch: the report's
           facts go to the result, with how much explaining changed (nothing).
 
+What a Keras user brings reaches it too: --weighted (per-example sample weights),
+--outputs 2 (a two-output model, a loss per output and loss weights).
 The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
 (with --nan-in K: the last example of global batch K is NaN, which is in the
 last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
@@ -46,6 +48,8 @@ parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--nonfinite", default="ignore")
 parser.add_argument("--nan-in", type=int, default=None)
 parser.add_argument("--policy", default="float32")
+parser.add_argument("--weighted", action="store_true")
+parser.add_argument("--outputs", type=int, default=1)
 args = parser.parse_args()
 
 in_cluster = "TF_CONFIG" in os.environ
@@ -70,6 +74,12 @@ keras.config.set_dtype_policy(args.policy)
 
 def build():
     width = 5 if args.model == "wider" and rank == 1 else 4
+    if args.outputs == 2:
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        label = keras.layers.Dense(width, name="label")(hidden)
+        value = keras.layers.Dense(1, name="value")(hidden)
+        return keras.Model(inputs, [label, value])
     return keras.Sequential(
         [
             keras.Input((6,)),
@@ -79,6 +89,10 @@ def build():
     )
 
 
+classify = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+losses = {"label": classify, "value": "mse"} if args.outputs == 2 else classify
+
+
 optimizers = {
     # epsilon: see tests/tolerances.py (ADAM_EPSILON).
     "adam": lambda: keras.optimizers.Adam(0.05, epsilon=1e-3),
@@ -86,10 +100,13 @@ optimizers = {
 }
 engine = towers.Towers(
     build,
-    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    losses,
     optimizers[args.optimizer],
     devices=devices,
-    metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+    loss_weights={"label": 1.0, "value": 0.3} if args.outputs == 2 else None,
+    metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")]
+    if args.outputs == 1
+    else None,
     cluster=cluster,
     accumulate_steps=args.accumulate,
     on_nonfinite=args.nonfinite,
@@ -100,6 +117,7 @@ start = [v.numpy() for v in engine.model.variables]
 data = np.random.default_rng(7)
 x = data.normal(size=(64, 6)).astype("float32")
 y = data.integers(0, 4, size=64).astype("int64")
+sample_weight = data.random(64).astype("float32")
 # The steps mode's global batches: uneven; 1 < workers, so someone gets none.
 sizes = [13, 7, 1, 10, 33]
 starts = np.cumsum([0, *sizes])
@@ -115,29 +133,51 @@ class DieAt(keras.callbacks.Callback):
             os._exit(9)
 
 
+def targets(rows):
+    if args.outputs == 2:
+        return {"label": y[rows], "value": x[rows, :1] * 2.0}
+    return y[rows]
+
+
 if args.mode == "steps":
-    batches = tf.data.Dataset.from_generator(
-        lambda: ((x[a:b], y[a:b]) for a, b in zip(starts, starts[1:])),
-        output_signature=(
-            tf.TensorSpec((None, 6), tf.float32),
-            tf.TensorSpec((None,), tf.int64),
-        ),
+    target_spec = (
+        {
+            "label": tf.TensorSpec((None,), tf.int64),
+            "value": tf.TensorSpec((None, 1), tf.float32),
+        }
+        if args.outputs == 2
+        else tf.TensorSpec((None,), tf.int64)
     )
-    losses, errors = [], []
-    for xb, yb in towers.shard(batches, cluster):
+    spec = (tf.TensorSpec((None, 6), tf.float32), target_spec)
+    if args.weighted:
+        spec = (*spec, tf.TensorSpec((None,), tf.float32))
+
+    def global_batches():
+        for a, b in zip(starts, starts[1:]):
+            rows = slice(a, b)
+            batch = (x[rows], targets(rows))
+            yield (*batch, sample_weight[rows]) if args.weighted else batch
+
+    batches = tf.data.Dataset.from_generator(global_batches, output_signature=spec)
+    step_losses, errors = [], []
+    for batch in towers.shard(batches, cluster):
         try:
-            logs = engine.train_step(xb, yb)
+            logs = engine.train_step(*batch)
         except FloatingPointError as error:
             errors.append(str(error))
             continue
-        losses.append(float(logs["loss"]))
-    result["losses"] = losses
+        step_losses.append(float(logs["loss"]))
+    result["losses"] = step_losses
     result["errors"] = errors
     result["iterations"] = int(engine.optimizer.iterations.numpy())
     if hasattr(engine.optimizer, "dynamic_scale"):
         result["scale"] = float(engine.optimizer.dynamic_scale.numpy())
-    result["acc"] = float(engine.metrics[0].result())
-    evaluation = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(9))
+    if engine.metrics:
+        result["acc"] = float(engine.metrics[0].result())
+    parts = (x, targets(slice(None)))
+    if args.weighted:
+        parts = (*parts, sample_weight)
+    evaluation = towers.shard(tf.data.Dataset.from_tensor_slices(parts).batch(9))
     result["evaluate"] = engine.evaluate(evaluation)
 elif args.mode == "explain":
     share = towers.shard(
@@ -171,7 +211,7 @@ else:
         callbacks=[DieAt()] if args.die_at else None,
         verbose=1,
     )
-    result["history"] = history
+    result["history"] = history.history
 result["steps"] = engine.steps_done
 np.savez(
     os.path.join(args.out, f"weights-{rank}.npz"),
