@@ -84,21 +84,27 @@ def test_sample_weights_train_as_keras_does_on_one_device(num_towers, optimizer)
     assert_same_weights(engine, reference)
 
 
-def test_per_output_losses_and_loss_weights_train_as_keras_does():
+@pytest.mark.parametrize("num_towers", [2, 3, 4, 8])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_per_output_losses_and_loss_weights_train_as_keras_does(num_towers, optimizer):
     losses = {
         "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         "value": "mse",
     }
     loss_weights = {"label": 1.0, "value": 0.3}
     engine = Towers(
-        two_outputs, losses, OPTIMIZERS["adam"], devices(3), loss_weights=loss_weights
+        two_outputs,
+        losses,
+        OPTIMIZERS[optimizer],
+        devices(num_towers),
+        loss_weights=loss_weights,
     )
     reference = twin(two_outputs, engine)
     reference.compile(
-        optimizer=OPTIMIZERS["adam"](), loss=losses, loss_weights=loss_weights
+        optimizer=OPTIMIZERS[optimizer](), loss=losses, loss_weights=loss_weights
     )
 
-    for x, y, weights in data(5):
+    for x, y, weights in data(num_towers + 20):
         targets = {"label": y, "value": weights[:, None] * 3.0}
         engine.train_step(x, targets, weights)
         reference.train_on_batch(x, targets, sample_weight=weights)
@@ -126,11 +132,12 @@ def autoencoder():
     return model
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-def test_a_model_that_adds_its_own_loss_trains_on_x_alone(num_towers):
-    engine = Towers(autoencoder, None, OPTIMIZERS["sgd"], devices(num_towers))
+@pytest.mark.parametrize("num_towers", [2, 3, 4, 8])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_model_that_adds_its_own_loss_trains_on_x_alone(num_towers, optimizer):
+    engine = Towers(autoencoder, None, OPTIMIZERS[optimizer], devices(num_towers))
     reference = twin(autoencoder, engine)
-    reference.compile(optimizer=OPTIMIZERS["sgd"]())
+    reference.compile(optimizer=OPTIMIZERS[optimizer]())
 
     for x, _, _ in data(7):
         engine.train_step(x)
@@ -139,13 +146,14 @@ def test_a_model_that_adds_its_own_loss_trains_on_x_alone(num_towers):
     assert_same_weights(engine, reference)
 
 
-def test_fit_with_class_weight_trains_as_keras_fit():
+@pytest.mark.parametrize("num_towers", [2, 3, 4, 8])
+def test_fit_with_class_weight_trains_as_keras_fit(num_towers):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((40, 6)).astype("float32")
     y = rng.integers(0, 3, 40).astype("int32")
     class_weight = {0: 1.0, 1: 3.0, 2: 0.5}
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    engine = Towers(classifier, loss, OPTIMIZERS["sgd"], devices(3))
+    engine = Towers(classifier, loss, OPTIMIZERS["sgd"], devices(num_towers))
     reference = twin(classifier, engine)
     reference.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
 
@@ -306,10 +314,13 @@ def one_device_trainer(model, optimizer):
     return step
 
 
+@pytest.mark.parametrize("num_towers", [2, 3, 4, 8])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("new_shape", [False, True])
-def test_a_trainable_change_between_steps_trains_the_new_set(optimizer, new_shape):
-    engine = Towers(layered, "mse", OPTIMIZERS[optimizer], devices(3))
+def test_a_trainable_change_between_steps_trains_the_new_set(
+    num_towers, optimizer, new_shape
+):
+    engine = Towers(layered, "mse", OPTIMIZERS[optimizer], devices(num_towers))
     reference = twin(layered, engine)
     step = one_device_trainer(reference, OPTIMIZERS[optimizer]())
     rng = np.random.default_rng(14)
