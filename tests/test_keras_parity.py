@@ -395,8 +395,44 @@ def test_per_output_metrics_are_named_and_valued_as_keras_does():
         x, targets, sample_weight=weights, return_dict=True
     )
 
-    names = ["label_sparse_categorical_accuracy", "value_mae", "value_mse"]
-    assert sorted(k for k in logs if k != "loss") == names
-    for name in names:
+    # The same logs as Keras': each output's loss and metrics, by name.
+    assert (
+        sorted(logs)
+        == sorted(expected)
+        == [
+            "label_loss",
+            "label_sparse_categorical_accuracy",
+            "loss",
+            "value_loss",
+            "value_mae",
+            "value_mse",
+        ]
+    )
+    for name in expected:
         np.testing.assert_allclose(float(logs[name]), expected[name], rtol=1e-5)
-    np.testing.assert_allclose(float(logs["loss"]), expected["loss"], rtol=1e-5)
+
+
+def test_a_model_with_several_outputs_reports_each_outputs_loss_as_keras():
+    losses = {
+        "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "value": "mse",
+    }
+    loss_weights = {"label": 1.0, "value": 0.3}
+    engine = Towers(
+        two_outputs, losses, OPTIMIZERS["sgd"], devices(3), loss_weights=loss_weights
+    )
+    reference = twin(two_outputs, engine)
+    reference.compile(
+        optimizer=OPTIMIZERS["sgd"](), loss=losses, loss_weights=loss_weights
+    )
+    x, y, weights = next(data(16))
+    targets = {"label": y, "value": weights[:, None]}
+
+    logs = engine.train_step(x, targets, weights)
+    expected = reference.train_on_batch(
+        x, targets, sample_weight=weights, return_dict=True
+    )
+
+    # Keras logs each output's loss unweighted, beside the weighted total.
+    for name in ("loss", "label_loss", "value_loss"):
+        np.testing.assert_allclose(float(logs[name]), expected[name], rtol=1e-5)

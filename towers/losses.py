@@ -98,6 +98,21 @@ class StepLoss:
         self.losses = _map(_as_loss, loss)
         self.loss_weights = _check_weights(loss_weights, self.losses)
 
+    def output_names_with_losses(self) -> list[str]:
+        """The outputs with a loss of their own, known before any batch: for a
+        model with several outputs (a single one reports only ``loss``).
+
+        >>> StepLoss({"a": "mse", "b": None}).output_names_with_losses()
+        ['a']
+        """
+        if isinstance(self.losses, Mapping):
+            names = self.output_names or list(self.losses)
+            return [n for n in names if self.losses.get(n) is not None]
+        names = self.output_names or []
+        if isinstance(self.losses, (list, tuple)):
+            return [n for n, loss in zip(names, self.losses) if loss is not None]
+        return list(names) if self.losses is not None and len(names) > 1 else []
+
     def terms(self, y_true: Any, y_pred: Any, sample_weight: Any) -> list[Term]:
         """This shard's terms, one per output that has a loss."""
         if self.losses is None:

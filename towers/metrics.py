@@ -55,6 +55,8 @@ class Metrics:
       device: where their variables live (the variable device).
       weighted_metrics: the same, updated with the batch's sample weights.
       output_names: the model's output names, for list outputs.
+      output_losses: the outputs whose loss is reported on its own, as Keras
+        reports ``<output>_loss`` (unweighted) for a model with several.
 
     Raises:
       ValueError: a metric that is neither a ``keras.metrics.Metric`` nor a name.
@@ -74,22 +76,38 @@ class Metrics:
         device: str,
         weighted_metrics: Any = None,
         output_names: Sequence[str] | None = None,
+        output_losses: Sequence[str] = (),
     ):
         self.device = device
         self.output_names = list(output_names or [])
         with tf.device(device):
             self.entries = _entries(metrics, False) + _entries(weighted_metrics, True)
-            self.metrics = [entry.metric for entry in self.entries]
-            # Keras' fit reports the epoch's loss as a mean weighted by batch size.
+            # Keras' fit reports a loss as a mean weighted by each batch's size.
             self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.output_losses = {
+                name: keras.metrics.Mean(name=f"{name}_loss") for name in output_losses
+            }
+            self.metrics = [entry.metric for entry in self.entries]
+            self.metrics += list(self.output_losses.values())
 
     def update(
-        self, y: Any, tower_predictions: list[Any], sample_weight: Any = None
+        self,
+        y: Any,
+        tower_predictions: list[Any],
+        sample_weight: Any = None,
+        output_losses: Any = None,
     ) -> None:
         """Updates every metric with the batch's targets and the towers'
         predictions (in tower order, so together they are the batch's); weighted
-        metrics with the sample weights too."""
-        if not self.metrics:
+        metrics with the sample weights too. ``output_losses``: ``(values by
+        output, examples)``, the batch's loss per output."""
+        if output_losses is not None:
+            values, examples = output_losses
+            for name, tracker in self.output_losses.items():
+                tracker.update_state(
+                    values[name], sample_weight=tf.cast(examples, tf.float32)
+                )
+        if not self.entries:
             return
         y_pred = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *tower_predictions
@@ -105,11 +123,15 @@ class Metrics:
                 entry.metric.update_state(y_o, p_o)
 
     def update_changes(
-        self, y: Any, tower_predictions: list[Any], sample_weight: Any = None
+        self,
+        y: Any,
+        tower_predictions: list[Any],
+        sample_weight: Any = None,
+        output_losses: Any = None,
     ) -> Changes:
         """Updates the metrics, and returns how that moved their variables."""
         before = [tf.convert_to_tensor(v) for v in self._variables]
-        self.update(y, tower_predictions, sample_weight)
+        self.update(y, tower_predictions, sample_weight, output_losses)
         deltas = [tf.convert_to_tensor(v) - b for v, b in zip(self._variables, before)]
         return Changes(before, deltas)
 

@@ -115,6 +115,7 @@ def make_step(
         variable_device,
         _option(options, compiled, "weighted_metrics"),
         getattr(where.model, "output_names", None),
+        step_loss.output_names_with_losses(),
     )
     tower = Tower(step_loss, moving, update.loss_scale)
     return Step(where, tower, update, metrics, moving, workers)

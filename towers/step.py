@@ -102,11 +102,17 @@ class Step:
         loss = self.sum_losses(towers)
         grads = self.combine([r.grads for r in towers])
         examples, weight = shards.size, self._weight(towers, shards)
+        output_losses = self._output_losses([r.output_losses for r in towers], examples)
         if self.workers is None:
-            self._update_metrics(y, sample_weight, towers)
+            self._update_metrics(y, sample_weight, towers, output_losses)
         else:
             summed = self._across_workers(
-                grads, loss, weight, shards.size, (y, sample_weight), towers, "train"
+                grads,
+                loss,
+                weight,
+                examples,
+                lambda: self._metric_changes(y, sample_weight, towers, output_losses),
+                "train",
             )
             grads, loss, examples = summed.grads, summed.loss, summed.examples
             weight = None if weight is None else tf.cast(examples, tf.float32)
@@ -128,12 +134,19 @@ class Step:
         with tf.device(self.device), tf.name_scope("combine"):
             loss = tf.add_n(towers)
         examples = shards.size
+        shares = [p.output_losses(divisors) for p in passes]
+        output_losses = self._output_losses(shares, examples)
         if self.workers is None:
-            self._update_metrics(y, sample_weight, passes)
+            self._update_metrics(y, sample_weight, passes, output_losses)
         else:
             weight = self._weight(passes, shards)
             summed = self._across_workers(
-                [], loss, weight, shards.size, (y, sample_weight), passes, "eval"
+                [],
+                loss,
+                weight,
+                examples,
+                lambda: self._metric_changes(y, sample_weight, passes, output_losses),
+                "eval",
             )
             loss, examples = summed.loss, summed.examples
         metrics = self._track(loss, examples)
@@ -285,9 +298,19 @@ class Step:
             return None
         return tf.cast(shards.size, tf.float32)
 
-    def _update_metrics(self, y: Any, sample_weight: Any, towers: list) -> None:
+    def _update_metrics(self, y: Any, sample_weight: Any, towers: list, shares) -> None:
         with tf.device(self.device), tf.name_scope("metrics"):
-            self.metrics.update(y, [r.predictions for r in towers], sample_weight)
+            predictions = [r.predictions for r in towers]
+            self.metrics.update(y, predictions, sample_weight, shares)
+
+    def _output_losses(self, shares: list[dict], examples: Any) -> Any:
+        """Each output's loss this step (the towers' shares summed), with the
+        step's examples: what the per-output loss trackers take."""
+        if not shares or not shares[0]:
+            return None
+        with tf.device(self.device), tf.name_scope("metrics"):
+            values = {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
+        return values, examples
 
     def _track(self, loss: tf.Tensor, examples: Any) -> dict[str, tf.Tensor]:
         """Adds the loss to its tracker; returns the metrics' values."""
@@ -295,13 +318,16 @@ class Step:
             self.metrics.track_loss(loss, examples)
             return self.metrics.results()
 
-    def _across_workers(self, grads, loss, weight, examples, targets, towers, kind):
-        """This worker's gradients, loss and metric changes summed with every
-        other worker's (the metrics then hold the cluster's); a ``Summed``."""
-        y, sample_weight = targets
+    def _metric_changes(self, y, sample_weight, towers, output_losses):
+        predictions = [r.predictions for r in towers]
+        return self.metrics.update_changes(y, predictions, sample_weight, output_losses)
+
+    def _across_workers(self, grads, loss, weight, examples, update_metrics, kind):
+        """This worker's gradients, loss and metric changes (``update_metrics``
+        makes them) summed with every other worker's (the metrics then hold the
+        cluster's); a ``Summed``."""
         with tf.device(self.device), tf.name_scope("across_workers"):
-            predictions = [r.predictions for r in towers]
-            changes = self.metrics.update_changes(y, predictions, sample_weight)
+            changes = update_metrics()
             summed = self.workers.step(
                 grads, loss, examples, changes.deltas, weight, kind
             )

@@ -53,6 +53,12 @@ class TowerPass:
     tape: tf.GradientTape | None = None
     moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
+    def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
+        """Per output (of several), the tower's share of its unweighted loss."""
+        if len(self.terms) < 2:
+            return {}
+        return {t.name: over(t.total, d) for t, d in zip(self.terms, divisors)}
+
     def loss(self, divisors: list[Any]) -> tf.Tensor:
         """The tower's share of the step's loss, given the step's divisors."""
         shares = [_weighted(t, over(t.total, d)) for t, d in zip(self.terms, divisors)]
@@ -75,6 +81,8 @@ class TowerResult:
       moments: BatchNormalization moments by layer index (``towers/batchnorm.py``).
       terms, extra: the pass's loss terms and model losses (how the step's loss
         is normalised: ``towers/losses.py``).
+      output_losses: by output name, the tower's share of that output's loss
+        (unweighted), for a model with several.
     """
 
     loss: tf.Tensor
@@ -84,6 +92,7 @@ class TowerResult:
     moments: dict[int, tuple]
     terms: list[Term]
     extra: tf.Tensor | None
+    output_losses: dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class Tower:
@@ -158,6 +167,7 @@ class Tower:
             moments=tower_pass.moments,
             terms=tower_pass.terms,
             extra=tower_pass.extra,
+            output_losses=tower_pass.output_losses(divisors),
         )
 
     def evaluate(
