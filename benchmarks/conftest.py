@@ -8,17 +8,26 @@ RESULTS: list[dict] = []
 
 
 def record_ratio(
-    benchmark, name: str, result: dict, target: float | None, step, **info
+    benchmark, name: str, result: dict, target: float | None, step=None, **info
 ):
     """Reports a measured ratio against its target (None: a comparison with no
-    target), then times ``step`` alone.
+    target); with ``step``, then times ``step`` alone (once per test).
 
-    ``result`` comes from ``interleaved_ratio``; it goes to pytest-benchmark's
-    ``extra_info`` (with ``info``) and to the summary printed at the end.
+    ``result`` comes from ``towers.bench.timing.ratio``; it goes to
+    pytest-benchmark's ``extra_info`` (with ``info``) and to the summary printed
+    at the end.
     """
-    benchmark.extra_info.update(result, **info)
+    benchmark.extra_info[name] = {**result, **info}
     RESULTS.append({"name": name, **result, "target": target})
-    benchmark.pedantic(lambda: step()["loss"].numpy(), rounds=30, warmup_rounds=3)
+    if step is not None:
+        benchmark.pedantic(lambda: _read(step()), rounds=30, warmup_rounds=3)
+
+
+def _read(result):
+    """A step's result read back, so the timed work really ran."""
+    if isinstance(result, dict):
+        result = result["loss"]
+    return result.numpy()
 
 
 def pytest_terminal_summary(terminalreporter):

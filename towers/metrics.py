@@ -83,9 +83,9 @@ class Metrics:
         with tf.device(device):
             self.entries = _entries(metrics, False) + _entries(weighted_metrics, True)
             # Keras' fit reports a loss as a mean weighted by each batch's size.
-            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.loss_tracker = LossMean(name="loss")
             self.output_losses = {
-                name: keras.metrics.Mean(name=f"{name}_loss") for name in output_losses
+                name: LossMean(name=f"{name}_loss") for name in output_losses
             }
             self.metrics = [entry.metric for entry in self.entries]
             self.metrics += list(self.output_losses.values())
@@ -166,6 +166,31 @@ class Metrics:
     @property
     def _variables(self) -> list[tf.Variable]:
         return [v for m in self.metrics for v in m.variables]
+
+
+class LossMean(keras.metrics.Metric):
+    """A batch loss's mean over an epoch, each batch weighted by its examples:
+    ``keras.metrics.Mean`` for one scalar a step, in two adds.
+
+    >>> mean = LossMean()
+    >>> mean.update_state(1.0, sample_weight=3)
+    >>> mean.update_state(3.0, sample_weight=1)
+    >>> float(mean.result())
+    1.5
+    """
+
+    def __init__(self, name: str = "loss"):
+        super().__init__(name=name)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, value: Any, sample_weight: Any = 1.0) -> None:
+        weight = tf.cast(sample_weight, tf.float32)
+        self.total.assign_add(tf.cast(value, tf.float32) * weight)
+        self.count.assign_add(weight)
+
+    def result(self) -> tf.Tensor:
+        return tf.math.divide_no_nan(self.total, self.count)
 
 
 def _entries(spec: Any, weighted: bool) -> list[_Entry]:

@@ -167,6 +167,8 @@ def split_for_towers(batch: Any, num_towers: int) -> Shards:
     if isinstance(size, int) and size == 0:
         return Shards(0, [batch] * num_towers, [0] * num_towers)
     sizes = split_sizes(size, num_towers) if isinstance(size, int) else None
+    if num_towers == 1:  # the whole batch: no split op to run
+        return Shards(size, [batch], sizes)
     return Shards(size, split_batch(batch, num_towers), sizes)
 
 

@@ -23,7 +23,7 @@ def test_bench_writes_json_and_plot_with_every_field(tmp_path):
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     done = bench(
         "--towers", "1,2", "--steps", "4", "--batch", "8",
-        "--placement", "cpu,balanced", "--baselines", "single,mirrored",
+        "--placement", "cpu,balanced", "--baselines", "single,naive,mirrored",
         "--json", str(out), "--plot", str(png),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -34,8 +34,10 @@ def test_bench_writes_json_and_plot_with_every_field(tmp_path):
     assert sorted(records) == sorted(
         [
             ("single", None, 1),
-            ("towers", "cpu", 1), ("towers", "balanced", 1), ("mirrored", None, 1),
-            ("towers", "cpu", 2), ("towers", "balanced", 2), ("mirrored", None, 2),
+            ("towers", "cpu", 1), ("towers", "balanced", 1), ("naive", None, 1),
+            ("mirrored", None, 1),
+            ("towers", "cpu", 2), ("towers", "balanced", 2), ("naive", None, 2),
+            ("mirrored", None, 2),
         ]
     )  # fmt: skip
     assert all(r["status"] == "ok" for r in records.values())
@@ -58,6 +60,15 @@ def test_bench_writes_json_and_plot_with_every_field(tmp_path):
     # Balanced over 2 devices: both hold variables, the bytes add up.
     spread = records[("towers", "balanced", 2)]["variables_by_device"]
     assert len(spread) == 2 and sum(spread.values()) == mlp_bytes
+    # With more than one tower every contender is timed against the zero-sync
+    # floor too, in the same rounds; at one tower there is no floor to split.
+    for (contender, _, towers), record in records.items():
+        assert ("vs_floor" in record) == (towers > 1), (contender, towers)
+        if towers > 1:
+            assert (
+                record["vs_floor_q25"] <= record["vs_floor"] <= record["vs_floor_q75"]
+            )
+            assert record["floor_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "towers cpu per_tensor" in done.stdout and "mirrored" in done.stdout
 

@@ -21,18 +21,23 @@ from towers.bench.run import (
 
 BENCH_HELP = """\
 Measure what gradient synchronisation costs. For each configuration (tower
-count x placement x reducer) and each baseline, a fresh process times the step
-beside the plain single-device step on the same batch, in alternating rounds,
-and reports: step time and its ratio to one device; examples/s, speedup and
-scaling efficiency against the same contender on 1 tower; the towers' phases
+count x placement x reducer) and each baseline, a fresh process times three
+steps on the same batch, in turns, round by round: the contender, the plain
+single-device step, and the zero-sync floor (the same shards, a model copy per
+tower device, each applying its own gradients, nothing combined). It reports
+step time; its ratio to one device ("vs 1 dev": what this machine charges for
+splitting the batch, towers or not) and to the floor ("vs floor": the sync
+overhead), each with the spread of its rounds; examples/s, speedup and
+efficiency against the same contender on 1 tower; the towers' phases
 (forward+backward, combine, apply), each timed as its own compiled function;
 gradient bytes each tower hands to the combine; algbw = bytes / combine time and
 busbw = algbw * 2(n-1)/n (nccl-tests' conventions; the topology that really ran
 is printed beside them); and where the variables lived.
 
-Baselines: single (the plain single-device step; its ratio to itself is the
-noise floor), mirrored (tf.distribute.MirroredStrategy) and central_storage
-(CentralStorageStrategy), on the same devices and batch.
+Baselines, each in its own process: single (the plain single-device step; its
+ratio to itself is the noise floor), naive (the TF1 tutorials' loop:
+average_gradients on the CPU), mirrored (tf.distribute.MirroredStrategy) and
+central_storage (CentralStorageStrategy), on the same devices and batch.
 
 --batch is per tower (global batch = towers x batch), as in tf_cnn_benchmarks.
 With no GPU the CPU is split into logical devices automatically; with GPUs, more

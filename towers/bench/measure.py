@@ -4,14 +4,16 @@ Run as ``python -m towers.bench.measure SPEC_JSON``; prints one JSON line. The
 process splits its devices first (logical devices can only be made before
 TensorFlow starts), then times the contender's step and the plain single-device
 step on the same global batch in alternating rounds, so their ratio cancels the
-noise both see. A towers contender also gets its three phases timed, each as its
-own compiled function, and the bytes its towers hand to the combine.
+noise both see; with more than one tower, the zero-sync floor too
+(``towers/bench/peers.py``). A towers contender also gets its three phases timed,
+each as its own compiled function, and the bytes its towers hand to the combine.
 
 Contenders (``spec["contender"]``):
 
 - ``"towers"``: ``Towers`` with ``spec["placement"]`` and ``spec["reducer"]``;
 - ``"single"``: the plain single-device step itself (an A/A run: its ratio is
   this machine's noise floor);
+- ``"naive"``: the TF1 tutorials' loop (``average_gradients`` on the CPU);
 - ``"mirrored"``: ``tf.distribute.MirroredStrategy`` over the same devices;
 - ``"central_storage"``: ``tf.distribute.experimental.CentralStorageStrategy``,
   variables on the CPU, compute on the same devices.
@@ -24,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-CONTENDERS = ("towers", "single", "mirrored", "central_storage")
+CONTENDERS = ("towers", "single", "naive", "mirrored", "central_storage")
 
 
 def main(argv: list[str]) -> int:
@@ -39,80 +41,71 @@ def main(argv: list[str]) -> int:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Times one configuration; returns its record (see ``towers/bench/run.py``)."""
+    """Times one configuration; returns its record (see ``towers/bench/run.py``).
+
+    The contender, the plain single-device step and, with more than one tower,
+    the zero-sync floor are timed in turns, round by round.
+    """
     import keras
     import tensorflow as tf
 
+    from towers.bench.peers import floor_step, single_device_step
     from towers.bench.presets import get_preset
-    from towers.bench.timing import interleaved_ratio
+    from towers.bench.timing import interleaved, ratio
 
     keras.utils.set_random_seed(0)
     preset = get_preset(spec["preset"])
     devices = spec["devices"]
     global_batch = spec["batch"] * len(devices)
     x, y = (tf.constant(a) for a in preset.batch(global_batch, seed=0))
-    single = _single_step(preset, devices[0], x, y)
+    single = single_device_step(preset.build, preset.loss(), devices[0])
     contender, extra = _contender(spec, preset, devices, x, y)
+    steps = {"contender": contender, "single": lambda: single(x, y)}
+    if len(devices) > 1:
+        steps["floor"] = floor_step(preset, devices, x, y)
     rounds = max(2, spec["steps"] // 10)
-    timed = interleaved_ratio(
-        contender, single, rounds=rounds, steps=max(1, spec["steps"] // rounds)
-    )
-    step_s = timed["contender_ms"] / 1e3
+    times = interleaved(steps, rounds, max(1, spec["steps"] // rounds))
+    timed = ratio(times, "contender", "single")
     record = {
         "step_ms": timed["contender_ms"],
         "single_device_ms": timed["baseline_ms"],
-        "vs_single_device": timed["ratio"],
-        "vs_single_device_q25": timed["ratio_q25"],
-        "vs_single_device_q75": timed["ratio_q75"],
+        **_ratios(timed, "vs_single_device"),
         "global_batch": global_batch,
-        "examples_per_second": global_batch / step_s,
+        "examples_per_second": global_batch / (timed["contender_ms"] / 1e3),
     }
+    if "floor" in times:
+        floor = ratio(times, "contender", "floor")
+        record["floor_ms"] = floor["baseline_ms"]
+        record.update(_ratios(floor, "vs_floor"))
+        record["floor_vs_single_device"] = ratio(times, "floor", "single")["ratio"]
     if "engine" in extra:
         record.update(_phases_and_bytes(extra.pop("engine"), x, y, spec))
     record.update(extra)
     return record
 
 
-def single_device_step(build, loss_fn, device: str):
-    """The textbook step: one device, whole batch, one tf.function ``step(x, y)``.
-
-    Every ratio ``towers bench`` and ``benchmarks/`` report is against this.
-    """
-    import keras
-    import tensorflow as tf
-
-    with tf.device(device):
-        model = build()
-        optimizer = keras.optimizers.SGD(0.01)
-        optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.device(device):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-    return step
-
-
-def _single_step(preset, device: str, x, y):
-    step = single_device_step(preset.build, preset.loss(), device)
-    return lambda: step(x, y)
+def _ratios(timed: dict[str, float], name: str) -> dict[str, float]:
+    return {
+        name: timed["ratio"],
+        f"{name}_q25": timed["ratio_q25"],
+        f"{name}_q75": timed["ratio_q75"],
+    }
 
 
 def _contender(spec, preset, devices, x, y):
     import keras
 
-    kind = spec["contender"]
-    if kind == "single":
-        return _single_step(preset, devices[0], x, y), {}
-    if kind in ("mirrored", "central_storage"):
-        return strategy_step(kind, preset, devices, x, y), {}
+    from towers.bench.peers import naive_step, single_device_step, strategy_step
     from towers.engine import Towers
 
+    kind = spec["contender"]
+    if kind == "single":
+        step = single_device_step(preset.build, preset.loss(), devices[0])
+        return (lambda: step(x, y)), {}
+    if kind == "naive":
+        return naive_step(preset, devices, x, y), {}
+    if kind in ("mirrored", "central_storage"):
+        return strategy_step(kind, preset, devices, x, y), {}
     engine = Towers(
         preset.build,
         preset.loss(),
@@ -123,64 +116,6 @@ def _contender(spec, preset, devices, x, y):
         variable_device=spec.get("variable_device", "/cpu:0"),
     )
     return (lambda: engine.train_step(x, y)), {"engine": engine}
-
-
-def strategy_step(kind: str, preset, devices, x, y):
-    """The same model and batch under a tf.distribute strategy's custom loop.
-
-    The batch is split into per-replica shards once, before timing (the towers
-    step splits inside its step, so this favours the strategy slightly).
-    """
-    import keras
-    import tensorflow as tf
-
-    if kind == "mirrored":
-        strategy = tf.distribute.MirroredStrategy(devices)
-    else:
-        strategy = tf.distribute.experimental.CentralStorageStrategy(
-            compute_devices=devices, parameter_device="/cpu:0"
-        )
-    with strategy.scope():
-        model = preset.build()
-        optimizer = keras.optimizers.SGD(0.01)
-        optimizer.build(model.trainable_variables)
-    per_example = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="none"
-    )
-    global_batch = int(x.shape[0])
-    num = len(devices)
-
-    def shard(value):
-        def piece(context):
-            size = global_batch // num
-            start = context.replica_id_in_sync_group * size
-            stop = (
-                global_batch
-                if context.replica_id_in_sync_group == num - 1
-                else start + size
-            )
-            return value[start:stop]
-
-        return strategy.experimental_distribute_values_from_function(piece)
-
-    xs, ys = shard(x), shard(y)
-
-    def replica_step(x_r, y_r):
-        with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(
-                per_example(y_r, model(x_r, training=True)),
-                global_batch_size=global_batch,
-            )
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def step():
-        losses = strategy.run(replica_step, args=(xs, ys))
-        return strategy.reduce("SUM", losses, axis=None)
-
-    return step
 
 
 def _phases_and_bytes(engine, x, y, spec) -> dict[str, Any]:

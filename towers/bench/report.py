@@ -16,7 +16,7 @@ def table(result: dict[str, Any]) -> Any:
 
     grid = Table(title=_title(result), title_justify="left")
     for name in [
-        "contender", "T", "step ms", "vs 1 dev", "ex/s", "speedup", "eff",
+        "contender", "T", "step ms", "vs 1 dev", "vs floor", "ex/s", "speedup", "eff",
         "fwd+bwd ms", "combine ms", "apply ms", "MB/tower", "algbw GB/s",
         "busbw GB/s",
     ]:  # fmt: skip
@@ -30,7 +30,8 @@ def table(result: dict[str, Any]) -> Any:
             label(record),
             str(record["towers"]),
             f"{record['step_ms']:.2f}",
-            f"{record['vs_single_device']:.3f}",
+            _spread(record, "vs_single_device"),
+            _spread(record, "vs_floor") if "vs_floor" in record else "-",
             f"{record['examples_per_second']:.0f}",
             _maybe(record.get("speedup"), "{:.2f}"),
             _maybe(record.get("efficiency"), "{:.0%}"),
@@ -109,6 +110,13 @@ def _title(result: dict[str, Any]) -> str:
     return (
         f"towers bench: preset {result['preset']}, batch {result['batch']} per "
         f"tower, devices {result['device_note']}"
+    )
+
+
+def _spread(record: dict[str, Any], name: str) -> str:
+    """A ratio with its rounds' quartiles: ``1.05 [1.01-1.09]``."""
+    return (
+        f"{record[name]:.2f} [{record[name + '_q25']:.2f}-{record[name + '_q75']:.2f}]"
     )
 
 

@@ -29,7 +29,7 @@ PLACEMENTS = {
     "replicated": ("replicated", None),
     "independent": ("independent", None),
 }
-BASELINES = ("single", "mirrored", "central_storage")
+BASELINES = ("single", "naive", "mirrored", "central_storage")
 # towers/bench/presets.py's models (named here so the CLI needn't import Keras).
 PRESET_NAMES = ("mlp", "cnn", "embedding", "resnet")
 

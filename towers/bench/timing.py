@@ -22,6 +22,53 @@ def time_steps(step: Callable[[], object], steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def interleaved(
+    steps: dict[str, Callable[[], object]],
+    rounds: int = 16,
+    steps_per_round: int = 20,
+    warmup: int = 5,
+) -> dict[str, list[float]]:
+    """Seconds per step of each of ``steps``, round by round, timed in turns.
+
+    Each round times every step once; the order rotates from round to round, so
+    whichever runs first (and pays for the warm-up another leaves behind) changes.
+    Compare two steps with :func:`ratio`, which pairs their times round by round.
+    """
+    for step in steps.values():
+        for _ in range(warmup):  # traces, then settles allocators and thread pools
+            _read_back(step())
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        if (r // len(names)) % 2:
+            order.reverse()  # ABBA over pairs of rounds
+        for name in order:
+            times[name].append(time_steps(steps[name], steps_per_round))
+    return times
+
+
+def ratio(times: dict[str, list[float]], contender: str, baseline: str) -> dict:
+    """``contender / baseline``: the median of the rounds' ratios with their
+    quartiles, and each one's median step time.
+
+    >>> ratio({"a": [2.0, 4.0, 3.0], "b": [1.0, 2.0, 1.0]}, "a", "b")["ratio"]
+    2.0
+    """
+    # Each round's pair saw the same machine state: the median of their ratios is
+    # the ratio, and their spread is the noise a verdict must allow for (an A/A
+    # run here spreads about +-4 %).
+    ratios = np.divide(times[contender], times[baseline])
+    low, median, high = np.percentile(ratios, [25, 50, 75])
+    return {
+        "contender_ms": 1e3 * float(np.median(times[contender])),
+        "baseline_ms": 1e3 * float(np.median(times[baseline])),
+        "ratio": float(median),
+        "ratio_q25": float(low),
+        "ratio_q75": float(high),
+    }
+
+
 def interleaved_ratio(
     contender: Callable[[], object],
     baseline: Callable[[], object],
@@ -29,34 +76,11 @@ def interleaved_ratio(
     steps: int = 20,
     warmup: int = 5,
 ) -> dict[str, float]:
-    """Median step times of both over alternating rounds, and the median of the
-    rounds' contender / baseline ratios with its quartiles."""
-    for step in (contender, baseline):
-        for _ in range(warmup):  # traces, then settles allocators and thread pools
-            _read_back(step())
-    contender_times, baseline_times = [], []
-    for r in range(rounds):
-        # ABBA order: whichever runs first in a round pays for any warm-up the
-        # other leaves behind, so the first place alternates.
-        if r % 2 == 0:
-            contender_times.append(time_steps(contender, steps))
-            baseline_times.append(time_steps(baseline, steps))
-        else:
-            baseline_times.append(time_steps(baseline, steps))
-            contender_times.append(time_steps(contender, steps))
-    contender_s, baseline_s = np.median(contender_times), np.median(baseline_times)
-    # Each round's pair saw the same machine state: the median of their ratios is
-    # the ratio, and their spread is the noise a verdict must allow for (an A/A
-    # run here spreads about +-4 %).
-    ratios = np.divide(contender_times, baseline_times)
-    low, median, high = np.percentile(ratios, [25, 50, 75])
-    return {
-        "contender_ms": 1e3 * contender_s,
-        "baseline_ms": 1e3 * baseline_s,
-        "ratio": float(median),
-        "ratio_q25": float(low),
-        "ratio_q75": float(high),
-    }
+    """Two steps timed in alternating rounds: see :func:`ratio`."""
+    times = interleaved(
+        {"contender": contender, "baseline": baseline}, rounds, steps, warmup
+    )
+    return ratio(times, "contender", "baseline")
 
 
 def _read_back(result: object) -> None:
