@@ -196,6 +196,8 @@ class Step:
             )
         if sizes["x"] == 0 and self.workers is None:
             raise ValueError("a batch needs at least one example; received 0")
+        if all(_is_tensor_or_none(part) for part in (x, y, sample_weight)):
+            return x, y, sample_weight  # what tf.data gives: nothing to convert
         with tf.device(HOST):
             return tf.nest.map_structure(
                 lambda a: None if a is None else tf.convert_to_tensor(a),
@@ -337,3 +339,7 @@ class Step:
 
 def _concat(parts: list[Any]) -> Any:
     return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+
+
+def _is_tensor_or_none(part: Any) -> bool:
+    return part is None or isinstance(part, tf.Tensor)

@@ -47,13 +47,15 @@ towers than GPUs needs --virtual.
 topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
 
 --workers W runs the preset as W worker processes on loopback (TensorFlow's
-collective runtime between them, T towers each) and times that step against one
-process with W x T towers on the same global batch, both in the chief, in
-alternating rounds (docs/multi-worker.md). With T = 1 the target is a ratio
-<= 1.3. Each worker also counts its process's CPU time per step: summed over
-the cores the workers share, it is the least a step can take on this machine
-(the CPU floor), and the report says when that floor puts the target out of
-reach.
+collective runtime between them, T towers each), then the same model, rows and
+workers under MultiWorkerMirroredStrategy's custom loop (--baselines none skips
+it; with T > 1 it does not run: it has one replica per worker on CPUs). Each
+job's chief times its step beside the plain single-device step (and towers' beside
+one process with W x T towers) in alternating rounds. Each worker also counts its
+process's CPU per step, round by round: summed over the cores the workers share,
+it is the least a step can take on this machine (the CPU floor). Targets: towers
+<= 1.15 x its CPU floor, and no slower than MultiWorkerMirroredStrategy, each
+with the spread of its rounds (docs/multi-worker.md).
 """
 
 
@@ -127,7 +129,8 @@ def add_bench_parser(commands: Any) -> None:
         type=positive_int,
         metavar="W",
         help="run the preset as W local worker processes (a cluster on loopback) "
-        "and time it against one process with W x T towers, in the same run",
+        "and time it against its CPU floor, one process with W x T towers, and "
+        "MultiWorkerMirroredStrategy on the same workers",
     )
     bench.add_argument(
         "--towers-per-worker",
@@ -193,8 +196,14 @@ def _run_workers(args: argparse.Namespace) -> int:
 
     from towers.bench.workers import describe, run_workers
 
+    peers = [] if args.baselines == ["none"] else ["mwms"]
     record = run_workers(
-        args.preset, args.workers, args.towers_per_worker, args.batch, args.steps
+        args.preset,
+        args.workers,
+        args.towers_per_worker,
+        args.batch,
+        args.steps,
+        peers=peers,
     )
     print(describe(record))
     if args.json:

@@ -134,3 +134,35 @@ def strategy_step(kind: str, preset, devices: Sequence[str], x, y) -> Step:
         return strategy.reduce("SUM", losses, axis=None)
 
     return lambda: step(x, y)
+
+
+def multi_worker_step(strategy, preset, x, y, global_batch: int) -> Step:
+    """``MultiWorkerMirroredStrategy``'s custom loop, as its guide writes it: this
+    worker's rows ``(x, y)`` of a global batch of ``global_batch``, the loss
+    averaged over the global batch, the strategy's all-reduce inside
+    ``apply_gradients``. ``strategy`` is made by the caller, first thing in its
+    process (it starts the collective runtime from ``TF_CONFIG``). Returns the
+    step and the model."""
+    with strategy.scope():
+        model = preset.build()
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+    per_example = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none"
+    )
+
+    @tf.function
+    def step(x, y):
+        def replica_step():
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    per_example(y, model(x, training=True)),
+                    global_batch_size=global_batch,
+                )
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(replica_step), axis=None)
+
+    return (lambda: step(x, y)), model

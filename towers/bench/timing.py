@@ -40,12 +40,24 @@ def interleaved(
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        if (r // len(names)) % 2:
-            order.reverse()  # ABBA over pairs of rounds
-        for name in order:
+        for name in round_order(names, r):
             times[name].append(time_steps(steps[name], steps_per_round))
     return times
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The order :func:`interleaved` times ``names`` in round ``r``: rotated
+    each round, reversed every other pass (ABBA), so no step always runs first.
+
+    >>> [round_order(["a", "b"], r) for r in range(4)]
+    [['a', 'b'], ['b', 'a'], ['b', 'a'], ['a', 'b']]
+    >>> [round_order(["a", "b", "c"], r) for r in (0, 1, 3)]
+    [['a', 'b', 'c'], ['b', 'c', 'a'], ['c', 'b', 'a']]
+    """
+    order = names[r % len(names) :] + names[: r % len(names)]
+    if (r // len(names)) % 2:
+        order.reverse()
+    return order
 
 
 def ratio(times: dict[str, list[float]], contender: str, baseline: str) -> dict:
