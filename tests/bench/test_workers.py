@@ -67,7 +67,7 @@ def test_mwms_trains_the_same_model_in_the_same_processes(bench):
     assert len(set(mwms["weights_digest"])) == 1
     ratio = result["towers_vs_mwms"]
     assert ratio["ratio_q25"] <= ratio["ratio"] <= ratio["ratio_q75"]
-    assert ratio["contender_ms"] == pytest.approx(result["towers"]["ms"], rel=0.5)
+    assert ratio["contender_ms"] == result["towers"]["ms"]  # the same rounds
     assert f"towers / mwms (timed in turns, same processes): {ratio['ratio']:.3f}" in (
         stdout
     )

@@ -47,15 +47,15 @@ towers than GPUs needs --virtual.
 topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
 
 --workers W runs the preset as W worker processes on loopback (TensorFlow's
-collective runtime between them, T towers each), then the same model, rows and
-workers under MultiWorkerMirroredStrategy's custom loop (--baselines none skips
-it; with T > 1 it does not run: it has one replica per worker on CPUs). Each
-job's chief times its step beside the plain single-device step (and towers' beside
-one process with W x T towers) in alternating rounds. Each worker also counts its
-process's CPU per step, round by round: summed over the cores the workers share,
-it is the least a step can take on this machine (the CPU floor). Targets: towers
-<= 1.15 x its CPU floor, and no slower than MultiWorkerMirroredStrategy, each
-with the spread of its rounds (docs/multi-worker.md).
+collective runtime between them, T towers each) and, in the same processes,
+MultiWorkerMirroredStrategy's custom loop on the same model and rows (--baselines
+none skips it; with T > 1 it does not run: it has one replica per worker on CPUs).
+The chief times both cluster steps, the plain single-device step and one process
+with W x T towers in alternating rounds. Each worker also counts its process's
+CPU per step, round by round: summed over the cores the workers share, it is the
+least a step can take on this machine (the CPU floor). Targets: towers <= 1.15 x
+its CPU floor, and no slower than MultiWorkerMirroredStrategy, each with the
+spread of its rounds (docs/multi-worker.md).
 """
 
 

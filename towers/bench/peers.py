@@ -16,6 +16,8 @@ batch costs each of them, towers included, about 3 % on the MLP preset here.
   divided by T) on the CPU.
 - :func:`strategy_step`: ``MirroredStrategy`` or ``CentralStorageStrategy`` in a
   custom loop, as their guides write it.
+- :func:`multi_worker_step`: ``MultiWorkerMirroredStrategy``'s custom loop, one
+  worker's part (``towers bench --workers``).
 """
 
 from __future__ import annotations
@@ -136,13 +138,13 @@ def strategy_step(kind: str, preset, devices: Sequence[str], x, y) -> Step:
     return lambda: step(x, y)
 
 
-def multi_worker_step(strategy, preset, x, y, global_batch: int) -> Step:
+def multi_worker_step(strategy, preset, x, y, global_batch: int) -> tuple[Step, Any]:
     """``MultiWorkerMirroredStrategy``'s custom loop, as its guide writes it: this
     worker's rows ``(x, y)`` of a global batch of ``global_batch``, the loss
     averaged over the global batch, the strategy's all-reduce inside
-    ``apply_gradients``. ``strategy`` is made by the caller, first thing in its
-    process (it starts the collective runtime from ``TF_CONFIG``). Returns the
-    step and the model."""
+    ``apply_gradients``. ``strategy`` is made by the caller (it starts the
+    collective runtime from ``TF_CONFIG``, or joins the one ``Towers`` started).
+    Returns the step and the model."""
     with strategy.scope():
         model = preset.build()
         optimizer = keras.optimizers.SGD(0.01)
