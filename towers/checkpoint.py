@@ -1,6 +1,13 @@
-"""Checkpoints of a training run: model, optimizer, epoch and step in the epoch.
+"""Checkpoints of a training run: model, optimizer, epoch and step in the epoch,
+and the input pipeline's position.
 
-With ``accumulate_steps`` the gradient accumulators are saved too.
+With ``accumulate_steps`` the gradient accumulators are saved too. The position is
+the tf.data iterator's own checkpoint (its shuffle buffer and the seeds of the
+epochs still to come included), so a resumed run reads each example of the epoch
+exactly once, in the order an uninterrupted run would, shuffled data included. A
+pipeline whose position cannot be saved (``from_generator``, ``py_function``) is
+resumed the old way, by skipping the batches already trained
+(:func:`data_position_saveable` says why).
 
 Saved with ``tf.train.Checkpoint`` and ``tf.train.CheckpointManager``, which write
 each checkpoint's files first and point the directory's ``checkpoint`` index at them
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import Any, Protocol
 
 import tensorflow as tf
@@ -63,25 +71,49 @@ class TrainingCheckpoint:
         )
         self._engine = engine
 
-    def restore(self) -> tuple[int, int]:
+    def follow(self, iterator: Any) -> None:
+        """Saves ``iterator``'s position with every checkpoint from now on (the
+        current epoch's iterator; None: no position)."""
+        if self.directory is None or iterator is None:
+            return
+        self._checkpoint.data = iterator
+
+    def restore(self, iterator: Any = None) -> tuple[int, int, bool]:
         """Restores the latest checkpoint if there is one.
 
+        Args:
+          iterator: a fresh iterator over the epoch's batches, to take the saved
+            input position if the checkpoint has one; None to skip it.
+
         Returns:
-          ``(epoch, step)`` to resume from: the epoch to run and how many of its
-          batches are done. ``(0, 0)`` for a fresh start.
+          ``(epoch, step, positioned)``: the epoch to run, how many of its batches
+          are done, and whether ``iterator`` now stands after them (else the
+          caller skips ``step`` batches). ``(0, 0, False)`` for a fresh start.
 
         Raises:
           ValueError: the checkpoint was written by a different model or optimizer;
             nothing is restored into the engine in that case.
         """
         if self.directory is None or self._manager.latest_checkpoint is None:
-            return 0, 0
+            return 0, 0, False
         path = self._manager.latest_checkpoint
+        saved = {key for key, _ in tf.train.list_variables(path)}
+        has_position = any(key.startswith("data/") for key in saved)
+        positioned = has_position and iterator is not None
+        if positioned:
+            self.follow(iterator)
+        elif has_position:
+            warnings.warn(
+                f"the checkpoint {path} holds the input pipeline's position, but "
+                "this pipeline's cannot be restored; resuming by skipping the "
+                "batches already trained",
+                stacklevel=3,
+            )
         self._check_matches(path)
         status = self._checkpoint.restore(path)
         status.assert_existing_objects_matched()
         self._engine.after_restore()
-        return int(self.epoch.numpy()), int(self.step.numpy())
+        return int(self.epoch.numpy()), int(self.step.numpy()), positioned
 
     def save(self, epoch: int, step: int) -> None:
         """Saves the state after ``step`` batches of ``epoch`` (0-based)."""
@@ -92,8 +124,13 @@ class TrainingCheckpoint:
         self._manager.save(checkpoint_number=self._engine.steps_done)
 
     def _check_matches(self, path: str) -> None:
-        """Compares every saved variable's shape before anything is restored."""
-        saved = {key: list(shape) for key, shape in tf.train.list_variables(path)}
+        """Compares every saved variable's shape before anything is restored (the
+        input position's size changes as it moves: it is not compared)."""
+        saved = {
+            key: list(shape)
+            for key, shape in tf.train.list_variables(path)
+            if not key.startswith("data/")
+        }
         mine = _variable_shapes(self._checkpoint)
         missing = sorted(set(mine) - set(saved))
         wrong = [
@@ -118,4 +155,30 @@ def _variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:
     """
     with tempfile.TemporaryDirectory() as scratch:
         path = checkpoint.write(os.path.join(scratch, "probe"))
-        return {key: list(shape) for key, shape in tf.train.list_variables(path)}
+        return {
+            key: list(shape)
+            for key, shape in tf.train.list_variables(path)
+            if not key.startswith("data/")
+        }
+
+
+def data_position_saveable(iterator: Any) -> str | None:
+    """None if ``iterator``'s position can be checkpointed, else why not.
+
+    Tried on the fresh iterator (nothing read yet, nothing buffered: cheap), so a
+    pipeline that cannot be saved is found before the first step, not at the first
+    save.
+
+    >>> data_position_saveable(iter(tf.data.Dataset.range(4).batch(2))) is None
+    True
+    >>> gen = tf.data.Dataset.from_generator(lambda: iter([1]), output_types=tf.int32)
+    >>> data_position_saveable(iter(gen))
+    'PyFunc is stateful.'
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            tf.train.Checkpoint(data=iterator).write(os.path.join(scratch, "probe"))
+        except (tf.errors.OpError, TypeError, ValueError) as error:
+            message = getattr(error, "message", str(error))
+            return message.split("[Op:")[0].split("}}")[-1].strip()
+    return None

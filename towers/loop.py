@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.checkpoint import TrainingCheckpoint
+from towers.checkpoint import TrainingCheckpoint, data_position_saveable
 from towers.data import as_dataset, unpack
 from towers.progress import History, Progress
 from towers.summaries import TrainingLog
@@ -105,9 +106,15 @@ class Trainer(abc.ABC):
           x, y, batch_size, sample_weight, class_weight: the data, in Keras' forms
             (:func:`towers.data.as_dataset`): arrays cut into batches of
             ``batch_size``, or a dataset of batches. An epoch is one pass, or
-            ``steps_per_epoch`` batches. Resuming mid-epoch skips the batches
-            already trained, so the data must come in the same order each pass
-            (shuffle with a fixed seed and ``reshuffle_each_iteration=False``).
+            ``steps_per_epoch`` batches. Checkpoints save the pipeline's position
+            (``towers/checkpoint.py``): a resumed run reads each example of the
+            epoch once, in an uninterrupted run's order, shuffled data included
+            (with a shuffle seed). A pipeline whose position cannot be saved
+            (``from_generator``, ``py_function``) gets a warning, and resuming
+            skips the batches already trained: its data must come in the same
+            order every pass. In a cluster every worker takes the chief's saved
+            position, so build the pipeline alike on every worker
+            (``towers.shard`` does).
           epochs: the total number of epochs, counting those done before a resume.
           verbose: 1 for a progress bar per epoch, 0 for silence.
           callbacks: Keras callbacks; they see ``model`` (with its ``optimizer``),
@@ -148,7 +155,9 @@ class Trainer(abc.ABC):
         checkpoint = TrainingCheckpoint(
             self, checkpoint_dir, keep_checkpoints, writes=_is_chief(self)
         )
-        start_epoch, start_step = checkpoint.restore()
+        batches = dataset.take(steps_per_epoch) if steps_per_epoch else dataset
+        iterator = _saved_position_iterator(batches, checkpoint_dir)
+        start_epoch, start_step, positioned = checkpoint.restore(iterator)
         history = History()
         callback_list = keras.callbacks.CallbackList(
             [*(callbacks or []), history],
@@ -159,7 +168,7 @@ class Trainer(abc.ABC):
         )
         run = _Run(
             self,
-            dataset,
+            batches,
             epochs,
             steps_per_epoch,
             verbose,
@@ -173,10 +182,19 @@ class Trainer(abc.ABC):
         try:
             for epoch in range(start_epoch, epochs):
                 callback_list.on_epoch_begin(epoch)
-                skip = start_step if epoch == start_epoch else 0
-                logs = _train_epoch(run, epoch, skip)
+                done = start_step if epoch == start_epoch else 0
+                epoch_batches = iter(batches) if iterator is None else iterator
+                if not positioned:
+                    for _ in range(done):  # no saved position: skip what was trained
+                        next(epoch_batches, None)
+                logs = _train_epoch(run, epoch, done, epoch_batches)
                 # An epoch ends with its last accumulate_steps window applied.
                 self.apply_accumulated()
+                if iterator is not None:
+                    # The next epoch's iterator, made now: its shuffle seeds are
+                    # drawn here, and the checkpoint below saves them.
+                    iterator = iter(batches)
+                    checkpoint.follow(iterator)
                 checkpoint.save(epoch + 1, 0)
                 if validation_data is not None:
                     logs.update(_validate(run, validation_data, batch_size))
@@ -261,7 +279,7 @@ class _Run:
     """What stays the same for every epoch of one fit."""
 
     engine: Trainer
-    dataset: tf.data.Dataset
+    dataset: tf.data.Dataset  # one epoch's batches
     epochs: int
     steps_per_epoch: int | None
     verbose: int
@@ -271,19 +289,19 @@ class _Run:
     log: TrainingLog
 
 
-def _train_epoch(run: _Run, epoch: int, skip: int) -> dict[str, float]:
-    """One epoch from batch ``skip`` on; returns the epoch's loss and metrics."""
-    engine, steps_per_epoch = run.engine, run.steps_per_epoch
+def _train_epoch(run: _Run, epoch: int, skip: int, batches: Any) -> dict[str, float]:
+    """One epoch from batch ``skip`` on, reading ``batches`` (an iterator that
+    stands after the first ``skip``); returns the epoch's loss and metrics."""
+    engine = run.engine
     engine.reset_metrics()
-    batches = run.dataset.take(steps_per_epoch) if steps_per_epoch else run.dataset
-    total = steps_per_epoch or _known_length(run.dataset)
+    total = run.steps_per_epoch or _known_length(run.dataset)
     bar = None
     if run.verbose:
         print(f"Epoch {epoch + 1}/{run.epochs}")
         bar = Progress(total)
     examples, started = 0, time.perf_counter()
     step = skip
-    for batch in batches.skip(skip):
+    for batch in batches:
         x, y, sample_weight = unpack(batch)
         size = int(tf.nest.flatten(x)[0].shape[0])
         run.callbacks.on_train_batch_begin(step)
@@ -324,6 +342,26 @@ def _validate(run: _Run, data: Any, batch_size: int | None) -> dict[str, float]:
             + " - ".join(Progress.format(f"val_{k}", v) for k, v in results.items())
         )
     return {f"val_{name}": value for name, value in results.items()}
+
+
+def _saved_position_iterator(batches: tf.data.Dataset, directory: str | None):
+    """An iterator over the first epoch's batches whose position the checkpoints
+    save; None without checkpoints or (with a warning) for a pipeline whose
+    position cannot be saved."""
+    if directory is None:
+        return None
+    iterator = iter(batches)
+    why = data_position_saveable(iterator)
+    if why is None:
+        return iterator
+    warnings.warn(
+        "fit cannot save this input pipeline's position with its checkpoints "
+        f"({why}); a resumed run skips the batches already trained, so the data "
+        "must come in the same order every pass (a fixed shuffle seed and "
+        "reshuffle_each_iteration=False)",
+        stacklevel=3,
+    )
+    return None
 
 
 def _is_chief(engine: Trainer) -> bool:

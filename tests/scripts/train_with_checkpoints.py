@@ -1,8 +1,12 @@
-"""Trains a small model with checkpoints; the kill-and-resume test runs this.
+"""Trains a small model with checkpoints; the kill-and-resume tests run this.
 
 Usage: train_with_checkpoints.py CHECKPOINT_DIR WEIGHTS_OUT.npz [--slow]
+           [--shuffled] [--epochs N]
+
 Prints "trained epoch E step S" after every step (flushed), and saves the final
-weights and optimizer iteration count to WEIGHTS_OUT.
+weights and optimizer iteration count to WEIGHTS_OUT. With ``--shuffled`` the data
+is a tf.data pipeline reshuffled every epoch, and each step first prints
+"ids I,J,..." (the examples of the batch, read from the first feature).
 """
 
 import sys
@@ -14,6 +18,7 @@ towers.virtual_devices(3)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 EPOCHS, BATCH, EXAMPLES = 2, 8, 76  # 10 batches an epoch, the last one of 4
 
@@ -32,21 +37,38 @@ class Announce(keras.callbacks.Callback):
             time.sleep(0.2)  # leaves the killer time to strike mid-epoch
 
 
-def main(directory, out, slow):
-    keras.utils.set_random_seed(0)
+def data(shuffled):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((EXAMPLES, 5)).astype("float32")
+    x[:, 0] = np.arange(EXAMPLES) / EXAMPLES  # the example's id, as a feature
     y = rng.standard_normal((EXAMPLES, 1)).astype("float32")
+    if not shuffled:
+        return {"x": (x, y), "batch_size": BATCH}
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    dataset = dataset.shuffle(EXAMPLES, seed=7, reshuffle_each_iteration=True)
+    return {"x": dataset.batch(BATCH)}
+
+
+def main(directory, out, slow, shuffled, epochs):
+    keras.utils.set_random_seed(0)
     engine = towers.Towers(
         lambda: keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)]),
         "mse",
         lambda: keras.optimizers.Adam(0.05),
         devices=towers.virtual_devices(3),
     )
+    if shuffled:
+        train_step = engine.train_step
+
+        def announce_ids(x, y=None, sample_weight=None):
+            ids = np.rint(np.asarray(x)[:, 0] * EXAMPLES).astype(int)
+            print("ids " + ",".join(map(str, ids)), flush=True)
+            return train_step(x, y, sample_weight)
+
+        engine.train_step = announce_ids
     engine.fit(
-        (x, y),
-        batch_size=BATCH,
-        epochs=EPOCHS,
+        **data(shuffled),
+        epochs=epochs,
         verbose=0,
         checkpoint_dir=directory,
         checkpoint_every=1,
@@ -60,4 +82,6 @@ def main(directory, out, slow):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--slow" in sys.argv)
+    args = sys.argv[1:]
+    epochs = int(args[args.index("--epochs") + 1]) if "--epochs" in args else EPOCHS
+    main(args[0], args[1], "--slow" in args, "--shuffled" in args, epochs)
