@@ -200,7 +200,13 @@ elif args.mode == "explain":
         "text": str(report),
     }
 else:
-    train = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(10), cluster)
+    # Reshuffled every epoch: a relaunch must resume at the chief's data position.
+    # A shuffle's order depends on the global seed too: the same on every worker
+    # (the models' initial values above differ on purpose).
+    tf.random.set_seed(3)
+    rows = tf.data.Dataset.from_tensor_slices((x, y))
+    rows = rows.shuffle(len(x), seed=3, reshuffle_each_iteration=True)
+    train = towers.shard(rows.batch(10), cluster)
     valid = towers.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(25), cluster)
     history = engine.fit(
         train,
