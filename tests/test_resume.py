@@ -157,3 +157,98 @@ def test_a_pipeline_whose_position_cannot_be_saved_is_resumed_by_skipping(tmp_pa
     assert len(history["loss"]) == 1 and int(resumed.optimizer.iterations) == 6
     for a, b in zip(resumed.model.get_weights(), straight.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
+
+
+def run(directory, out, *flags):
+    command = [sys.executable, str(SCRIPT), str(directory), str(out), "--shuffled"]
+    return subprocess.run(
+        command + list(flags),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+
+
+def kept(directory):
+    """The kept checkpoints' prefixes, newest first."""
+    numbers = sorted(int(p.name[5:-6]) for p in directory.glob("ckpt-*.index"))
+    return [directory / f"ckpt-{n}" for n in reversed(numbers)]
+
+
+def truncate_data(prefix):
+    data = Path(f"{prefix}.data-00000-of-00001")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    return data
+
+
+def garble_index(prefix):
+    index = Path(f"{prefix}.index")
+    raw = bytearray(index.read_bytes())
+    raw[len(raw) // 3 : len(raw) // 3 + 64] = bytes(range(64))
+    index.write_bytes(bytes(raw))
+    return index
+
+
+@pytest.mark.parametrize("damage", [truncate_data, garble_index])
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
+    tmp_path, uninterrupted, damage
+):
+    straight, weights = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    done = run(ckpt, tmp_path / "w1.npz", "--epochs", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    newest, before = kept(ckpt)[:2]
+    damage(newest)
+
+    resumed = run(ckpt, tmp_path / "w.npz", "--epochs", "3")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"the checkpoint {newest} is damaged (" in resumed.stderr
+    assert f"resuming from the one before it, {before}" in resumed.stderr
+    # ckpt-10 held the end of epoch 0; ckpt-9 its step 9: step 10 is trained
+    # again, from the position ckpt-9 saved, and nothing else is.
+    steps = steps_of(resumed.stdout.splitlines())
+    assert sorted(steps) == [(0, 10)] + [
+        (e, s) for e in (1, 2) for s in range(1, STEPS + 1)
+    ]
+    for step, ids in steps.items():
+        assert ids == straight[step], step
+    assert_same_weights(tmp_path / "w.npz", weights)
+
+
+def test_when_no_checkpoint_reads_back_the_run_stops_naming_each(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, tmp_path / "w1.npz", "--epochs", "1").returncode == 0
+    damaged = kept(ckpt)
+    assert len(damaged) == 3
+    for prefix in damaged:
+        truncate_data(prefix)
+
+    resumed = run(ckpt, tmp_path / "w.npz", "--epochs", "3")
+    assert resumed.returncode != 0
+    assert f"ValueError: no checkpoint in {ckpt} can be read" in resumed.stderr
+    for prefix in damaged:
+        assert f"{prefix}: " in resumed.stderr
+    # It did not start over while claiming to resume: no step ran.
+    assert "trained" not in resumed.stdout and not (tmp_path / "w.npz").exists()
+
+
+def test_a_file_where_the_checkpoint_directory_should_be_is_refused_first(tmp_path):
+    keras.utils.set_random_seed(0)
+    engine = Towers(
+        lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+        "mse",
+        lambda: keras.optimizers.SGD(0.1),
+        devices=["/cpu:0", "/cpu:1"],
+    )
+    before = [w.copy() for w in engine.model.get_weights()]
+    taken = tmp_path / "ckpt"
+    taken.write_text("not a directory")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=f"received '{taken}', which is a file"):
+        engine.fit(x, y, batch_size=4, verbose=0, checkpoint_dir=str(taken))
+    with pytest.raises(ValueError, match=rf"'{taken}/inner' cannot be written \("):
+        engine.fit(x, y, batch_size=4, verbose=0, checkpoint_dir=str(taken / "inner"))
+    assert taken.read_text() == "not a directory" and engine.steps_done == 0
+    for a, b in zip(engine.model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)

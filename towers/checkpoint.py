@@ -61,6 +61,8 @@ class TrainingCheckpoint:
             return
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1; received {keep!r}")
+        if writes:
+            check_writable(directory)
         with tf.device(engine.variable_device):
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -79,7 +81,8 @@ class TrainingCheckpoint:
         self._checkpoint.data = iterator
 
     def restore(self, iterator: Any = None) -> tuple[int, int, bool]:
-        """Restores the latest checkpoint if there is one.
+        """Restores the newest checkpoint that reads back whole, if there is one;
+        a damaged newer one (truncated, garbled) is named in a warning.
 
         Args:
           iterator: a fresh iterator over the epoch's batches, to take the saved
@@ -91,12 +94,13 @@ class TrainingCheckpoint:
           caller skips ``step`` batches). ``(0, 0, False)`` for a fresh start.
 
         Raises:
-          ValueError: the checkpoint was written by a different model or optimizer;
-            nothing is restored into the engine in that case.
+          ValueError: the checkpoint was written by a different model or optimizer,
+            or no kept checkpoint can be read; nothing is restored into the
+            engine in either case.
         """
         if self.directory is None or self._manager.latest_checkpoint is None:
             return 0, 0, False
-        path = self._manager.latest_checkpoint
+        path = self._readable_checkpoint()
         saved = {key for key, _ in tf.train.list_variables(path)}
         has_position = any(key.startswith("data/") for key in saved)
         positioned = has_position and iterator is not None
@@ -110,10 +114,49 @@ class TrainingCheckpoint:
                 stacklevel=3,
             )
         self._check_matches(path)
-        status = self._checkpoint.restore(path)
+        try:
+            status = self._checkpoint.restore(path)
+        except tf.errors.OpError as error:
+            raise ValueError(
+                f"the checkpoint {path} cannot be restored: {error.message}"
+            ) from None
         status.assert_existing_objects_matched()
         self._engine.after_restore()
         return int(self.epoch.numpy()), int(self.step.numpy()), positioned
+
+    def _readable_checkpoint(self) -> str:
+        """The newest kept checkpoint whose every tensor reads back whole (the
+        bundle's checksums included), warning of each newer one that does not.
+
+        Read in full before anything is restored, so a damaged checkpoint never
+        half-overwrites the engine.
+
+        Raises:
+          ValueError: no kept checkpoint can be read; each is named with why.
+        """
+        newest_first = list(reversed(self._manager.checkpoints))
+        latest = self._manager.latest_checkpoint
+        if latest not in newest_first:
+            newest_first.insert(0, latest)
+        damaged = []
+        for path in newest_first:
+            why = unreadable(path)
+            if why is None:
+                for bad, reason in damaged:
+                    warnings.warn(
+                        f"the checkpoint {bad} is damaged ({reason}); resuming from "
+                        f"the one before it, {path}",
+                        stacklevel=4,
+                    )
+                return path
+            damaged.append((path, why))
+        raise ValueError(
+            f"no checkpoint in {self.directory} can be read, so the run cannot "
+            "resume; received "
+            + "; ".join(f"{path}: {why}" for path, why in damaged)
+            + ". Restore them from a backup, or use a new checkpoint_dir to start "
+            "over."
+        )
 
     def save(self, epoch: int, step: int) -> None:
         """Saves the state after ``step`` batches of ``epoch`` (0-based)."""
@@ -182,3 +225,48 @@ def data_position_saveable(iterator: Any) -> str | None:
             message = getattr(error, "message", str(error))
             return message.split("[Op:")[0].split("}}")[-1].strip()
     return None
+
+
+def unreadable(path: str) -> str | None:
+    """None if every tensor of the checkpoint ``path`` reads back, else why not
+    (a missing or truncated file, a garbled index, a checksum mismatch)."""
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for key, dtype in reader.get_variable_to_dtype_map().items():
+            if dtype != tf.variant:  # the input position: read by its restore
+                reader.get_tensor(key)
+    # The reader raises IndexError for a data file cut short.
+    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as error:
+        message = getattr(error, "message", None) or str(error)
+        return message.strip().splitlines()[0][:300]
+    return None
+
+
+def check_writable(directory: str) -> None:
+    """Refuses, before the first step, a checkpoint directory this process cannot
+    write: a file in its place, no permission, no space for a small file.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile() as f:
+    ...     check_writable(f.name)
+    Traceback (most recent call last):
+    ValueError: checkpoint_dir must be a directory; received ... a file...
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(
+            f"checkpoint_dir must be a directory; received {directory!r}, which is "
+            "a file"
+        )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".towers-probe-") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        why = error.strerror or str(error)
+        raise ValueError(
+            f"checkpoint_dir {directory!r} cannot be written ({why}); nothing was "
+            "trained or saved. Choose a directory this process can write, with "
+            "room for the model and optimizer."
+        ) from None
