@@ -6,6 +6,8 @@ the rest when one worker fails, and every subprocess has a timeout here too.
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from tests.tolerances import (
     MIXED_FLOAT16_RTOL,
 )
 from towers.launch import free_ports, tf_configs
+from towers.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "cluster_train.py")
 ROOT = str(Path(__file__).parent.parent)
@@ -273,3 +276,38 @@ def test_what_keras_users_bring_trains_in_a_cluster_as_one_process(tmp_path, arg
         np.testing.assert_allclose(
             got["evaluate"]["loss"], expected["evaluate"]["loss"], rtol=1e-5
         )
+
+
+def test_a_preempted_worker_stops_every_worker_at_the_same_step(tmp_path):
+    fit = ["--mode", "fit", "--every", "4"]
+    ref = reference(tmp_path / "ref", *fit, "--checkpoint", str(tmp_path / "c0"))
+    out, checkpoints = tmp_path / "job", tmp_path / "ckpt"
+    chief, worker = start_workers(
+        out, *fit, "--checkpoint", str(checkpoints), "--slow", timeout=30
+    )
+    try:
+        for line in worker.stdout:  # the notice reaches worker 1 alone
+            if line.strip() == "worker 1 trained step 5":
+                worker.send_signal(signal.SIGTERM)
+                break
+        outputs = [p.communicate(timeout=120)[0] for p in (chief, worker)]
+    finally:
+        for process in (chief, worker):
+            process.kill()
+    assert chief.returncode == worker.returncode == PREEMPTED_EXIT_CODE
+    # Both stopped after the same step (5, or 6 if the notice came after step 6's
+    # sum had started), and the chief saved there.
+    stops = [re.search(r"stopped after (epoch \d+ step \d+)", o) for o in outputs]
+    assert stops[0] and stops[1] and stops[0][1] == stops[1][1]
+    last = {
+        int(re.findall(r"trained step (\d+)", o)[-1]) for o in [outputs[0], outputs[1]]
+    }
+    assert len(last) == 1 and last.pop() in (5, 6, 7)
+    saved = max(int(p.name[5:-6]) for p in checkpoints.glob("ckpt-*.index"))
+    assert f"trained step {saved}\n" in outputs[0] and saved >= 5
+
+    job = launch(out, *fit, "--checkpoint", str(checkpoints))
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert_same_as(ref, out)
+    for rank in (0, 1):  # no step lost or repeated
+        assert result(out, rank)["steps"] == result(ref, 0)["steps"] == 14

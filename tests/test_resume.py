@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
+from towers.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_with_checkpoints.py"
 EXAMPLES, EPOCHS, STEPS = 76, 3, 10
@@ -252,3 +253,39 @@ def test_a_file_where_the_checkpoint_directory_should_be_is_refused_first(tmp_pa
     assert taken.read_text() == "not a directory" and engine.steps_done == 0
     for a, b in zip(engine.model.get_weights(), before):
         np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_then_resumes(
+    tmp_path, uninterrupted
+):
+    straight, weights = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    victim = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(ckpt), str(tmp_path / "w.npz"),
+         "--shuffled", "--epochs", "3", "--slow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )  # fmt: skip
+    lines = []
+    for line in victim.stdout:  # the notice comes mid-epoch, during step 4's end
+        lines.append(line)
+        if line.strip() == "trained epoch 1 step 4":
+            victim.send_signal(signal.SIGTERM)
+            break
+    lines += victim.stdout.read().splitlines()
+    victim.wait(timeout=120)
+    assert victim.returncode == PREEMPTED_EXIT_CODE == 75
+    assert "preempted (SIGTERM): stopped after epoch 2 step 4" in victim.stderr.read()
+    before = steps_of(lines)
+    assert max(before) == (1, 4) and not (tmp_path / "w.npz").exists()
+
+    after = finish(launch(ckpt, tmp_path / "w.npz", "--epochs", "3"))
+    # No step lost or repeated: the relaunch starts with the step after.
+    assert min(after) == (1, 5)
+    assert sorted({**before, **after}) == sorted(straight)
+    assert len(before) + len(after) == EPOCHS * STEPS
+    for step, ids in {**before, **after}.items():
+        assert ids == straight[step], step
+    assert_same_weights(tmp_path / "w.npz", weights)

@@ -205,6 +205,26 @@ def _variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:
         }
 
 
+def position_iterator(batches: tf.data.Dataset, directory: str | None):
+    """An iterator over the first epoch's batches whose position the checkpoints
+    save; None without checkpoints or (with a warning) for a pipeline whose
+    position cannot be saved."""
+    if directory is None:
+        return None
+    iterator = iter(batches)
+    why = data_position_saveable(iterator)
+    if why is None:
+        return iterator
+    warnings.warn(
+        "fit cannot save this input pipeline's position with its checkpoints "
+        f"({why}); a resumed run skips the batches already trained, so the data "
+        "must come in the same order every pass (a fixed shuffle seed and "
+        "reshuffle_each_iteration=False)",
+        stacklevel=3,
+    )
+    return None
+
+
 def data_position_saveable(iterator: Any) -> str | None:
     """None if ``iterator``'s position can be checkpointed, else why not.
 
@@ -215,8 +235,8 @@ def data_position_saveable(iterator: Any) -> str | None:
     >>> data_position_saveable(iter(tf.data.Dataset.range(4).batch(2))) is None
     True
     >>> gen = tf.data.Dataset.from_generator(lambda: iter([1]), output_types=tf.int32)
-    >>> data_position_saveable(iter(gen))
-    'PyFunc is stateful.'
+    >>> data_position_saveable(iter(gen))  # doctest: +ELLIPSIS
+    '...PyFunc is stateful.'
     """
     with tempfile.TemporaryDirectory() as scratch:
         try:

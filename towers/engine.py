@@ -197,6 +197,8 @@ class Towers(Trainer):
         batch = self.prepare(x, y, sample_weight)
         out = self._run(self._compiled.train(), *batch)
         self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
+        if "stop" in out:
+            self.workers.last_stop = out["stop"]  # read by fit (preemption.py)
         return out["logs"]
 
     def evaluate_step(

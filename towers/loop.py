@@ -12,7 +12,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,8 +19,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.checkpoint import TrainingCheckpoint, data_position_saveable
+from towers.checkpoint import TrainingCheckpoint, position_iterator
 from towers.data import as_dataset, unpack
+from towers.preemption import Preemption
 from towers.progress import History, Progress
 from towers.summaries import TrainingLog
 
@@ -156,7 +156,7 @@ class Trainer(abc.ABC):
             self, checkpoint_dir, keep_checkpoints, writes=_is_chief(self)
         )
         batches = dataset.take(steps_per_epoch) if steps_per_epoch else dataset
-        iterator = _saved_position_iterator(batches, checkpoint_dir)
+        iterator = position_iterator(batches, checkpoint_dir)
         start_epoch, start_step, positioned = checkpoint.restore(iterator)
         history = History()
         callback_list = keras.callbacks.CallbackList(
@@ -179,7 +179,9 @@ class Trainer(abc.ABC):
         )
         self.model.stop_training = False
         callback_list.on_train_begin()
+        run.preemption = Preemption(self.workers, checkpoint_dir is not None)
         try:
+            run.preemption.__enter__()
             for epoch in range(start_epoch, epochs):
                 callback_list.on_epoch_begin(epoch)
                 done = start_step if epoch == start_epoch else 0
@@ -203,6 +205,7 @@ class Trainer(abc.ABC):
                 if self.model.stop_training:
                     break
         finally:
+            run.preemption.__exit__()
             log.close()
         callback_list.on_train_end()
         return history
@@ -287,6 +290,7 @@ class _Run:
     checkpoint: TrainingCheckpoint
     checkpoint_every: int | None
     log: TrainingLog
+    preemption: Preemption | None = None
 
 
 def _train_epoch(run: _Run, epoch: int, skip: int, batches: Any) -> dict[str, float]:
@@ -306,6 +310,7 @@ def _train_epoch(run: _Run, epoch: int, skip: int, batches: Any) -> dict[str, fl
         size = int(tf.nest.flatten(x)[0].shape[0])
         run.callbacks.on_train_batch_begin(step)
         run.log.before_step()
+        run.preemption.before_step()
         step_started = time.perf_counter()
         logs = engine.train_step(x, y, sample_weight)
         # Reading the loss back waits for the step, so the time is the step's.
@@ -314,8 +319,14 @@ def _train_epoch(run: _Run, epoch: int, skip: int, batches: Any) -> dict[str, fl
         step += 1
         examples += size
         run.callbacks.on_train_batch_end(step - 1, logs)
-        if run.checkpoint_every and step % run.checkpoint_every == 0:
+        saved = bool(run.checkpoint_every) and step % run.checkpoint_every == 0
+        if saved:
             run.checkpoint.save(epoch, step)
+        if run.preemption.stop_now():
+            if not saved:
+                run.checkpoint.save(epoch, step)
+            where = f"epoch {epoch + 1} step {step}"
+            run.preemption.exit(where, run.checkpoint.directory)
         if bar is not None:
             rate = examples / max(time.perf_counter() - started, 1e-9)
             bar.update(step, {**engine.get_metrics_result(), "examples/s": rate})
@@ -342,26 +353,6 @@ def _validate(run: _Run, data: Any, batch_size: int | None) -> dict[str, float]:
             + " - ".join(Progress.format(f"val_{k}", v) for k, v in results.items())
         )
     return {f"val_{name}": value for name, value in results.items()}
-
-
-def _saved_position_iterator(batches: tf.data.Dataset, directory: str | None):
-    """An iterator over the first epoch's batches whose position the checkpoints
-    save; None without checkpoints or (with a warning) for a pipeline whose
-    position cannot be saved."""
-    if directory is None:
-        return None
-    iterator = iter(batches)
-    why = data_position_saveable(iterator)
-    if why is None:
-        return iterator
-    warnings.warn(
-        "fit cannot save this input pipeline's position with its checkpoints "
-        f"({why}); a resumed run skips the batches already trained, so the data "
-        "must come in the same order every pass (a fixed shuffle seed and "
-        "reshuffle_each_iteration=False)",
-        stacklevel=3,
-    )
-    return None
 
 
 def _is_chief(engine: Trainer) -> bool:

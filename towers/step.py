@@ -95,8 +95,9 @@ class Step:
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
-        metric: value}}``, and ``"finite"`` (per applied gradient) when the
-        update checks its gradients."""
+        metric: value}}``, ``"finite"`` (per applied gradient) when the update
+        checks its gradients, and in a cluster ``"stop"``: how many workers asked
+        to stop after this step."""
         shards = self.split(x, y, sample_weight)
         towers = self.compute(shards)
         loss = self.sum_losses(towers)
@@ -116,12 +117,16 @@ class Step:
             )
             grads, loss, examples = summed.grads, summed.loss, summed.examples
             weight = None if weight is None else tf.cast(examples, tf.float32)
+            stop = summed.stop
         # Every tower (and every check in it) has finished before any update.
         with tf.control_dependencies([loss]):
             variables = [r.variables for r in towers]
             finite = self.apply(grads, variables, [r.moments for r in towers], weight)
         logs = {"loss": loss, **self._track(loss, examples)}
-        return {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
+        out = {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
+        if self.workers is not None:
+            out["stop"] = stop  # workers that asked to stop after this step
+        return out
 
     def evaluate(
         self, x: Any, y: Any, sample_weight: Any = None

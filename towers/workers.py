@@ -74,12 +74,15 @@ class Summed:
       loss: the cluster's loss (a mean over all its examples, for a mean loss).
       examples: int32[], the examples of every worker together.
       extras: the summed extras (metric changes), in the order sent.
+      stop: float32[], how many workers asked to stop after this step (a
+        preemption notice): every worker sees the same count at the same step.
     """
 
     grads: list[Any]
     loss: tf.Tensor
     examples: tf.Tensor
     extras: list[tf.Tensor]
+    stop: tf.Tensor
 
 
 class Workers:
@@ -113,6 +116,16 @@ class Workers:
             kind: group(device, reducer, cluster.timeout_seconds)
             for kind in ("train", "eval")
         }
+        # 1.0 once this worker was asked to stop (request_stop); rides in every
+        # step's sum, so all workers learn of it after the same step.
+        with tf.device(device):
+            self._stop = tf.Variable(0.0, trainable=False, name="stop_requested")
+        # The last train step's Summed.stop (set by the engine), or None.
+        self.last_stop: tf.Tensor | None = None
+
+    def request_stop(self) -> None:
+        """Asks every worker to stop after the next step (see ``Summed.stop``)."""
+        self._stop.assign(1.0)
 
     def start_together(self, variables: Sequence[Any]) -> None:
         """Every worker checks it built the chief's model, then takes its values.
@@ -166,16 +179,18 @@ class Workers:
                 tf.reshape(loss * scale, [1]),
                 tf.reshape(count, [1]),
                 tf.reshape(scale, [1]),
+                tf.reshape(self._stop.read_value(), [1]),
                 *extras,
             ],
             kind,
         )
         loss_sum, total, norm = summed[n][0], summed[n + 1][0], summed[n + 2][0]
+        stop = summed[n + 3][0]
         norm = tf.constant(1.0) if weight is None else norm
         out = iter(g / tf.cast(norm, g.dtype) for g in summed[:n])
         combined = [None if g is None else next(out) for g in grads]
         return Summed(
-            combined, loss_sum / norm, tf.cast(total, tf.int32), summed[n + 3 :]
+            combined, loss_sum / norm, tf.cast(total, tf.int32), summed[n + 4 :], stop
         )
 
     def check_same(self, description: Sequence[tuple[str, str, str]]) -> None:

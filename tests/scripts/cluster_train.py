@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -50,6 +51,7 @@ parser.add_argument("--nan-in", type=int, default=None)
 parser.add_argument("--policy", default="float32")
 parser.add_argument("--weighted", action="store_true")
 parser.add_argument("--outputs", type=int, default=1)
+parser.add_argument("--slow", action="store_true")
 args = parser.parse_args()
 
 in_cluster = "TF_CONFIG" in os.environ
@@ -133,6 +135,14 @@ class DieAt(keras.callbacks.Callback):
             os._exit(9)
 
 
+class Announce(keras.callbacks.Callback):
+    """--slow: each step said and stretched, so a signal lands mid-training."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        print(f"worker {rank} trained step {engine.steps_done}", flush=True)
+        time.sleep(0.3)
+
+
 def targets(rows):
     if args.outputs == 2:
         return {"label": y[rows], "value": x[rows, :1] * 2.0}
@@ -214,7 +224,7 @@ else:
         validation_data=valid,
         checkpoint_dir=args.checkpoint,
         checkpoint_every=args.every,
-        callbacks=[DieAt()] if args.die_at else None,
+        callbacks=[DieAt()] if args.die_at else [Announce()] if args.slow else None,
         verbose=1,
     )
     result["history"] = history.history

@@ -105,14 +105,8 @@ def strategy_step(kind: str, preset, devices: Sequence[str], x, y) -> Step:
         strategy = tf.distribute.experimental.CentralStorageStrategy(
             compute_devices=list(devices), parameter_device="/cpu:0"
         )
-    with strategy.scope():
-        model = preset.build()
-        optimizer = keras.optimizers.SGD(0.01)
-        optimizer.build(model.trainable_variables)
-    per_example = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="none"
-    )
     global_batch = int(x.shape[0])
+    train, _ = _replica_training(strategy, preset, global_batch)
     bounds = [0, *np.cumsum(split_sizes(global_batch, len(devices)))]
 
     @tf.function
@@ -123,14 +117,7 @@ def strategy_step(kind: str, preset, devices: Sequence[str], x, y) -> Step:
             with tf.device("/cpu:0"):
                 rows = slice(int(bounds[replica]), int(bounds[replica + 1]))
                 x_r, y_r = x[rows], y[rows]
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(
-                    per_example(y_r, model(x_r, training=True)),
-                    global_batch_size=global_batch,
-                )
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+            return train(x_r, y_r)
 
         losses = strategy.run(replica_step)
         return strategy.reduce("SUM", losses, axis=None)
@@ -145,6 +132,19 @@ def multi_worker_step(strategy, preset, x, y, global_batch: int) -> tuple[Step, 
     ``apply_gradients``. ``strategy`` is made by the caller (it starts the
     collective runtime from ``TF_CONFIG``, or joins the one ``Towers`` started).
     Returns the step and the model."""
+    train, model = _replica_training(strategy, preset, global_batch)
+
+    @tf.function
+    def step(x, y):
+        return strategy.reduce("SUM", strategy.run(train, (x, y)), axis=None)
+
+    return (lambda: step(x, y)), model
+
+
+def _replica_training(strategy, preset, global_batch: int):
+    """The model and optimizer in ``strategy``'s scope, and one replica's step
+    as the strategies' guides write it: the per-example loss averaged over the
+    global batch, ``apply_gradients`` (which all-reduces). ``(train, model)``."""
     with strategy.scope():
         model = preset.build()
         optimizer = keras.optimizers.SGD(0.01)
@@ -153,18 +153,14 @@ def multi_worker_step(strategy, preset, x, y, global_batch: int) -> tuple[Step, 
         from_logits=True, reduction="none"
     )
 
-    @tf.function
-    def step(x, y):
-        def replica_step():
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(
-                    per_example(y, model(x, training=True)),
-                    global_batch_size=global_batch,
-                )
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+    def train(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                per_example(y, model(x, training=True)),
+                global_batch_size=global_batch,
+            )
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
 
-        return strategy.reduce("SUM", strategy.run(replica_step), axis=None)
-
-    return (lambda: step(x, y)), model
+    return train, model
