@@ -33,7 +33,8 @@ class Trainer(abc.ABC):
 
     Besides the methods below, ``fit`` reads ``model`` (callbacks see it),
     ``loss_tracker`` and ``metrics`` (Keras metrics), ``cluster`` (None, or a
-    ``towers.Cluster``: its chief alone reports and writes), and what checkpoints
+    ``towers.Cluster``: its chief alone reports and writes), ``workers`` (None,
+    or its link to them: a preemption notice rides in its sums), and what checkpoints
     and logs need: ``variable_device``, ``optimizer``, ``steps_done``,
     ``training_state()``, ``after_restore()`` (``towers/checkpoint.py``,
     ``towers/summaries.py``).
@@ -181,31 +182,30 @@ class Trainer(abc.ABC):
         callback_list.on_train_begin()
         run.preemption = Preemption(self.workers, checkpoint_dir is not None)
         try:
-            run.preemption.__enter__()
-            for epoch in range(start_epoch, epochs):
-                callback_list.on_epoch_begin(epoch)
-                done = start_step if epoch == start_epoch else 0
-                epoch_batches = iter(batches) if iterator is None else iterator
-                if not positioned:
-                    for _ in range(done):  # no saved position: skip what was trained
-                        next(epoch_batches, None)
-                logs = _train_epoch(run, epoch, done, epoch_batches)
-                # An epoch ends with its last accumulate_steps window applied.
-                self.apply_accumulated()
-                if iterator is not None:
-                    # The next epoch's iterator, made now: its shuffle seeds are
-                    # drawn here, and the checkpoint below saves them.
-                    iterator = iter(batches)
-                    checkpoint.follow(iterator)
-                checkpoint.save(epoch + 1, 0)
-                if validation_data is not None:
-                    logs.update(_validate(run, validation_data, batch_size))
-                log.after_epoch(logs)
-                callback_list.on_epoch_end(epoch, logs)
-                if self.model.stop_training:
-                    break
+            with run.preemption:
+                for epoch in range(start_epoch, epochs):
+                    callback_list.on_epoch_begin(epoch)
+                    done = start_step if epoch == start_epoch else 0
+                    epoch_batches = iter(batches) if iterator is None else iterator
+                    if not positioned:
+                        for _ in range(done):  # no saved position: skip them
+                            next(epoch_batches, None)
+                    logs = _train_epoch(run, epoch, done, epoch_batches)
+                    # An epoch ends with its last accumulate_steps window applied.
+                    self.apply_accumulated()
+                    if iterator is not None:
+                        # The next epoch's iterator, made now: its shuffle seeds are
+                        # drawn here, and the checkpoint below saves them.
+                        iterator = iter(batches)
+                        checkpoint.follow(iterator)
+                    checkpoint.save(epoch + 1, 0)
+                    if validation_data is not None:
+                        logs.update(_validate(run, validation_data, batch_size))
+                    log.after_epoch(logs)
+                    callback_list.on_epoch_end(epoch, logs)
+                    if self.model.stop_training:
+                        break
         finally:
-            run.preemption.__exit__()
             log.close()
         callback_list.on_train_end()
         return history
