@@ -6,7 +6,13 @@ import keras
 import numpy as np
 import pytest
 
-from tests.tolerances import ADAM_EPSILON, EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from tests.tolerances import (
+    ADAM_EPSILON,
+    EQUIVALENCE_ATOL,
+    EQUIVALENCE_RTOL,
+    MIXED_FLOAT16_CONV_RTOL,
+    MIXED_FLOAT16_RTOL,
+)
 from towers import Towers, split_sizes
 
 STEPS = 3
@@ -47,9 +53,22 @@ MODELS = {
     "mlp": (bn_mlp, (5,), "mse", 1),
     "cnn": (bn_cnn, (6, 6, 2), "sparse_categorical_crossentropy", 3),
 }
+
+
+def scaled_sgd():
+    # For mixed_float16, a loss scale no gradient here overflows at: on one
+    # device a float16 gradient sums the whole batch and can overflow where a
+    # tower's shard does not, and a step one skips and the other applies is no
+    # rounding difference.
+    return keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=64.0
+    )
+
+
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
     "adam": lambda: keras.optimizers.Adam(0.01, epsilon=ADAM_EPSILON),
+    "scaled_sgd": scaled_sgd,
 }
 
 
@@ -62,8 +81,9 @@ def data(model, examples, seed=0):
     return x, rng.integers(0, outputs, examples).astype("int32")
 
 
-def trained(model, optimizer, num_towers, statistics, examples):
-    """Every variable (weights and moving statistics) after STEPS steps."""
+def trained(model, optimizer, num_towers, statistics, examples, **options):
+    """Every variable (weights and moving statistics) after STEPS steps;
+    ``options``: more of ``Towers``' arguments."""
     build, _, loss, outputs = MODELS[model]
     keras.utils.set_random_seed(1)
     if outputs > 1:
@@ -74,9 +94,12 @@ def trained(model, optimizer, num_towers, statistics, examples):
         OPTIMIZERS[optimizer],
         devices=[f"/cpu:{t}" for t in range(num_towers)],
         batch_statistics=statistics,
+        **options,
     )
     for step in range(STEPS):
         engine.train_step(*data(model, examples, seed=step))
+    if isinstance(engine.optimizer, keras.optimizers.LossScaleOptimizer):
+        assert int(engine.optimizer.iterations.numpy()) == STEPS  # none skipped
     # In the model's order (Keras numbers the layers' names per build).
     return [(v.path.split("/")[-1], v.numpy()) for v in engine.model.variables]
 
@@ -96,6 +119,54 @@ def test_global_statistics_train_as_one_device(model, optimizer, num_towers, exa
         np.testing.assert_allclose(
             mine, value, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL, err_msg=name
         )
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_global_statistics_accumulate_as_one_device(model):
+    # Two micro-batches a window: each is normalised with its own whole batch's
+    # statistics, as one device accumulating the same two would.
+    one = trained(model, "adam", 1, "tower", 13, accumulate_steps=2)
+    towers = trained(model, "adam", 3, "global", 13, accumulate_steps=2)
+    plain = trained(model, "adam", 1, "tower", 13)
+    assert not np.allclose(plain[0][1], one[0][1], rtol=1e-3)  # a window applied
+    for (name, value), (_, mine) in zip(one, towers, strict=True):
+        np.testing.assert_allclose(
+            mine, value, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL, err_msg=name
+        )
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_global_statistics_in_mixed_precision_train_as_one_device(model, mixed_float16):
+    # The moments are float32 (Keras casts float16 inputs up), so only the
+    # layers' 16-bit sums round differently on shards: compare each variable's
+    # change, relative to its size, as tests/test_mixed_precision.py does.
+    keras.utils.set_random_seed(1)
+    start = [v.numpy() for v in MODELS[model][0]().variables]
+    runs = {
+        (num_towers, statistics): trained(
+            model, "scaled_sgd", num_towers, statistics, 13
+        )
+        for num_towers, statistics in [(1, "tower"), (4, "global"), (4, "tower")]
+    }
+    one = runs[1, "tower"]
+    rtol = MIXED_FLOAT16_CONV_RTOL if model == "cnn" else MIXED_FLOAT16_RTOL
+
+    def error(run, v):
+        change = one[v][1] - start[v]
+        return np.linalg.norm(runs[run][v][1] - one[v][1]) / np.linalg.norm(change)
+
+    for v, (name, value) in enumerate(one):
+        assert value.dtype == np.float32  # float32 variables
+        assert error((4, "global"), v) <= rtol, name
+    # Each shard's own statistics are further off than 16-bit rounding.
+    assert error((4, "tower"), 0) > 10 * rtol
 
 
 def test_tower_statistics_are_not_one_devices():

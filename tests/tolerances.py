@@ -31,3 +31,8 @@ ADAM_EPSILON = 1e-3
 # (float16) and 4.4e-3 (bfloat16) on 4 towers; the bounds leave 4x.
 MIXED_FLOAT16_RTOL = 2e-3
 MIXED_BFLOAT16_RTOL = 2e-2
+# The same for a small CNN in float16: a convolution's filter gradient sums the
+# products of every example and position (13 x 16 here) in 16 bits, so the first
+# kernel's change differs more: measured 1.1e-3 to 1.4e-3 without
+# BatchNormalization and 2.1e-3 with it (global statistics), on 2 and 4 towers.
+MIXED_FLOAT16_CONV_RTOL = 1e-2

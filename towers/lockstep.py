@@ -11,12 +11,17 @@ each building its own ops (under its own device and name scope) into the one
 graph, and a :class:`Rendezvous` where they meet: each hands in a tensor, waits
 until all have, and takes every tower's. Nothing runs in those threads; they
 only *trace*, and the graph they build is the one a one-thread trace would
-build with the partial sums exchanged: the same ops, on the same devices.
+build with the partial sums exchanged: the same ops, on the same devices. The
+threads take turns (one traces at a time, in rank order), so tracing never
+races: a graph's captures, for one, are not safe to make from two threads at
+once (a LossScaleOptimizer's scale, read by every tower, once failed the step
+with "You must feed a value for placeholder").
 
 - Deadlock-free: every tower runs the same model, so each calls the rendezvous
   the same number of times in the same order (forward: every BatchNormalization
-  layer in call order; backward: the reverse). A tower that fails aborts the
-  rendezvous, and the others fail too instead of waiting.
+  layer in call order; backward: the reverse). A tower that fails, or meets the
+  others fewer times, aborts the rendezvous, and the others fail too instead of
+  waiting.
 - Exact: :func:`all_sum` is a sum whose gradient is again the sum over towers
   of the upstream gradients, which is what one device's backward pass computes
   through the whole batch's statistics.
@@ -41,11 +46,20 @@ _context = threading.local()
 class Rendezvous:
     """Where ``size`` towers swap tensors while they are traced in lockstep.
 
+    The towers take turns: one traces at a time, in rank order, and hands the
+    turn on when it reaches the rendezvous (or finishes). So no two threads ever
+    build ops at once: what tracing touches (the graph's captures, Keras'
+    caches) sees one thread, as in a one-thread trace, and the graph is built in
+    the same order every time.
+
     Example:
       >>> meet = Rendezvous(2)
+      >>> meet.begin()
       >>> out = [None, None]
       >>> def tower(rank):
+      ...     meet.start(rank)
       ...     out[rank] = meet.exchange(rank, f"from {rank}")
+      ...     meet.finish(rank)
       >>> threads = [threading.Thread(target=tower, args=(r,)) for r in (0, 1)]
       >>> for thread in threads: thread.start()
       >>> for thread in threads: thread.join()
@@ -63,24 +77,74 @@ class Rendezvous:
         # across(tensor, backward): the tensor summed over the cluster's workers
         # (called by rank 0 only).
         self.across = across
-        self._barrier = threading.Barrier(size, timeout=timeout)
-        self._lock = threading.Lock()
+        self.timeout = timeout
+        self._turn = threading.Condition()
+        self._holder = 0  # the rank whose turn it is
+        self._done = [False] * size  # the towers traced in this round
+        self._aborted = False
         self._calls = [0] * size
         self._slots: dict[int, list[Any]] = {}
+        self._handed: dict[int, int] = {}  # per call, the towers that handed in
+
+    def begin(self) -> None:
+        """A new round of tracing (the forward passes, then the backward ones):
+        tower 0 goes first."""
+        with self._turn:
+            self._holder, self._done = 0, [False] * self.size
+
+    def start(self, rank: int) -> None:
+        """Waits for tower ``rank``'s first turn."""
+        self._wait(rank)
 
     def exchange(self, rank: int, value: Any) -> list[Any]:
         """Hands in ``value`` as tower ``rank``; returns every tower's, in rank
         order, once all have handed in theirs for this call."""
-        with self._lock:
-            call = self._calls[rank]
-            self._calls[rank] += 1
-            self._slots.setdefault(call, [None] * self.size)[rank] = value
-        self._barrier.wait()
-        return list(self._slots[call])
+        call = self._calls[rank]
+        self._calls[rank] += 1
+        slots = self._slots.setdefault(call, [None] * self.size)
+        slots[rank] = value
+        self._handed[call] = self._handed.get(call, 0) + 1
+        self._hand_on(rank)
+        self._wait(rank)  # back to this rank: every tower has had its turn
+        if self._handed[call] != self.size:  # one finished without this call
+            self.abort()
+            raise threading.BrokenBarrierError(
+                "the towers met a different number of times: they must run the "
+                "same model"
+            )
+        return list(slots)
+
+    def finish(self, rank: int) -> None:
+        """Tower ``rank`` is traced: the turn goes on without it."""
+        self._done[rank] = True
+        self._hand_on(rank)
 
     def abort(self) -> None:
         """Wakes every waiting tower with ``threading.BrokenBarrierError``."""
-        self._barrier.abort()
+        with self._turn:
+            self._aborted = True
+            self._turn.notify_all()
+
+    def _hand_on(self, rank: int) -> None:
+        with self._turn:
+            for step in range(1, self.size + 1):
+                following = (rank + step) % self.size
+                if not self._done[following]:
+                    self._holder = following
+                    break
+            self._turn.notify_all()
+
+    def _wait(self, rank: int) -> None:
+        with self._turn:
+            ready = self._turn.wait_for(
+                lambda: self._holder == rank or self._aborted, self.timeout
+            )
+            if self._aborted or not ready:
+                self._aborted = True
+                self._turn.notify_all()
+                raise threading.BrokenBarrierError(
+                    f"tower {rank} waited {self.timeout:g} s for its turn"
+                )
 
 
 def current() -> tuple[Rendezvous, int] | None:
@@ -147,14 +211,17 @@ def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
     def trace(rank: int, work: Callable[[], T]) -> None:
         _context.meeting = (meet, rank)
         try:
+            meet.start(rank)
             with graph.as_default():
                 results[rank] = work()
+            meet.finish(rank)
         except BaseException as error:  # noqa: BLE001 - re-raised by the caller
             errors.append(error)
             meet.abort()
         finally:
             _context.meeting = None
 
+    meet.begin()
     threads = [
         threading.Thread(target=trace, args=(rank, work), name=f"tower-{rank}")
         for rank, work in enumerate(works)
@@ -167,13 +234,6 @@ def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
     if first or errors:
         raise (first or errors)[0]
     return results
-
-
-def capture(variables: Sequence[Any]) -> None:
-    """Reads each variable once in this thread, so the graph captures it before
-    the towers' threads do (a graph's captures are not made thread-safe)."""
-    for variable in variables:
-        tf.identity(getattr(variable, "value", variable))
 
 
 def compute(
@@ -198,7 +258,6 @@ def compute(
     upstream gradient times its examples and divides the cluster's sum by them,
     which makes every worker's share of the cross-worker terms exact.
     """
-    capture(placement.model.variables)
     across, weight = None, {}
     if workers is not None:
         instances = itertools.count()  # the same order on every worker
