@@ -118,6 +118,80 @@ def test_a_pipeline_whose_position_cannot_be_saved_is_resumed_by_skipping(tmp_pa
         np.testing.assert_allclose(a, b, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
 
 
+class CrashAt(keras.callbacks.Callback):
+    """Raises after batch ``batch`` of epoch ``epoch`` (0-based): that step
+    trained, its checkpoint not yet written."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("crash")
+
+
+def regression(metrics=None, seed=0):
+    keras.utils.set_random_seed(seed)
+    return Towers(
+        lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+        "mse",
+        lambda: keras.optimizers.Adam(0.05),
+        devices=["/cpu:0", "/cpu:1"],
+        metrics=metrics,
+    )
+
+
+def regression_data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 4)).astype("float32")
+    return x, (x @ [[1.0], [-2.0], [0.5], [3.0]] + 1).astype("float32")
+
+
+def fit(engine, directory, **kwargs):
+    return engine.fit(
+        regression_data(),
+        batch_size=8,
+        epochs=3,
+        verbose=0,
+        checkpoint_dir=str(directory),
+        checkpoint_every=1,
+        **kwargs,
+    ).history
+
+
+@pytest.mark.parametrize("batch", [2, 4], ids=["mid-epoch", "last-step"])
+def test_a_resumed_epoch_reports_the_whole_epochs_loss_and_metrics(tmp_path, batch):
+    straight = fit(regression(["mae"]), tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(regression(["mae"]), tmp_path / "ckpt", callbacks=[CrashAt(1, batch)])
+    resumed = fit(regression(["mae"], seed=1), tmp_path / "ckpt")
+
+    # Epochs 2 and 3: the resumed epoch's loss and mae are over all 5 of its
+    # steps (4 of them trained before the crash at "last-step"), not its rest.
+    assert set(resumed) == {"loss", "mae"}
+    for name in resumed:
+        np.testing.assert_allclose(resumed[name], straight[name][1:], rtol=1e-5)
+
+
+def test_a_checkpoint_with_other_metrics_still_resumes_and_numbers_on(tmp_path):
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(regression(["mae"]), tmp_path, callbacks=[CrashAt(1, 2)])
+    saved = kept(tmp_path)
+    straight = fit(regression(["mse"]), tmp_path / "straight")
+    resumed = fit(regression(["mse"], seed=1), tmp_path)
+
+    # The training state came back (the last epoch is the uninterrupted one's);
+    # the resumed epoch's mse starts afresh, over its remaining steps only.
+    np.testing.assert_allclose(resumed["loss"][1], straight["loss"][2], rtol=1e-5)
+    assert not np.isclose(resumed["mse"][0], straight["mse"][1], rtol=1e-3)
+    # Numbered on from the checkpoint's save counter: no kept prefix rewritten.
+    assert int(kept(tmp_path)[-1].name[5:]) > int(saved[0].name[5:])
+
+
 def run(directory, out, *flags):
     command = [sys.executable, str(SCRIPT), str(directory), str(out), "--shuffled"]
     return subprocess.run(

@@ -1,7 +1,9 @@
 """Checkpoints of a training run: model, optimizer, epoch and step in the epoch,
 and the input pipeline's position.
 
-With ``accumulate_steps`` the gradient accumulators are saved too. The position is
+With ``accumulate_steps`` the gradient accumulators are saved too, and with
+``epoch_metrics`` the running epoch's loss and metrics, so a run resumed inside
+an epoch reports the whole epoch, as an uninterrupted run does. The position is
 the tf.data iterator's own checkpoint (its shuffle buffer and the seeds of the
 epochs still to come included), so a resumed run reads each example of the epoch
 exactly once, in the order an uninterrupted run would, shuffled data included. A
@@ -19,9 +21,13 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import tensorflow as tf
+
+# The checkpoint's key for the running epoch's metrics.
+_METRICS = "epoch_metrics"
 
 
 class Checkpointable(Protocol):
@@ -46,6 +52,11 @@ class TrainingCheckpoint:
       keep: how many checkpoints to keep.
       writes: whether this process saves (in a cluster, the chief only; every
         worker restores).
+      epoch_metrics: Keras metrics that add up over an epoch (the loss tracker
+        and the user's metrics): saved with each checkpoint and restored when
+        the saved ones match them. They are not training state: a checkpoint
+        without them, or with other metrics, still resumes (they then start
+        afresh, and the resumed epoch reports its remaining steps only).
     """
 
     def __init__(
@@ -54,9 +65,11 @@ class TrainingCheckpoint:
         directory: str | None,
         keep: int = 3,
         writes: bool = True,
+        epoch_metrics: Sequence[Any] = (),
     ):
         self.directory = directory
         self.writes = writes
+        self._epoch_metrics = list(epoch_metrics)
         if directory is None:
             return
         if not isinstance(keep, int) or keep < 1:
@@ -66,8 +79,19 @@ class TrainingCheckpoint:
         with tf.device(engine.variable_device):
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
-        state = {**engine.training_state(), "epoch": self.epoch, "step": self.step}
-        self._checkpoint = tf.train.Checkpoint(**state)
+        self._state = {
+            **engine.training_state(),
+            "epoch": self.epoch,
+            "step": self.step,
+        }
+        metric_variables = {
+            f"{index}.{metric.name}.{v.name}".replace("/", "."): v
+            for index, metric in enumerate(self._epoch_metrics)
+            for v in metric.variables
+        }
+        self._checkpoint = tf.train.Checkpoint(
+            **self._state, **({_METRICS: metric_variables} if metric_variables else {})
+        )
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, directory, max_to_keep=keep
         )
@@ -78,7 +102,7 @@ class TrainingCheckpoint:
         current epoch's iterator; None: no position)."""
         if self.directory is None or iterator is None:
             return
-        self._checkpoint.data = iterator
+        self._checkpoint.data = self._state["data"] = iterator
 
     def restore(self, iterator: Any = None) -> tuple[int, int, bool]:
         """Restores the newest checkpoint that reads back whole, if there is one;
@@ -113,14 +137,21 @@ class TrainingCheckpoint:
                 "batches already trained",
                 stacklevel=3,
             )
-        self._check_matches(path)
+        metrics_match = self._check_matches(path)
+        # Without its metrics (other or none saved), through a root of the
+        # training state alone, whose save counter the saving root then takes.
+        root = self._checkpoint if metrics_match else tf.train.Checkpoint(**self._state)
         try:
-            status = self._checkpoint.restore(path)
+            status = root.restore(path)
         except tf.errors.OpError as error:
             raise ValueError(
                 f"the checkpoint {path} cannot be restored: {error.message}"
             ) from None
         status.assert_existing_objects_matched()
+        if root is not self._checkpoint:
+            self._checkpoint.save_counter.assign(root.save_counter)
+            for metric in self._epoch_metrics:
+                metric.reset_state()
         self._engine.after_restore()
         return int(self.epoch.numpy()), int(self.step.numpy()), positioned
 
@@ -169,15 +200,22 @@ class TrainingCheckpoint:
         # place, and a kill meanwhile would damage it.
         self._manager.save()
 
-    def _check_matches(self, path: str) -> None:
+    def _check_matches(self, path: str) -> bool:
         """Compares every saved variable's shape before anything is restored (the
-        input position's size changes as it moves: it is not compared)."""
+        input position's size changes as it moves: it is not compared).
+
+        Returns:
+          Whether the saved epoch metrics are this run's (the same variables and
+          shapes); they are compared apart, and may differ.
+        """
         saved = {
             key: list(shape)
             for key, shape in tf.train.list_variables(path)
             if not key.startswith("data/")
         }
         mine = _variable_shapes(self._checkpoint)
+        metrics_match = _metric_shapes(saved) == _metric_shapes(mine)
+        saved, mine = _without_metrics(saved), _without_metrics(mine)
         missing = sorted(set(mine) - set(saved))
         wrong = [
             f"{key}: saved {saved[key]}, this model {mine[key]}"
@@ -191,6 +229,15 @@ class TrainingCheckpoint:
                 f"or optimizer; received {path} with {details}. Use a new "
                 "checkpoint_dir for a new model."
             )
+        return metrics_match
+
+
+def _metric_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {k: v for k, v in shapes.items() if k.startswith(f"{_METRICS}/")}
+
+
+def _without_metrics(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {k: v for k, v in shapes.items() if not k.startswith(f"{_METRICS}/")}
 
 
 def _variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:

@@ -123,7 +123,8 @@ class Trainer(abc.ABC):
           validation_data: ``(x, y[, sample_weight])`` or a dataset, evaluated
             after each epoch; its results join the history as ``val_<name>``.
           steps_per_epoch: batches per epoch; default, the whole data.
-          checkpoint_dir: where to save model, optimizer, epoch and step with
+          checkpoint_dir: where to save model, optimizer, epoch and step (and the
+            epoch's loss and metrics so far, the input pipeline's position) with
             ``tf.train.CheckpointManager``; a directory that holds a checkpoint of
             this model is resumed from. In a cluster the chief alone writes it
             (and progress, and ``log_dir``); every worker restores from it.
@@ -154,7 +155,11 @@ class Trainer(abc.ABC):
             # Build a lazily built model first, so a checkpoint's shapes can be checked.
             self.prepare(*unpack(next(iter(dataset))))
         checkpoint = TrainingCheckpoint(
-            self, checkpoint_dir, keep_checkpoints, writes=_is_chief(self)
+            self,
+            checkpoint_dir,
+            keep_checkpoints,
+            writes=_is_chief(self),
+            epoch_metrics=[self.loss_tracker, *self.metrics],
         )
         batches = dataset.take(steps_per_epoch) if steps_per_epoch else dataset
         iterator = position_iterator(batches, checkpoint_dir)
@@ -297,7 +302,8 @@ def _train_epoch(run: _Run, epoch: int, skip: int, batches: Any) -> dict[str, fl
     """One epoch from batch ``skip`` on, reading ``batches`` (an iterator that
     stands after the first ``skip``); returns the epoch's loss and metrics."""
     engine = run.engine
-    engine.reset_metrics()
+    if skip == 0:  # else the checkpoint restored the epoch's metrics so far
+        engine.reset_metrics()
     total = run.steps_per_epoch or _known_length(run.dataset)
     bar = None
     if run.verbose:
