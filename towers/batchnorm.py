@@ -226,8 +226,12 @@ def _global_moments(layer, inputs: tf.Tensor) -> tuple:
     x = tf.cast(inputs, tf.float32)
     axes = layer._reduction_axes
     local_sum = tf.reduce_sum(x, axes)
-    count = lockstep.total(_count(x, local_sum))
-    mean = lockstep.all_sum(local_sum) / count
+    # The count rides with the sums (one exchange, not two: across workers each
+    # is a round of RPCs); no gradient flows into it.
+    packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], axis=0)
+    summed = lockstep.all_sum(packed)
+    count = tf.stop_gradient(summed[-1])
+    mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
     squares = tf.reduce_sum(tf.square(x - tf.stop_gradient(mean)), axes)
     variance = lockstep.all_sum(squares) / count
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), count

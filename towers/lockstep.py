@@ -250,7 +250,7 @@ def compute(
     every tower's loss share and gradients, each on its tower's device.
 
     With ``workers`` (``towers/workers.py``) the sums also run over the cluster,
-    one all-reduce each, in the same order on every worker; ``weight_of(passes)``
+    one collective each, in the same order on every worker; ``weight_of(passes)``
     is this worker's weight in the cluster's sum (None for a sum loss). Each
     worker's loss
     is a mean over its own examples, weighted by them when the workers' gradients

@@ -118,7 +118,7 @@ class Workers:
             kind: group(device, reducer, cluster.timeout_seconds)
             for kind in ("train", "eval")
         }
-        # BatchNormalization's global statistics: one all-reduce per exchange.
+        # BatchNormalization's global statistics: one gather per exchange.
         self._statistics = group(device, "per_tensor", cluster.timeout_seconds)
         # 1.0 once this worker was asked to stop (request_stop); rides in every
         # step's sum, so all workers learn of it after the same step.
@@ -155,8 +155,9 @@ class Workers:
 
     def sum_statistics(self, value: tf.Tensor, instance: int) -> tf.Tensor:
         """Every worker's ``value`` summed: the ``instance``-th exchange of the
-        step's BatchNormalization statistics (the same order on every worker)."""
-        return self._statistics.all_reduce([[value]], instance)[0][0]
+        step's BatchNormalization statistics (the same order on every worker).
+        Per-channel vectors, a few KB: gathered, not all-reduced."""
+        return self._statistics.gathered_sum([value], instance)[0]
 
     def step(
         self,
