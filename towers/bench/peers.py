@@ -131,8 +131,10 @@ def multi_worker_step(strategy, preset, x, y, global_batch: int) -> tuple[Step, 
     averaged over the global batch, the strategy's all-reduce inside
     ``apply_gradients``. ``strategy`` is made by the caller (it starts the
     collective runtime from ``TF_CONFIG``, or joins the one ``Towers`` started).
-    Returns the step and the model."""
-    train, model = _replica_training(strategy, preset, global_batch)
+    BatchNormalization layers are ``synchronized``: the whole global batch's
+    statistics, as towers' cluster engine takes them (``batch_statistics=
+    "global"``). Returns the step and the model."""
+    train, model = _replica_training(strategy, preset, global_batch, synchronized=True)
 
     @tf.function
     def step(x, y):
@@ -141,12 +143,17 @@ def multi_worker_step(strategy, preset, x, y, global_batch: int) -> tuple[Step, 
     return (lambda: step(x, y)), model
 
 
-def _replica_training(strategy, preset, global_batch: int):
+def _replica_training(strategy, preset, global_batch: int, synchronized=False):
     """The model and optimizer in ``strategy``'s scope, and one replica's step
     as the strategies' guides write it: the per-example loss averaged over the
-    global batch, ``apply_gradients`` (which all-reduces). ``(train, model)``."""
+    global batch, ``apply_gradients`` (which all-reduces). ``synchronized``:
+    BatchNormalization layers all-reduce their statistics over the replicas.
+    ``(train, model)``."""
     with strategy.scope():
         model = preset.build()
+        for layer in model._flatten_layers():
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = synchronized
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
     per_example = keras.losses.SparseCategoricalCrossentropy(
