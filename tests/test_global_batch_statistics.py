@@ -169,6 +169,46 @@ def test_global_statistics_in_mixed_precision_train_as_one_device(model, mixed_f
     assert error((4, "tower"), 0) > 10 * rtol
 
 
+@pytest.mark.parametrize("length", [4, 5], ids=["square", "oblong"])
+def test_global_statistics_normalise_any_axis(length):
+    # BatchNormalization(axis=1) on [N, 4 channels, L]: the statistics are
+    # taken over N and L. With L == 4, a mean of shape [4] would broadcast
+    # along the wrong axis without an error.
+    def channels_first():
+        return keras.Sequential(
+            [
+                keras.Input((3, length)),
+                keras.layers.Permute((2, 1)),
+                keras.layers.Dense(4, use_bias=False),
+                keras.layers.Permute((2, 1)),
+                keras.layers.BatchNormalization(axis=1, momentum=0.5),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((13, 3, length)) * 3 + 1).astype("float32")
+    y = rng.standard_normal((13, 1)).astype("float32")
+    runs = []
+    for num_towers, statistics in [(1, "tower"), (3, "global")]:
+        keras.utils.set_random_seed(1)
+        engine = Towers(
+            channels_first,
+            "mse",
+            keras.optimizers.SGD(0.1),
+            devices=[f"/cpu:{t}" for t in range(num_towers)],
+            batch_statistics=statistics,
+        )
+        for _ in range(STEPS):
+            engine.train_step(x, y)
+        runs.append(engine.model.get_weights())
+    for value, mine in zip(*runs, strict=True):
+        np.testing.assert_allclose(
+            mine, value, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
+
+
 def test_tower_statistics_are_not_one_devices():
     # What "global" fixes: with each shard's own statistics the same model and
     # data train elsewhere (so the test above can tell the two apart).

@@ -222,18 +222,21 @@ def _global_moments(layer, inputs: tf.Tensor) -> tuple:
     """The whole batch's mean and variance of ``layer``'s inputs over the towers
     in lockstep, differentiable, as ``tf.nn.moments`` takes them on one device:
     the mean first, then the mean squared distance from it (float32 inside for
-    16-bit inputs, as Keras does); and the count they were taken over."""
+    16-bit inputs, as Keras does); and the count they were taken over. Shaped
+    as Keras' moments (the reduced axes dropped)."""
     x = tf.cast(inputs, tf.float32)
     axes = layer._reduction_axes
-    local_sum = tf.reduce_sum(x, axes)
+    # Kept dims, so the mean broadcasts against x whatever the layer's axis.
+    local_sum = tf.reduce_sum(x, axes, keepdims=True)
     # The count rides with the sums (one exchange, not two: across workers each
     # is a round of RPCs); no gradient flows into it.
-    packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], axis=0)
+    packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], 0)
     summed = lockstep.all_sum(packed)
     count = tf.stop_gradient(summed[-1])
     mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
-    squares = tf.reduce_sum(tf.square(x - tf.stop_gradient(mean)), axes)
+    squares = tf.reduce_sum(tf.square(x - tf.stop_gradient(mean)), axes, True)
     variance = lockstep.all_sum(squares) / count
+    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), count
 
 
