@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import keras
 import tensorflow as tf
@@ -220,24 +220,56 @@ def _count(inputs: tf.Tensor, mean: tf.Tensor) -> tf.Tensor:
 
 def _global_moments(layer, inputs: tf.Tensor) -> tuple:
     """The whole batch's mean and variance of ``layer``'s inputs over the towers
-    in lockstep, differentiable, as ``tf.nn.moments`` takes them on one device:
-    the mean first, then the mean squared distance from it (float32 inside for
-    16-bit inputs, as Keras does); and the count they were taken over. Shaped
-    as Keras' moments (the reduced axes dropped)."""
-    x = tf.cast(inputs, tf.float32)
+    in lockstep, as ``tf.nn.moments`` takes them on one device: the mean first,
+    then the mean squared distance from it (float32 inside for 16-bit inputs, as
+    Keras does); and the count they were taken over. Shaped as Keras' moments
+    (the reduced axes dropped)."""
     axes = layer._reduction_axes
-    # Kept dims, so the mean broadcasts against x whatever the layer's axis.
-    local_sum = tf.reduce_sum(x, axes, keepdims=True)
-    # The count rides with the sums (one exchange, not two: across workers each
-    # is a round of RPCs); no gradient flows into it.
-    packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], 0)
-    summed = lockstep.all_sum(packed)
-    count = tf.stop_gradient(summed[-1])
-    mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
-    squares = tf.reduce_sum(tf.square(x - tf.stop_gradient(mean)), axes, True)
-    variance = lockstep.all_sum(squares) / count
+    mean, variance, count = _moments_over_towers(tf.cast(inputs, tf.float32), axes)
     mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), count
+
+
+def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
+    """``(mean, variance, count)`` of ``x`` over every tower's shard, the reduced
+    axes kept (so they broadcast against ``x`` whatever the layer's axis).
+
+    Forward, two exchanges: the sums with the count riding along, then the
+    squared distances from the mean. Backward, one: every tower's gradients
+    with respect to the mean and the variance, summed over the towers (every
+    tower's loss depends on them); then this tower's inputs take one device's
+    gradient, ``d mean / dx = 1 / N`` and ``d variance / dx = 2 (x - mean) / N``
+    (the mean's part of the latter sums to zero). Across workers each exchange
+    is a round of RPCs, so fewer is faster.
+    """
+    counted = {}
+
+    @tf.custom_gradient
+    def moments(x: tf.Tensor):
+        local_sum = tf.reduce_sum(x, axes, keepdims=True)
+        packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], 0)
+        summed = lockstep.total(packed)
+        count = counted["count"] = summed[-1]
+        mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
+        centred = x - mean
+        squares = tf.reduce_sum(tf.square(centred), axes, keepdims=True)
+        variance = lockstep.total(squares) / count
+
+        def gradient(d_mean: Any, d_variance: Any) -> tf.Tensor:
+            upstream = [
+                tf.zeros_like(mean) if d is None else d for d in (d_mean, d_variance)
+            ]
+            both = tf.concat([tf.reshape(d, [-1]) for d in upstream], 0)
+            d_mean, d_variance = [
+                tf.reshape(d, tf.shape(mean))
+                for d in tf.split(lockstep.total(both, backward=True), 2)
+            ]
+            return (d_mean + 2.0 * d_variance * centred) / count
+
+        return (mean, variance), gradient
+
+    mean, variance = moments(x)
+    return mean, variance, counted["count"]
 
 
 def _unpatch(layer) -> None:

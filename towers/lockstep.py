@@ -22,9 +22,9 @@ with "You must feed a value for placeholder").
   layer in call order; backward: the reverse). A tower that fails, or meets the
   others fewer times, aborts the rendezvous, and the others fail too instead of
   waiting.
-- Exact: :func:`all_sum` is a sum whose gradient is again the sum over towers
-  of the upstream gradients, which is what one device's backward pass computes
-  through the whole batch's statistics.
+- Exact: the statistics' gradients are summed over the towers in the backward
+  pass too (``towers/batchnorm.py``), which is what one device's backward pass
+  computes through the whole batch's statistics.
 """
 
 from __future__ import annotations
@@ -164,27 +164,13 @@ def _total(
     return tf.identity(meet.exchange(rank, summed)[0])
 
 
-def total(value: tf.Tensor) -> tf.Tensor:
-    """The sum of ``value`` over every tower (and worker) in lockstep; no
-    gradient flows back through it."""
-    meet, rank = current()
-    return _total(meet, rank, value)
-
-
-def all_sum(value: tf.Tensor) -> tf.Tensor:
+def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
     """The sum of ``value`` over every tower (and worker) in lockstep, on this
-    tower's device; its gradient is the same sum of the towers' upstream
-    gradients (computed by each tower's backward pass, also in lockstep)."""
+    tower's device; no gradient flows back through it. ``backward``: ``value``
+    is an upstream gradient of this tower's loss share (across workers it is
+    weighted by each worker's examples, see :func:`compute`)."""
     meet, rank = current()
-
-    @tf.custom_gradient
-    def summed(mine: tf.Tensor):
-        def gradient(upstream: tf.Tensor) -> tf.Tensor:
-            return _total(meet, rank, upstream, backward=True)
-
-        return _total(meet, rank, mine), gradient
-
-    return summed(value)
+    return _total(meet, rank, value, backward)
 
 
 def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
@@ -198,7 +184,7 @@ def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
       >>> @tf.function
       ... def step(x):
       ...     meet = Rendezvous(2)
-      ...     works = [lambda part=part: all_sum(tf.reduce_sum(part))
+      ...     works = [lambda part=part: total(tf.reduce_sum(part))
       ...              for part in tf.split(x, 2)]
       ...     return in_lockstep(works, meet)
       >>> [float(total) for total in step(tf.constant([1.0, 2.0, 3.0, 4.0]))]
