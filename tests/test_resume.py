@@ -182,7 +182,8 @@ def test_a_checkpoint_with_other_metrics_still_resumes_and_numbers_on(tmp_path):
         fit(regression(["mae"]), tmp_path, callbacks=[CrashAt(1, 2)])
     saved = kept(tmp_path)
     straight = fit(regression(["mse"]), tmp_path / "straight")
-    resumed = fit(regression(["mse"], seed=1), tmp_path)
+    with pytest.warns(UserWarning, match=r"other loss and metric.*epoch 2 reports"):
+        resumed = fit(regression(["mse"], seed=1), tmp_path)
 
     # The training state came back (the last epoch is the uninterrupted one's);
     # the resumed epoch's mse starts afresh, over its remaining steps only.

@@ -148,12 +148,20 @@ class TrainingCheckpoint:
                 f"the checkpoint {path} cannot be restored: {error.message}"
             ) from None
         status.assert_existing_objects_matched()
+        epoch, step = int(self.epoch.numpy()), int(self.step.numpy())
         if root is not self._checkpoint:
             self._checkpoint.save_counter.assign(root.save_counter)
             for metric in self._epoch_metrics:
                 metric.reset_state()
+            if step > 0:  # inside an epoch: its report will miss the steps done
+                warnings.warn(
+                    f"the checkpoint {path} holds other loss and metric states than "
+                    "this run's (or none); resuming with them afresh, so epoch "
+                    f"{epoch + 1} reports its steps after {step} only",
+                    stacklevel=3,
+                )
         self._engine.after_restore()
-        return int(self.epoch.numpy()), int(self.step.numpy()), positioned
+        return epoch, step, positioned
 
     def _readable_checkpoint(self) -> str:
         """The newest kept checkpoint whose every tensor reads back whole (the
