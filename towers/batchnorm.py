@@ -242,20 +242,19 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
     (the mean's part of the latter sums to zero). Across workers each exchange
     is a round of RPCs, so fewer is faster.
     """
-    counted = {}
 
     @tf.custom_gradient
     def moments(x: tf.Tensor):
         local_sum = tf.reduce_sum(x, axes, keepdims=True)
         packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], 0)
         summed = lockstep.total(packed)
-        count = counted["count"] = summed[-1]
+        count = summed[-1]
         mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
         centred = x - mean
         squares = tf.reduce_sum(tf.square(centred), axes, keepdims=True)
         variance = lockstep.total(squares) / count
 
-        def gradient(d_mean: Any, d_variance: Any) -> tf.Tensor:
+        def gradient(d_mean: Any, d_variance: Any, _: Any) -> tf.Tensor:
             upstream = [
                 tf.zeros_like(mean) if d is None else d for d in (d_mean, d_variance)
             ]
@@ -266,10 +265,9 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
             ]
             return (d_mean + 2.0 * d_variance * centred) / count
 
-        return (mean, variance), gradient
+        return (mean, variance, count), gradient  # the count takes no gradient
 
-    mean, variance = moments(x)
-    return mean, variance, counted["count"]
+    return moments(x)
 
 
 def _unpatch(layer) -> None:

@@ -131,7 +131,6 @@ class AllReduce:
           >>> [t.numpy().tolist() for t in total()]
           [[4.0, 7.0], [4.0, 7.0]]
         """
-        self._check_instance(instance)
         sums = []
         for m, tensor in enumerate(per_member):
             with tf.device(self.devices[m]):
@@ -139,7 +138,7 @@ class AllReduce:
                     input=tf.reshape(tensor, [1, -1]),
                     group_size=self.group_size,
                     group_key=self.group_key,
-                    instance_key=self.group_key * _INSTANCES_PER_GROUP + instance,
+                    instance_key=self._instance_key(instance),
                     ordering_token=[self._tokens[m].handle],
                     timeout_seconds=self.timeout_seconds,
                 )
@@ -160,21 +159,22 @@ class AllReduce:
                 packed = tf.concat(flat, 0)
             return packed
 
-    def _check_instance(self, instance: int) -> None:
+    def _instance_key(self, instance: int) -> int:
+        """The collective's key: the group's own range, one per tensor position."""
         if instance >= _INSTANCES_PER_GROUP:
             raise ValueError(
                 f"one all-reduce group takes at most {_INSTANCES_PER_GROUP} tensors "
                 f"per step; received more. Use reducer='packed'."
             )
+        return self.group_key * _INSTANCES_PER_GROUP + instance
 
     def _reduce(self, tensor: tf.Tensor, m: int, instance: int) -> tf.Tensor:
-        self._check_instance(instance)
         with tf.device(self.devices[m]):
             return tf.raw_ops.CollectiveReduceV2(
                 input=tensor,
                 group_size=self.group_size,
                 group_key=self.group_key,
-                instance_key=self.group_key * _INSTANCES_PER_GROUP + instance,
+                instance_key=self._instance_key(instance),
                 ordering_token=[self._tokens[m].handle],
                 merge_op="Add",
                 final_op="Id",
