@@ -156,12 +156,18 @@ def _total(
     meet: Rendezvous, rank: int, value: tf.Tensor, backward: bool = False
 ) -> tf.Tensor:
     """``value`` summed over the towers, then over the workers if any (rank 0
-    sends this process's sum; every tower takes the cluster's)."""
+    sends this process's sum; every tower takes the cluster's).
+
+    The sum is wrapped in ``tf.stop_gradient``: its gradient is written out by
+    the caller (``towers/batchnorm.py``), and a graph walk back from it (as
+    ``tf.custom_gradient`` makes, looking for variables) stops there instead
+    of running through every other tower's model traced so far, which made
+    tracing grow with the square of the depth."""
     local = tf.add_n(meet.exchange(rank, value))
-    if meet.across is None:
-        return local
-    summed = meet.across(local, backward) if rank == 0 else None
-    return tf.identity(meet.exchange(rank, summed)[0])
+    if meet.across is not None:
+        summed = meet.across(local, backward) if rank == 0 else None
+        local = meet.exchange(rank, summed)[0]
+    return tf.stop_gradient(local)
 
 
 def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
