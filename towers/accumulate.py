@@ -40,9 +40,10 @@ class Accumulator(tf.Module):
             total = self.sums[self._index[id(var)]]
             if isinstance(grad, tf.IndexedSlices):
                 # Slices stay slices: only the rows this step touched are added.
-                total.scatter_add(tf.IndexedSlices(grad.values * weight, grad.indices))
+                values = grad.values * tf.cast(weight, total.dtype)
+                total.scatter_add(tf.IndexedSlices(values, grad.indices))
             else:
-                total.assign_add(grad * weight)
+                total.assign_add(grad * tf.cast(weight, total.dtype))
         self.weight.assign_add(weight)
         self.count.assign_add(1)
 

@@ -214,20 +214,21 @@ class MovingStatistics:
 
 
 def _count(inputs: tf.Tensor, mean: tf.Tensor) -> tf.Tensor:
-    """The number of values each channel's mean was taken over (n_t * H * W)."""
-    return tf.cast(tf.size(inputs), tf.float32) / tf.cast(tf.size(mean), tf.float32)
+    """The number of values each channel's mean was taken over (n_t * H * W), in
+    the mean's dtype."""
+    return tf.cast(tf.size(inputs), mean.dtype) / tf.cast(tf.size(mean), mean.dtype)
 
 
 def _global_moments(layer, inputs: tf.Tensor) -> tuple:
     """The whole batch's mean and variance of ``layer``'s inputs over the towers
     in lockstep, as ``tf.nn.moments`` takes them on one device: the mean first,
-    then the mean squared distance from it (float32 inside for 16-bit inputs, as
-    Keras does); and the count they were taken over. Shaped as Keras' moments
-    (the reduced axes dropped)."""
+    then the mean squared distance from it; and the count they were taken over.
+    In the inputs' dtype: Keras has already cast 16-bit inputs to float32, and
+    a float64 model keeps float64. Shaped as Keras' moments (the reduced axes
+    dropped)."""
     axes = layer._reduction_axes
-    mean, variance, count = _moments_over_towers(tf.cast(inputs, tf.float32), axes)
-    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
-    return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), count
+    mean, variance, count = _moments_over_towers(inputs, axes)
+    return tf.squeeze(mean, axes), tf.squeeze(variance, axes), count
 
 
 def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:

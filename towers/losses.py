@@ -47,10 +47,11 @@ class Term:
     """One output's loss on a tower's shard, before the reduction.
 
     Attributes:
-      total: f32[], ``S_t``: the weighted loss values, summed.
+      total: ``S_t``: the weighted loss values, summed; a scalar in the loss's
+        dtype (Keras' floatx: float32, or float64 for a float64 model).
       divisor: ``D_t``: what Keras' reduction divides ``S_t`` by on this shard
-        (a number when known at trace time, else an f32[] tensor); None for a
-        ``sum``, which divides by nothing.
+        (a number when known at trace time, else a scalar tensor in the total's
+        dtype); None for a ``sum``, which divides by nothing.
       weight: the output's loss weight.
       name: the output's name (``"loss"`` for a model with one output).
       kind: ``"examples"``: ``D_t`` is the shard's examples times a constant;
@@ -158,7 +159,7 @@ def _term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, weight, name):
             values, tf.cast(weights, values.dtype)
         )
         weighted = weighted * weights
-    total = tf.cast(tf.reduce_sum(weighted), tf.float32)
+    total = tf.cast(tf.reduce_sum(weighted), loss.dtype)  # Keras' dtype: floatx
     divisor, kind = _divisor(loss.reduction, weighted, weights, mask)
     return Term(total, divisor, float(weight), name, kind)
 
@@ -173,23 +174,25 @@ def _divisor(reduction: Any, values: tf.Tensor, weights: Any, mask: Any):
     """What Keras' ``reduction`` divides the summed values by, and its kind."""
     if reduction == "sum":
         return None, "sum"
+    dtype = values.dtype
     if reduction == "mean_with_sample_weight" and weights is not None:
-        return tf.cast(tf.reduce_sum(weights), tf.float32), "weights"
+        return tf.reduce_sum(weights), "weights"
     size = _size(values)
     if mask is None or reduction == "mean_with_sample_weight":
         return size, "examples"
     # Keras scales a mask by total / valid, so the mean is over the valid entries.
-    mask = tf.cast(mask, tf.float32)
-    return tf.cast(size, tf.float32) * tf.reduce_sum(mask) / tf.cast(
-        tf.size(mask), tf.float32
+    mask = tf.cast(mask, dtype)
+    return tf.cast(size, dtype) * tf.reduce_sum(mask) / tf.cast(
+        tf.size(mask), dtype
     ), "weights"
 
 
 def _size(values: tf.Tensor) -> Any:
-    """The number of loss values: an int when the shape is known."""
+    """The number of loss values: an int when the shape is known, else a tensor
+    in the values' dtype."""
     if values.shape.is_fully_defined():
         return int(np.prod(values.shape.as_list()))
-    return tf.cast(tf.size(values), tf.float32)
+    return tf.cast(tf.size(values), values.dtype)
 
 
 class PerExample(keras.losses.Loss):
@@ -381,16 +384,17 @@ def step_divisors(tower_terms: list[list[Term]]) -> list[Any]:
         elif all(isinstance(d, (int, float)) for d in parts):
             divisors.append(sum(parts))
         else:
-            divisors.append(tf.add_n([tf.cast(d, tf.float32) for d in parts]))
+            dtype = per_tower[0].total.dtype
+            divisors.append(tf.add_n([tf.cast(d, dtype) for d in parts]))
     return divisors
 
 
 def over(value: Any, divisor: Any) -> Any:
-    """``value / divisor``, 0 where the divisor is 0 (as Keras' reductions), and
-    ``value`` itself for no divisor."""
+    """``value / divisor`` in ``value``'s dtype, 0 where the divisor is 0 (as
+    Keras' reductions), and ``value`` itself for no divisor."""
     if divisor is None:
         return value
     if isinstance(divisor, (int, float)):
         return value / divisor if divisor else value * 0.0
-    value = tf.convert_to_tensor(value, tf.float32)
+    value = tf.convert_to_tensor(value)
     return tf.math.divide_no_nan(value, tf.cast(divisor, value.dtype))

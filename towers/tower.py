@@ -72,7 +72,8 @@ class TowerResult:
     """What one tower hands back to the step.
 
     Attributes:
-      loss: f32[], the tower's share of the step's loss (unscaled).
+      loss: the tower's share of the step's loss (unscaled), a scalar in the
+        loss's dtype.
       predictions: the model's outputs on the tower's shard, ``[n_t, ...]``.
       grads: per variable of ``variables``, a Tensor, IndexedSlices or None (no
         path from the loss). Of ``scale * loss`` under loss scaling: the update
@@ -148,14 +149,15 @@ class Tower:
     def gradients(self, tower_pass: TowerPass, divisors: list[Any]) -> TowerResult:
         """The tower's loss share and its gradients, given the step's divisors."""
         scale = self.loss_scale()
+        # Each upstream in its target's dtype: a float64 model stays float64.
         targets = [t.total for t in tower_pass.terms]
         upstream = [
-            over(scale * t.weight, d) for t, d in zip(tower_pass.terms, divisors)
+            over(tf.cast(scale, t.total.dtype) * t.weight, d)
+            for t, d in zip(tower_pass.terms, divisors)
         ]
         if tower_pass.extra is not None:
             targets.append(tower_pass.extra)
-            upstream.append(scale)
-        upstream = [tf.cast(u, tf.float32) for u in upstream]
+            upstream.append(tf.cast(scale, tower_pass.extra.dtype))
         grads = tower_pass.tape.gradient(
             targets, tower_pass.variables, output_gradients=upstream
         )

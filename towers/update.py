@@ -261,7 +261,10 @@ class Update:
     def _apply_window(self) -> tf.Tensor:
         """Applies the accumulated mean and empties the accumulators."""
         divisor = self.accumulator.weight if self._divide_window else 1.0
-        pairs = [(self.accumulator.read(v) / divisor, v) for v in self.applied]
+        pairs = [
+            (self.accumulator.read(v) / tf.cast(divisor, v.dtype), v)
+            for v in self.applied
+        ]
         finite = self._apply_or_skip(pairs, lambda: None)
         deps = [finite] if finite is not None else []
         with tf.control_dependencies(deps + [g for g, _ in pairs]):

@@ -186,7 +186,7 @@ class Workers:
         summed = self.sum(
             [
                 *send,
-                tf.reshape(loss * scale, [1]),
+                tf.reshape(tf.cast(loss, tf.float32) * scale, [1]),
                 tf.reshape(count, [1]),
                 tf.reshape(scale, [1]),
                 tf.reshape(self._stop.read_value(), [1]),
