@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Two jobs have no public call.
+Three jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -12,6 +12,11 @@ module only.
 
 Checked against Keras 3.15 (tests/test_losses.py compares every reduction, with
 and without sample weights and masks, against Keras' own full-batch value).
+
+The model's own loss. A model may override Keras' ``Model.compute_loss``, and
+Keras' steps call it through ``Model._compute_loss``, which also calls an
+override written before Keras 3.3 (it takes no ``training``). towers calls it
+the same way, per tower (``towers/tower.py``).
 
 Trainable changes. Freezing a layer sets its variables' ``trainable`` to False,
 like a BatchNormalization's moving statistics, which are never trained; the
@@ -30,11 +35,35 @@ from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 
 __all__ = [
     "apply_mask",
+    "compute_loss",
     "get_keras_mask",
     "layers_of",
+    "overrides",
     "squeeze_or_expand_to_same_rank",
     "trainable_capable",
 ]
+
+
+def overrides(model: Any, name: str) -> bool:
+    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook such
+    as ``compute_loss`` or ``train_step``).
+
+    >>> class Own(keras.Model):
+    ...     def compute_loss(self, *args, **kwargs):
+    ...         return super().compute_loss(*args, **kwargs)
+    >>> overrides(Own(), "compute_loss"), overrides(keras.Sequential(), "compute_loss")
+    (True, False)
+    """
+    return getattr(type(model), name, None) is not getattr(keras.Model, name)
+
+
+def compute_loss(
+    model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool
+) -> Any:
+    """``model.compute_loss`` on one batch, called as Keras' own steps call it."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
 
 
 def layers_of(model: keras.Model) -> list[keras.layers.Layer]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 
+from towers._keras import overrides
 from towers.batchnorm import MovingStatistics
 from towers.cluster import Cluster, resolve_cluster
 from towers.losses import StepLoss
@@ -28,6 +29,13 @@ from towers.workers import join_workers
 
 PLACEMENTS: dict[str, type[Placement]] = {
     cls.name: cls for cls in (Central, Balanced, Replicated, Independent)
+}
+# Keras' hooks that replace what towers' step does itself, by the step they are.
+STEP_HOOKS = {
+    "train_step": "training step",
+    "test_step": "evaluation step",
+    "predict_step": "predict step",
+    "compute_metrics": "metrics update",
 }
 
 
@@ -86,7 +94,6 @@ def make_step(
     ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
     ``accumulate_steps``."""
     compiled = _compile_config(model)
-    loss = _given(loss, compiled, "loss")
     optimizer = _given(optimizer, compiled, "optimizer")
     if placement not in PLACEMENTS:
         raise ValueError(
@@ -95,6 +102,8 @@ def make_step(
         )
     where = PLACEMENTS[placement](devices, variable_device, reducer)
     where.build(model, optimizer)
+    own_loss = _own_loss(where.model, loss, options["loss_weights"])
+    loss = None if own_loss else _given(loss, compiled, "loss")
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
@@ -125,8 +134,43 @@ def make_step(
         getattr(where.model, "output_names", None),
         step_loss.output_names_with_losses(),
     )
-    tower = Tower(step_loss, moving, update.loss_scale)
+    tower = Tower(step_loss, moving, update.loss_scale, own_loss)
     return Step(where, tower, update, metrics, moving, workers)
+
+
+def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
+    """Whether the model computes its loss itself (it overrides Keras'
+    ``compute_loss``, which every tower then calls: ``towers/tower.py``).
+
+    Raises:
+      ValueError: the model overrides a Keras step (``train_step``, ...) that
+        towers' step would silently replace, or overrides ``compute_loss`` and
+        is given a loss too, which its override would not use.
+    """
+    for hook, what in STEP_HOOKS.items():
+        if overrides(model, hook):
+            raise ValueError(
+                f"towers runs its own {what} (split, each tower's forward and "
+                "backward, combine, apply once) and cannot run the one a model "
+                f"defines; received a {type(model).__name__} that overrides "
+                f"{hook}. Put a custom loss in compute_loss (each tower calls "
+                "it), or write your own loop with towers.split_batch and "
+                "towers.combine_gradients (docs/guides/research.md)."
+            )
+    if not overrides(model, "compute_loss"):
+        return False
+    given = [
+        name
+        for name, value in (("loss", loss), ("loss_weights", loss_weights))
+        if value is not FROM_COMPILE and value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"a {type(model).__name__} overrides compute_loss, which computes its "
+            f"loss (from what model.compile said); received {' and '.join(given)} "
+            "for Towers too, which it would not use. Pass them to model.compile."
+        )
+    return True
 
 
 def _compile_config(model: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import compute_loss
 from towers.batchnorm import MovingStatistics
 from towers.losses import StepLoss, Term, over
 from towers.split import batch_size_of
@@ -38,8 +39,9 @@ class TowerPass:
 
     Attributes:
       terms: per output with a loss, its ``S_t`` and ``D_t``.
-      extra: the model's own losses (regularisers, ``add_loss``), weighted by the
-        tower's share of the step's examples; None if the model has none.
+      extra: the model's own losses (regularisers, ``add_loss``), or the value
+        of its ``compute_loss`` override, weighted by the tower's share of the
+        step's examples; None if the model has none.
       predictions: the model's outputs on the shard, ``[n_t, ...]``.
       variables: the trainable variables, read when the step was traced.
       tape: the tape that recorded the pass (None in evaluation).
@@ -105,6 +107,15 @@ class Tower:
         instead of letting every tower move the shared statistics.
       loss_scale: the current loss scale (a zero-arg function; 1 without loss
         scaling).
+      own_loss: the model overrides Keras' ``compute_loss``: each tower calls
+        it on its shard, and its value, weighted by the tower's share of the
+        step's examples (``n_t / B``), is the tower's loss. That is exactly one
+        device's loss whenever the override is a mean over the batch, as
+        Keras' default is: a sum over examples divided by their number, model
+        losses (regularisers) included. A term that couples examples across
+        the batch (a contrastive loss, a batch-wide normaliser, a mean whose
+        divisor is the sample weights' sum) is computed per shard instead, and
+        is then not one device's.
 
     Example:
       >>> import keras, numpy as np
@@ -122,10 +133,12 @@ class Tower:
         loss: StepLoss,
         moving_statistics: MovingStatistics,
         loss_scale: Callable[[], Any],
+        own_loss: bool = False,
     ):
         self.loss = loss
         self.moving_statistics = moving_statistics
         self.loss_scale = loss_scale
+        self.own_loss = own_loss
 
     def forward(
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
@@ -184,15 +197,20 @@ class Tower:
 
     def _pass(self, model, x, y, sample_weight, examples, training: bool) -> TowerPass:
         y_pred = model(x, training=training)
-        terms = self.loss.terms(y, y_pred, sample_weight)
-        extra = None
-        if model.losses:
-            # The model's own losses are per-batch means in Keras 3: weight by
-            # n_t / B so the towers' shares add up to the full batch's one.
-            share = tf.cast(batch_size_of(x), tf.float32) / tf.cast(
-                examples, tf.float32
+        terms, extra = [], None
+        if self.own_loss:
+            extra = compute_loss(model, x, y, y_pred, sample_weight, training)
+        else:
+            terms = self.loss.terms(y, y_pred, sample_weight)
+            extra = tf.add_n(model.losses) if model.losses else None
+        if extra is not None:
+            # The model's own losses are per-batch means in Keras 3 (and so is
+            # Keras' compute_loss): weight by n_t / B so the towers' shares add
+            # up to the full batch's.
+            share = tf.cast(batch_size_of(x), extra.dtype) / tf.cast(
+                examples, extra.dtype
             )
-            extra = tf.add_n(model.losses) * share
+            extra = extra * share
         return TowerPass(terms, extra, y_pred, list(model.trainable_variables))
 
 
