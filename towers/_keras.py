@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Three jobs have no public call.
+Four jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -17,6 +17,15 @@ The model's own loss. A model may override Keras' ``Model.compute_loss``, and
 Keras' steps call it through ``Model._compute_loss``, which also calls an
 override written before Keras 3.3 (it takes no ``training``). towers calls it
 the same way, per tower (``towers/tower.py``).
+
+Weights read on the tower's device. A layer may compile part of its call with
+XLA (Keras' TensorFlow backend does for a grouped convolution on CPUs), and an
+XLA computation cannot read a variable on another device. So each tower reads
+the model's weights once, on its own device, and runs the model in a
+``keras.StatelessScope`` that maps each weight to that tensor; an assignment
+made in the scope (a seed generator's state, a layer's own counter) happens as
+it would outside it (``Variable._direct_assign``), so the pass changes what it
+changed before (``towers/tower.py``).
 
 Trainable changes. Freezing a layer sets its variables' ``trainable`` to False,
 like a BatchNormalization's moving statistics, which are never trained; the
@@ -39,6 +48,7 @@ __all__ = [
     "get_keras_mask",
     "layers_of",
     "overrides",
+    "ReadScope",
     "squeeze_or_expand_to_same_rank",
     "trainable_capable",
 ]
@@ -55,6 +65,17 @@ def overrides(model: Any, name: str) -> bool:
     (True, False)
     """
     return getattr(type(model), name, None) is not getattr(keras.Model, name)
+
+
+class ReadScope(keras.StatelessScope):
+    """A ``keras.StatelessScope`` (each weight reads as the tensor it is mapped
+    to, ``add_loss`` collected) whose assignments happen too: each takes effect
+    on the variable at once, and later reads in the scope see it."""
+
+    def add_update(self, update: tuple) -> None:
+        super().add_update(update)
+        variable, value = update
+        variable._direct_assign(value)
 
 
 def compute_loss(

@@ -20,14 +20,15 @@ losses and gradients then add up to the full batch's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from towers._keras import compute_loss
+from towers._keras import ReadScope, compute_loss
 from towers.batchnorm import MovingStatistics
 from towers.losses import StepLoss, Term, over
 from towers.split import batch_size_of
@@ -44,6 +45,8 @@ class TowerPass:
         step's examples; None if the model has none.
       predictions: the model's outputs on the shard, ``[n_t, ...]``.
       variables: the trainable variables, read when the step was traced.
+      sources: per variable, its value as this tower read it: what the
+        gradients are taken with respect to.
       tape: the tape that recorded the pass (None in evaluation).
       moments: BatchNormalization moments by layer index (training only).
     """
@@ -52,6 +55,7 @@ class TowerPass:
     extra: tf.Tensor | None
     predictions: Any
     variables: list[Any]
+    sources: list[tf.Tensor] = dataclasses.field(default_factory=list)
     tape: tf.GradientTape | None = None
     moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
@@ -153,10 +157,13 @@ class Tower:
         """
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
-        with tape, self.moving_statistics.recording() as moments:
-            tower_pass = self._pass(model, x, y, sample_weight, examples, True)
-        tower_pass.tape, tower_pass.variables = tape, variables
-        tower_pass.moments = moments
+        with weights_here(model) as values:
+            sources = [values[id(v)] for v in variables]
+            with tape, self.moving_statistics.recording() as moments:
+                tape.watch(sources)
+                tower_pass = self._pass(model, x, y, sample_weight, examples, True)
+        tower_pass.tape, tower_pass.moments = tape, moments
+        tower_pass.variables, tower_pass.sources = variables, sources
         return tower_pass
 
     def gradients(self, tower_pass: TowerPass, divisors: list[Any]) -> TowerResult:
@@ -172,7 +179,7 @@ class Tower:
             targets.append(tower_pass.extra)
             upstream.append(tf.cast(scale, tower_pass.extra.dtype))
         grads = tower_pass.tape.gradient(
-            targets, tower_pass.variables, output_gradients=upstream
+            targets, tower_pass.sources, output_gradients=upstream
         )
         return TowerResult(
             loss=tower_pass.loss(divisors),
@@ -189,11 +196,13 @@ class Tower:
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
     ) -> TowerPass:
         """The tower's predictions and loss terms, in inference mode."""
-        return self._pass(model, x, y, sample_weight, examples, False)
+        with weights_here(model):
+            return self._pass(model, x, y, sample_weight, examples, False)
 
     def predict(self, model: keras.Model, x: Any) -> Any:
         """The model's outputs on the tower's shard, in inference mode."""
-        return model(x, training=False)
+        with weights_here(model):
+            return model(x, training=False)
 
     def _pass(self, model, x, y, sample_weight, examples, training: bool) -> TowerPass:
         y_pred = model(x, training=training)
@@ -212,6 +221,19 @@ class Tower:
             )
             extra = extra * share
         return TowerPass(terms, extra, y_pred, list(model.trainable_variables))
+
+
+@contextlib.contextmanager
+def weights_here(model: keras.Model) -> Iterator[dict[int, tf.Tensor]]:
+    """Within, each of ``model``'s weights reads as one tensor, read once on the
+    current device (the tower's): a layer that compiles with XLA inside cannot
+    read a variable on another device (``towers/_keras.py``). Yields the values
+    by ``id`` of their variable. Keras reads an Embedding's whole table before
+    it gathers, so no layer reads less than this."""
+    values = {id(v): tf.identity(v) for v in model.weights}
+    mapping = [(v, values[id(v)]) for v in model.weights]
+    with ReadScope(mapping, collect_losses=True):
+        yield values
 
 
 def _weighted(term: Term, value: tf.Tensor) -> tf.Tensor:
