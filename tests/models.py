@@ -3,6 +3,8 @@
 import keras
 import numpy as np
 
+from towers.step import traced
+
 NUM_CLASSES = 3
 VOCAB = 20
 
@@ -70,8 +72,6 @@ def copy_of(model: keras.Model, builder) -> keras.Model:
 def step_graph(engine, x, y):
     """The graph of ``engine``'s training step on a batch like ``(x, y)``: traced
     afresh from the step's public phases, as ``towers explain`` does."""
-    import tensorflow as tf
-
     x, y, sample_weight = engine.prepare(x, y)
-    train = tf.function(engine.step.train)
+    train = traced(engine.step.train)
     return train.get_concrete_function(x, y, sample_weight).graph

@@ -32,6 +32,7 @@ from towers.explain_graph import (
 )
 from towers.explain_report import draw, render
 from towers.split import split_sizes
+from towers.step import traced
 
 
 @dataclass
@@ -101,7 +102,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
       The :class:`Explanation` of that step.
     """
     x, y, sample_weight = engine.prepare(x, y)
-    concrete = tf.function(engine.step.train).get_concrete_function(x, y, sample_weight)
+    concrete = traced(engine.step.train).get_concrete_function(x, y, sample_weight)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
         with _runtime.placed_graphs() as functions:
