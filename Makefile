@@ -13,9 +13,15 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(INSTALLED): setup.cfg pyproject.toml | $(BIN)/python
+$(INSTALLED): setup.cfg pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[$(TF_EXTRA),test,demo]"
+	# keras-hub, for tests/test_real_models.py. Its wheel requires tensorflow-text,
+	# which pulls the full tensorflow wheel in over tensorflow-cpu (the same module
+	# twice). A model built from a config imports without it, so keras-hub comes
+	# pinned and without its dependencies, with the two it needs to import.
+	$(BIN)/python -m pip install -q --no-deps keras-hub==0.32.0 regex==2026.11.15 \
+		tokenizers==0.23.3
 	touch $@
 
 demo: $(INSTALLED)

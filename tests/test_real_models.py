@@ -1,0 +1,128 @@
+"""Real models nobody on the project wrote, against Keras' own ``fit`` on one
+device: ``keras.applications`` (``weights=None``, 32×32 inputs) and a keras_hub
+model built from a config (nothing is downloaded).
+
+Deep models amplify rounding, so they run in float64, where a mismatch is the
+engine's, not noise; and each variable's update (after − before) is compared,
+moving statistics included, not only the weights (the update is what a bug
+changes; the weights hide it under their initial values). Two steps of 7
+examples: each splits unevenly, 4 + 3, on 2 towers.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+from tests.test_equivalence import devices
+from tests.tolerances import FLOAT64_UPDATE_ATOL, FLOAT64_UPDATE_RTOL
+from towers import Towers
+
+EXAMPLES, BATCH = 14, 7
+APPLICATIONS = {
+    "MobileNetV2": {"alpha": 0.35},  # depthwise convolutions, ReLU6, 52 BN layers
+    "ResNet50": {},  # projection shortcuts: two BN branches into one Add
+    "ConvNeXtTiny": {},  # grouped convolutions, compiled with XLA inside Keras
+}
+
+
+@pytest.fixture
+def float64():
+    keras.config.set_floatx("float64")
+    yield
+    keras.config.set_floatx("float32")
+
+
+def assert_same_updates(engine_model, reference, before):
+    """Every variable's update equal to Keras', relative to itself, with an
+    absolute floor at the model's largest update (an update that is 0 on one
+    device, a bias before BatchNormalization, is rounding there)."""
+    want = [w - b for w, b in zip(reference.get_weights(), before)]
+    got = [w - b for w, b in zip(engine_model.get_weights(), before)]
+    largest = max(np.abs(u).max() for u in want)
+    assert largest > 0
+    for g, w, var in zip(got, want, reference.weights):
+        np.testing.assert_allclose(
+            g,
+            w,
+            rtol=FLOAT64_UPDATE_RTOL,
+            atol=FLOAT64_UPDATE_ATOL * largest,
+            err_msg=var.path,
+        )
+
+
+def application(name):
+    def build():
+        return getattr(keras.applications, name)(
+            weights=None, input_shape=(32, 32, 3), classes=5, **APPLICATIONS[name]
+        )
+
+    return build
+
+
+@pytest.mark.parametrize("name", APPLICATIONS)
+def test_a_keras_application_trains_as_keras_fit(name, float64):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((EXAMPLES, 32, 32, 3))
+    y = rng.integers(0, 5, EXAMPLES)
+    build, loss = application(name), keras.losses.SparseCategoricalCrossentropy()
+    engine = Towers(
+        build,
+        loss,
+        keras.optimizers.SGD(0.01),
+        devices=devices(2),
+        batch_statistics="global",
+    )
+    reference = build()
+    reference.set_weights(engine.model.get_weights())
+    reference.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    before = reference.get_weights()
+
+    engine.fit(x, y, batch_size=BATCH, verbose=0)
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
+
+
+def gpt2():
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=8,
+        dropout=0.0,  # Keras and the towers would draw different masks
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["sparse_categorical_accuracy"],
+    )
+    return model
+
+
+def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64):
+    # Dict inputs, a padding mask, and per-token sample weights (padding weighs 0).
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 64, (EXAMPLES, 9))
+    lengths = rng.integers(3, 9, EXAMPLES)
+    mask = np.arange(8)[None, :] < lengths[:, None]
+    x = {"token_ids": tokens[:, :-1] * mask, "padding_mask": mask}
+    y, weights = tokens[:, 1:] * mask, mask.astype("float64")
+    engine = Towers(gpt2(), devices=devices(2))
+    reference = gpt2()
+    reference.set_weights(engine.model.get_weights())
+    before = reference.get_weights()
+
+    history = engine.fit(x, y, batch_size=BATCH, sample_weight=weights, verbose=0)
+    expected = reference.fit(
+        x, y, batch_size=BATCH, sample_weight=weights, shuffle=False, verbose=0
+    )
+
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["sparse_categorical_accuracy"],
+        expected.history["sparse_categorical_accuracy"],
+    )
