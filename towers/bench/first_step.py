@@ -1,0 +1,129 @@
+"""Time to the first step on a real model: what a user waits for before training.
+
+The first step is the trace, TensorFlow's graph optimisation and one step; each
+contender's is measured in a fresh process (a second one in the same process
+would find Keras' and TensorFlow's caches warm), from the engine's construction
+(or ``compile``) to the first loss read back:
+
+- ``keras``: Keras' own ``fit`` on one device, one step (the reference);
+- ``tower`` and ``global``: towers with that ``batch_statistics``;
+- ``mirrored``: Keras' ``fit`` under a ``MirroredStrategy`` on the same devices
+  (a peer, which also traces the model once per device).
+
+Run one contender as ``python -m towers.bench.first_step SPEC_JSON`` (prints
+one JSON line); :func:`measure` runs several, in turns, round after round.
+
+Example (a new process per contender and round: slow, so not run here)::
+
+    >>> times = measure("MobileNetV2", towers=4, contenders=["keras", "tower"],
+    ...                 rounds=3)  # doctest: +SKIP
+    >>> ratio(times, "tower", "keras")["ratio"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from towers.bench.timing import ratio, round_order
+
+CONTENDERS = ("keras", "tower", "global", "mirrored")
+# keras.applications models at 32x32 (their smallest input), random weights.
+MODELS = {"MobileNetV2": {"alpha": 0.35}, "ResNet50": {}}
+BATCH = 32
+TIMEOUT_SECONDS = 900
+
+
+def measure(
+    model: str, towers: int, contenders: list[str], rounds: int = 3
+) -> dict[str, list[float]]:
+    """Seconds to the first step, per contender, one fresh process each, the
+    contenders' order rotating from round to round (``round_order``)."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name in round_order(list(contenders), r):
+            spec = {"model": model, "towers": towers, "contender": name}
+            times[name].append(_run(spec)["seconds"])
+    return times
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "towers.bench.first_step", json.dumps(spec)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=env
+    )
+    if done.returncode:
+        raise RuntimeError(
+            f"first step of {spec} failed with status {done.returncode}:\n"
+            f"{done.stderr[-2000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def first_step(model: str, towers: int, contender: str) -> float:
+    """Seconds from the engine's construction to its first loss read back, in
+    this process (which must be fresh: see the module docstring)."""
+    from towers.devices import virtual_devices
+
+    devices = virtual_devices(towers)  # before TensorFlow starts
+    import contextlib
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import towers as towers_lib
+
+    strategy = (
+        tf.distribute.MirroredStrategy(devices) if contender == "mirrored" else None
+    )
+
+    def scope():
+        return strategy.scope() if strategy else contextlib.nullcontext()
+
+    with scope():
+        net = getattr(keras.applications, model)(
+            weights=None, input_shape=(32, 32, 3), classes=10, **MODELS[model]
+        )
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    started = time.perf_counter()
+    if contender in ("keras", "mirrored"):
+        with scope():
+            net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+        net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    else:
+        engine = towers_lib.Towers(
+            net,
+            loss,
+            keras.optimizers.SGD(0.01),
+            devices=devices,
+            batch_statistics=contender,
+        )
+        float(engine.train_step(x, y)["loss"])
+    return time.perf_counter() - started
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    if spec["contender"] not in CONTENDERS or spec["model"] not in MODELS:
+        raise SystemExit(
+            f"contender must be one of {list(CONTENDERS)} and model one of "
+            f"{list(MODELS)}; received {spec}"
+        )
+    seconds = first_step(spec["model"], spec["towers"], spec["contender"])
+    print(json.dumps({**spec, "seconds": seconds}))
+    return 0
+
+
+__all__ = ["CONTENDERS", "MODELS", "first_step", "measure", "ratio"]
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
