@@ -2,12 +2,15 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.models import build_dense_sparse_unused, dense_sparse_batch
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from towers import Towers
 from towers.batchnorm import MovingStatistics
 from towers.losses import StepLoss
-from towers.tower import Tower
+from towers.tower import Tower, weights_here
 
 
 def tower_for(model, loss="mse", loss_scale=1.0):
@@ -122,3 +125,62 @@ def test_batch_norm_moments_are_recorded_not_assigned():
     np.testing.assert_allclose(variance.numpy(), [1.0, 4.0])
     assert float(count) == 2.0
     np.testing.assert_array_equal(model.layers[0].moving_mean.numpy(), before)
+
+
+def grouped_conv():
+    # Keras' TensorFlow backend compiles a grouped convolution with XLA on CPUs,
+    # and an XLA computation cannot read a variable that lives on another device.
+    return keras.Sequential(
+        [
+            keras.Input((5, 5, 4)),
+            keras.layers.Conv2D(4, 3, groups=2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+@pytest.mark.parametrize("placement", ["central", "balanced", "replicated"])
+def test_a_layer_that_compiles_with_xla_inside_runs_on_every_tower(placement):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 5, 5, 4)).astype("float32")
+    y = rng.standard_normal((5, 2)).astype("float32")
+    engine = Towers(
+        grouped_conv,
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=["/cpu:0", "/cpu:1"],
+        placement=placement,
+    )
+    reference = grouped_conv()
+    reference.set_weights(engine.model.get_weights())
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+
+    for _ in range(2):
+        engine.train_step(x, y)
+        reference.train_on_batch(x, y)
+
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
+    np.testing.assert_allclose(
+        engine.predict_step(x), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        engine.evaluate(x, y, batch_size=5, verbose=0)["loss"],
+        reference.evaluate(x, y, verbose=0),
+        rtol=1e-5,
+    )
+
+
+def test_weights_read_once_on_the_towers_device_and_assignments_still_happen():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kernel = model.layers[0].kernel
+    with tf.device("/cpu:1"), weights_here(model) as values:
+        read = values[id(kernel)]
+        kernel.assign(tf.ones_like(read))  # as a layer's own state update does
+        seen = tf.convert_to_tensor(kernel)  # later reads see the assignment
+    assert read.device.endswith("CPU:1")
+    np.testing.assert_array_equal(seen, np.ones((2, 1)))
+    np.testing.assert_array_equal(kernel.numpy(), np.ones((2, 1)))  # it happened
