@@ -94,6 +94,9 @@ def make_step(
     ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
     ``accumulate_steps``."""
     compiled = _compile_config(model)
+    given = isinstance(model, keras.Model)  # a builder's model: once built
+    if given:
+        own_loss, loss = _loss_of(model, loss, compiled, options["loss_weights"])
     optimizer = _given(optimizer, compiled, "optimizer")
     if placement not in PLACEMENTS:
         raise ValueError(
@@ -102,8 +105,8 @@ def make_step(
         )
     where = PLACEMENTS[placement](devices, variable_device, reducer)
     where.build(model, optimizer)
-    own_loss = _own_loss(where.model, loss, options["loss_weights"])
-    loss = None if own_loss else _given(loss, compiled, "loss")
+    if not given:
+        own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
@@ -136,6 +139,15 @@ def make_step(
     )
     tower = Tower(step_loss, moving, update.loss_scale, own_loss)
     return Step(where, tower, update, metrics, moving, workers)
+
+
+def _loss_of(
+    model: keras.Model, loss: Any, compiled: dict[str, Any], loss_weights: Any
+) -> tuple[bool, Any]:
+    """Whether the model computes its own loss, and the loss towers computes
+    for it otherwise (None then): the argument, else what compile said."""
+    own = _own_loss(model, loss, loss_weights)
+    return own, None if own else _given(loss, compiled, "loss")
 
 
 def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
