@@ -104,5 +104,6 @@ def own_test_step():
     "build, hook", [(own_train_step, "train_step"), (own_test_step, "test_step")]
 )
 def test_a_step_override_is_refused_by_name(build, hook):
-    with pytest.raises(ValueError, match=f"overrides {hook}.*compute_loss.*split_batch"):
+    refusal = f"overrides {hook}.*compute_loss.*split_batch"
+    with pytest.raises(ValueError, match=refusal):
         Towers(build, "mse", keras.optimizers.SGD(0.1), devices=devices(2))
