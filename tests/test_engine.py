@@ -55,31 +55,23 @@ def test_each_tower_computes_on_its_device_and_combine_apply_on_variable_device(
         devices=["/cpu:1", "/cpu:2", "/cpu:5"],
         variable_device="/cpu:0",
     )
-    graph = step_graph(engine, *mlp_batch(9))
+    # What TensorFlow placed: the towers' function, traced once, runs each
+    # call's forward and backward ops on that call's device.
+    report = engine.explain(*mlp_batch(9))
 
-    forward, per_device = {}, {}
-    for op in graph.get_operations():
-        if op.type == "MatMul":
-            forward.setdefault(op.name.split("/")[0], set()).add(op.device)
-            per_device[op.device] = per_device.get(op.device, 0) + 1
-    # Forward ops are in the tower's scope, backward ops in TF's gradient_tape scope:
-    # both on the tower's device, none anywhere else.
-    assert forward.pop("gradient_tape") == {
-        "/device:CPU:1",
-        "/device:CPU:2",
-        "/device:CPU:5",
-    }
-    assert forward == {
-        "tower_0": {"/device:CPU:1"},
-        "tower_1": {"/device:CPU:2"},
-        "tower_2": {"/device:CPU:5"},
-    }
-    # Two forward and three backward matmuls (no input gradient for layer 1) each.
-    assert per_device == {"/device:CPU:1": 5, "/device:CPU:2": 5, "/device:CPU:5": 5}
-    updates = [op for op in graph.get_operations() if op.type.startswith("AssignSub")]
-    adds = [op for op in graph.get_operations() if op.name.startswith("combine/AddN")]
-    assert updates and adds
-    assert {op.device for op in updates + adds} == {"/device:CPU:0"}
+    for t, device in enumerate(["/device:CPU:1", "/device:CPU:2", "/device:CPU:5"]):
+        # Reading a weight runs where it lives (the variable device); the rest
+        # of the forward pass, and the whole backward pass, on the tower's.
+        assert report.ran_on(f"tower {t} forward") == [device, "/device:CPU:0"]
+        assert report.ran_on(f"tower {t} backward") == [device]
+    assert report.ran_on("combine") == ["/device:CPU:0"]
+    assert report.ran_on("apply") == ["/device:CPU:0"]
+    graph = step_graph(engine, *mlp_batch(9))
+    calls = [
+        op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"
+    ]
+    # One trace serves the three towers: the same function, called three times.
+    assert len(calls) == 3 and len({op.get_attr("f").name for op in calls}) == 1
 
 
 def test_towers_without_examples_build_no_ops():

@@ -1,8 +1,10 @@
 """The non-public parts of TensorFlow towers uses, in one place.
 
-Two jobs have no public call: starting the collective runtime in this process
-(``start``), and reading the graphs TensorFlow actually placed on devices
-(``placed_graphs``, for ``towers explain``).
+Three jobs have no public call: starting the collective runtime in this process
+(``start``), reading the graphs TensorFlow actually placed on devices
+(``placed_graphs``, for ``towers explain``), and finding the traced graph of a
+function a step calls (``called_graph``: a tower traced once is a call, whose
+ops the placed graphs name ``tower_1/StatefulPartitionedCall/...``).
 
 Starting TensorFlow's collective runtime:
 
@@ -148,3 +150,14 @@ def placed_graphs() -> Iterator[list]:
         if metadata is not None:
             for function in metadata.function_graphs:
                 functions.append(list(function.partition_graphs))
+
+
+def called_graph(graph: tf.Graph, name: str) -> tf.Graph | None:
+    """The traced graph of the function that op ``name`` of ``graph`` calls, or
+    None if there is no such op or it calls no function."""
+    try:
+        op = graph.get_operation_by_name(name)
+        function = graph._get_function(op.get_attr("f").name)
+    except (KeyError, ValueError):
+        return None
+    return getattr(function, "graph", None)

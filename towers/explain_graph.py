@@ -22,6 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers import _runtime
 from towers.devices import local_name
 
 # Nodes that move or pass values rather than compute: counted as transfers or not
@@ -72,16 +73,22 @@ def stage_of(name: str) -> str:
 
     >>> stage_of("gradient_tape/tower_1/sequential/dense/MatMul")
     'tower 1 backward'
+    >>> stage_of("tower_1/StatefulPartitionedCall/gradient_tape/dense/MatMul")
+    'tower 1 backward'
     >>> stage_of("combine_1/AddN"), stage_of("ConstantFolding/apply/Adam/Sub")
     ('combine', 'apply')
     """
     parts = name.split("/")
-    while len(parts) > 1 and re.fullmatch(r"[A-Z]\w*", parts[0]):
+    while len(parts) > 1 and _is_prefix(parts[0]):
         parts = parts[1:]  # a Grappler pass's prefix: ConstantFolding/tower_1/...
     backward = parts[0] == "gradient_tape" and len(parts) > 1
     scope = parts[1] if backward else parts[0]
     tower = re.fullmatch(r"tower_(\d+)", scope)
     if tower:
+        # A tower traced once (towers/once.py) is a call inlined into the step:
+        # its ops are named tower_1/StatefulPartitionedCall/gradient_tape/...
+        inner = [part for part in parts[1:] if not _is_prefix(part)]
+        backward = backward or inner[:1] == ["gradient_tape"]
         return f"tower {tower.group(1)} {'backward' if backward else 'forward'}"
     base = re.sub(r"_\d+$", "", scope)
     if base in ("combine", "all_reduce", "divisors"):
@@ -91,6 +98,11 @@ def stage_of(name: str) -> str:
     if base in ("split", "apply", "metrics"):
         return base
     return "other"
+
+
+def _is_prefix(part: str) -> bool:
+    """A name part TensorFlow adds: a Grappler pass's, or an inlined call's."""
+    return re.fullmatch(r"[A-Z]\w*", part) is not None
 
 
 def stage_rank(stage: str) -> tuple[int, int]:
@@ -213,7 +225,7 @@ def transfers(graph: tf.Graph, graphs: list) -> Crossings:
                 unknown += 1
                 continue
             name = source.split(":")[0]
-            stage = stage_of(name)
+            stage = stage_of(_origin(graph, name))
             kind = _COLLECTIVES.get(node.op) or _kind(nodes.get(name), stage)
             key = (local_name(node.device), target, kind, stage, target_stage)
             total = totals.setdefault(key, [0, 0])
@@ -248,12 +260,40 @@ def _kind(node: Any, stage: str) -> str:
     return "outputs"
 
 
+def _traced_op(graph: tf.Graph, name: str) -> Any:
+    """The traced op a placed node is, looked up through the calls it was
+    inlined from (``tower_1/StatefulPartitionedCall/MatMul``); None if none."""
+    try:
+        return graph.get_operation_by_name(name)
+    except KeyError:
+        pass
+    parts = name.split("/")
+    for split in range(1, len(parts)):
+        inner = _runtime.called_graph(graph, "/".join(parts[:split]))
+        if inner is not None:
+            return _traced_op(inner, "/".join(parts[split:]))
+    return None
+
+
+def _origin(graph: tf.Graph, name: str) -> str:
+    """The placed node ``name``, or for an inlined call's output (its
+    ``Identity``) the node that made the value: what its stage is read from."""
+    op = _traced_op(graph, name)
+    if op is None or op.type != "Identity" or op.graph is graph:
+        return name
+    while op.type == "Identity" and op.inputs:
+        op = op.inputs[0].op
+    caller = name[: -len(name.split("/")[-1])]
+    return caller + op.name
+
+
 def _bytes(graph: tf.Graph, source: str) -> int | None:
     """Bytes of the traced tensor ``source`` ("op:index"), None if unknown."""
     name, _, index = source.partition(":")
+    op = _traced_op(graph, name)
     try:
-        tensor = graph.get_operation_by_name(name).outputs[int(index or 0)]
-    except (KeyError, ValueError, IndexError):
+        tensor = op.outputs[int(index or 0)]
+    except (AttributeError, ValueError, IndexError):
         return None
     if not tensor.shape.is_fully_defined() or tensor.dtype == tf.resource:
         return None

@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers import lockstep
+from towers import lockstep, once
 from towers._keras import trainable_capable
 from towers.batchnorm import MovingStatistics
 from towers.losses import normalisation, step_divisors
@@ -228,7 +228,8 @@ class Step:
 
     def compute(self, shards: Shards) -> list[TowerResult]:
         """Every working tower's forward pass, the step's divisors, then every
-        tower's loss share and gradients, each on its tower's device."""
+        tower's loss share and gradients, each on its tower's device: traced
+        once for every tower when they can share it (``towers/once.py``)."""
         working = self.placement.working_towers(shards)
         if self._in_lockstep(working):
             return lockstep.compute(
@@ -240,6 +241,12 @@ class Step:
                 self.workers,
                 lambda passes: self._weight(passes, shards),
             )
+        if once.shareable(self.placement, shards, working):
+            results = once.compute(
+                self.placement, self.tower, shards, working, self._divisors
+            )
+            if results is not None:
+                return results
         passes = self._each_tower(shards, self.tower.forward)
         divisors = self._divisors(passes)
         results = []
