@@ -69,9 +69,9 @@ def copy_of(model: keras.Model, builder) -> keras.Model:
     return twin
 
 
-def step_graph(engine, x, y):
+def step_graph(engine, x, y, sample_weight=None):
     """The graph of ``engine``'s training step on a batch like ``(x, y)``: traced
     afresh from the step's public phases, as ``towers explain`` does."""
-    x, y, sample_weight = engine.prepare(x, y)
+    x, y, sample_weight = engine.prepare(x, y, sample_weight)
     train = traced(engine.step.train)
     return train.get_concrete_function(x, y, sample_weight).graph
