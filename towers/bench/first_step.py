@@ -13,11 +13,10 @@ would find Keras' and TensorFlow's caches warm), from the engine's construction
 Run one contender as ``python -m towers.bench.first_step SPEC_JSON`` (prints
 one JSON line); :func:`measure` runs several, in turns, round after round.
 
-Example (a new process per contender and round: slow, so not run here)::
+Example (a fresh process per contender and round, so slow)::
 
-    >>> times = measure("MobileNetV2", towers=4, contenders=["keras", "tower"],
-    ...                 rounds=3)  # doctest: +SKIP
-    >>> ratio(times, "tower", "keras")["ratio"]  # doctest: +SKIP
+    times = measure("MobileNetV2", towers=4, contenders=["keras", "tower"])
+    ratio(times, "tower", "keras")["ratio"]  # tower statistics / Keras' fit
 """
 
 from __future__ import annotations
