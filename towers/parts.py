@@ -94,8 +94,8 @@ def make_step(
     ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
     ``accumulate_steps``."""
     compiled = _compile_config(model)
-    given = isinstance(model, keras.Model)  # a builder's model: once built
-    if given:
+    built = isinstance(model, keras.Model)  # else a builder: asked once it ran
+    if built:
         own_loss, loss = _loss_of(model, loss, compiled, options["loss_weights"])
     optimizer = _given(optimizer, compiled, "optimizer")
     if placement not in PLACEMENTS:
@@ -105,7 +105,7 @@ def make_step(
         )
     where = PLACEMENTS[placement](devices, variable_device, reducer)
     where.build(model, optimizer)
-    if not given:
+    if not built:
         own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
