@@ -8,7 +8,7 @@ import pytest
 
 from tests.models import build_mlp, regression_batch, step_graph
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
-from towers import Towers
+from towers import Towers, once
 
 
 def engine(num_towers=3, loss="mse", **options):
@@ -65,3 +65,58 @@ def test_a_divisor_from_sample_weights_traces_tower_by_tower_and_stays_exact():
         np.testing.assert_allclose(
             got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
         )
+
+
+def build_dropout_mlp():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.5, seed=7),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+def dropout_engine():
+    return Towers(
+        build_dropout_mlp,
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=[f"/cpu:{t}" for t in range(3)],
+    )
+
+
+def seed_states(eng):
+    return [np.array(v) for v in eng.model.non_trainable_variables]
+
+
+def test_dropout_draws_as_a_trace_per_tower_and_no_tower_waits(monkeypatch):
+    x, y = regression_batch(np.random.default_rng(2), 9)
+    shared = dropout_engine()
+    calls = [
+        op
+        for op in step_graph(shared, x, y).get_operations()
+        if op.type == "StatefulPartitionedCall" and op.name.startswith("tower_")
+    ]
+    # A seed state assigned inside the calls would chain them, tower 1's
+    # waiting for tower 0's.
+    assert len(calls) == 3
+    assert [op.control_inputs for op in calls] == [[], [], []]
+
+    before = seed_states(shared)
+    assert len(before) == 1
+    weights = shared.model.get_weights()
+    shared.train_step(x, y)
+
+    monkeypatch.setattr(once, "shareable", lambda *args: False)
+    per_tower = dropout_engine()
+    per_tower.model.set_weights(weights)
+    np.testing.assert_array_equal(seed_states(per_tower)[0], before[0])
+    per_tower.train_step(x, y)
+
+    after = seed_states(shared)
+    assert not np.array_equal(after[0], before[0])  # the towers drew
+    np.testing.assert_array_equal(after[0], seed_states(per_tower)[0])
+    for got, want in zip(shared.model.get_weights(), per_tower.model.get_weights()):
+        np.testing.assert_array_equal(got, want)

@@ -177,8 +177,8 @@ def test_a_layer_that_compiles_with_xla_inside_runs_on_every_tower(placement):
 def test_weights_read_once_on_the_towers_device_and_assignments_still_happen():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     kernel = model.layers[0].kernel
-    with tf.device("/cpu:1"), weights_here(model) as values:
-        read = values[id(kernel)]
+    with tf.device("/cpu:1"), weights_here(model) as scope:
+        read = scope.get_current_value(kernel)
         kernel.assign(tf.ones_like(read))  # as a layer's own state update does
         seen = tf.convert_to_tensor(kernel)  # later reads see the assignment
     assert read.device.endswith("CPU:1")

@@ -49,6 +49,7 @@ __all__ = [
     "layers_of",
     "overrides",
     "ReadScope",
+    "state_variables",
     "squeeze_or_expand_to_same_rank",
     "trainable_capable",
 ]
@@ -70,12 +71,31 @@ def overrides(model: Any, name: str) -> bool:
 class ReadScope(keras.StatelessScope):
     """A ``keras.StatelessScope`` (each weight reads as the tensor it is mapped
     to, ``add_loss`` collected) whose assignments happen too: each takes effect
-    on the variable at once, and later reads in the scope see it."""
+    on the variable at once, and later reads in the scope see it.
+
+    Args:
+      mapping, collect_losses: as ``keras.StatelessScope``'s.
+      held: variables whose assignments stay in the scope (later reads see
+        them, the variable does not change): the caller reads their last values
+        with ``get_current_value`` and assigns them itself.
+    """
+
+    def __init__(self, mapping: Any, collect_losses: bool = False, held: Any = ()):
+        super().__init__(mapping, collect_losses=collect_losses)
+        self._held = {id(v) for v in held}
 
     def add_update(self, update: tuple) -> None:
         super().add_update(update)
         variable, value = update
-        variable._direct_assign(value)
+        if id(variable) not in self._held:
+            variable._direct_assign(value)
+
+
+def state_variables(model: keras.Model) -> list[Any]:
+    """``model``'s variables that are not weights: its layers' seed generators'
+    states, which a layer assigns as it draws (Dropout in training)."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
 
 
 def compute_loss(

@@ -14,6 +14,15 @@ for Keras' default reductions, ``k_o`` being the tower's loss values per
 example. When a divisor comes from sample weights or a mask, every tower's
 pass is needed first, and :func:`compute` says so (None): the step then traces
 tower by tower (``Step.compute``).
+
+A layer that draws random numbers (Dropout in training) assigns its seed
+generator's state as it draws. Assigned inside the function, that state would
+order the calls: TensorFlow runs a call that writes a variable after the call
+before it that also writes it, so tower 1 would wait for tower 0. The states are
+read once before the calls instead, handed from each tower's call to the next
+(tower ``t`` starts where tower ``t - 1`` ended, as a trace per tower does: the
+same draws), and assigned once after the last. A state only depends on the
+state before it, so no tower waits for another's work.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers._keras import state_variables
 from towers.split import Shards, batch_size_of
 from towers.tower import Tower, TowerResult
 
@@ -57,8 +67,8 @@ def compute(
     examples = shards.normaliser
     traced: dict[int, TowerResult] = {}  # per shard size, the traced result
 
-    def one_tower(x: Any, y: Any, sample_weight: Any) -> dict[str, Any]:
-        tower_pass = tower.forward(model, x, y, sample_weight, examples)
+    def one_tower(x: Any, y: Any, sample_weight: Any, states: list) -> dict:
+        tower_pass = tower.forward(model, x, y, sample_weight, examples, states)
         size = batch_size_of(x)
         own = divisors_of([tower_pass])
         divisors = [
@@ -67,18 +77,23 @@ def compute(
         ]
         result = tower.gradients(tower_pass, divisors)
         traced[size] = result
-        return _tensors(result)
+        return {**_tensors(result), "states": tower_pass.states}
 
     function = tf.function(one_tower, autograph=False)
+    held = state_variables(model)
+    states = [tf.identity(v) for v in held]
     results = []
     try:
         for t in working:
             x, y, sample_weight = shards.parts[t]
             with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
-                out = function(x, y, sample_weight)
+                out = function(x, y, sample_weight, states)
+            states = out["states"]
             results.append(_result(traced[shards.sizes[t]], out))
     except _NeedsEveryTower:
         return None
+    for variable, value in zip(held, states):
+        variable.assign(value)
     return results
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import ReadScope, compute_loss
+from towers._keras import ReadScope, compute_loss, state_variables
 from towers.batchnorm import MovingStatistics
 from towers.losses import StepLoss, Term, over
 from towers.split import batch_size_of
@@ -49,6 +49,8 @@ class TowerPass:
         gradients are taken with respect to.
       tape: the tape that recorded the pass (None in evaluation).
       moments: BatchNormalization moments by layer index (training only).
+      states: with ``states`` given to :meth:`Tower.forward`, the model's
+        seed-generator states after the pass (for the next tower to start from).
     """
 
     terms: list[Term]
@@ -58,6 +60,7 @@ class TowerPass:
     sources: list[tf.Tensor] = dataclasses.field(default_factory=list)
     tape: tf.GradientTape | None = None
     moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    states: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
     def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
         """Per output (of several), the tower's share of its unweighted loss."""
@@ -145,7 +148,13 @@ class Tower:
         self.own_loss = own_loss
 
     def forward(
-        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
+        self,
+        model: keras.Model,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        examples: Any,
+        states: list[tf.Tensor] | None = None,
     ) -> TowerPass:
         """The forward pass in training mode, recorded for :meth:`gradients`.
 
@@ -154,14 +163,21 @@ class Tower:
           x, y, sample_weight: the tower's shard, ``[n_t, ...]`` (y and
             sample_weight may be None).
           examples: B, the step's examples (1 for an empty share).
+          states: the values of ``state_variables(model)`` to start from; the
+            pass then assigns none of them and hands their last values out
+            (``TowerPass.states``). None: the pass assigns them as it draws.
         """
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
-        with weights_here(model) as values:
-            sources = [values[id(v)] for v in variables]
+        with weights_here(model, states) as scope:
+            sources = [scope.get_current_value(v) for v in variables]
             with tape, self.moving_statistics.recording() as moments:
                 tape.watch(sources)
                 tower_pass = self._pass(model, x, y, sample_weight, examples, True)
+            if states is not None:
+                tower_pass.states = [
+                    scope.get_current_value(v) for v in state_variables(model)
+                ]
         tower_pass.tape, tower_pass.moments = tape, moments
         tower_pass.variables, tower_pass.sources = variables, sources
         return tower_pass
@@ -224,16 +240,22 @@ class Tower:
 
 
 @contextlib.contextmanager
-def weights_here(model: keras.Model) -> Iterator[dict[int, tf.Tensor]]:
+def weights_here(
+    model: keras.Model, states: list[tf.Tensor] | None = None
+) -> Iterator[ReadScope]:
     """Within, each of ``model``'s weights reads as one tensor, read once on the
     current device (the tower's): a layer that compiles with XLA inside cannot
-    read a variable on another device (``towers/_keras.py``). Yields the values
-    by ``id`` of their variable. Keras reads an Embedding's whole table before
-    it gathers, so no layer reads less than this."""
-    values = {id(v): tf.identity(v) for v in model.weights}
-    mapping = [(v, values[id(v)]) for v in model.weights]
-    with ReadScope(mapping, collect_losses=True):
-        yield values
+    read a variable on another device (``towers/_keras.py``). Keras reads an
+    Embedding's whole table before it gathers, so no layer reads less than this.
+
+    With ``states`` (one value per ``state_variables(model)``), the seed
+    generators' states read as those values and their assignments stay in the
+    scope. Yields the scope: ``get_current_value(v)`` is what ``v`` reads as."""
+    mapping = [(v, tf.identity(v)) for v in model.weights]
+    held = state_variables(model) if states is not None else []
+    mapping += list(zip(held, states or []))
+    with ReadScope(mapping, collect_losses=True, held=held) as scope:
+        yield scope
 
 
 def _weighted(term: Term, value: tf.Tensor) -> tf.Tensor:
