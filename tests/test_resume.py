@@ -267,6 +267,87 @@ def test_when_no_checkpoint_reads_back_the_run_stops_naming_each(tmp_path):
     assert "trained" not in resumed.stdout and not (tmp_path / "w.npz").exists()
 
 
+def damage_state_file(directory, how):
+    state = directory / "checkpoint"
+    text = state.read_text()
+    if how == "missing":
+        state.unlink()
+    else:
+        state.write_text(
+            {"garbled": "\x00garbage {{{\n", "cut short": text[: len(text) // 3],
+             "empty": ""}[how]
+        )  # fmt: skip
+    return state
+
+
+@pytest.mark.parametrize("how", ["garbled", "cut short", "empty", "missing"])
+def test_a_damaged_state_file_resumes_from_the_checkpoints_themselves(
+    tmp_path, uninterrupted, how
+):
+    straight, weights = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, tmp_path / "w1.npz", "--epochs", "1").returncode == 0
+    newest = kept(ckpt)[0]
+    state = damage_state_file(ckpt, how)
+
+    resumed = run(ckpt, tmp_path / "w.npz", "--epochs", "3")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = " ".join(resumed.stderr.split())
+    assert f"the checkpoint state file {state} is damaged" in said
+    assert f"that reads back whole, {newest}." in said
+    # Resumed after epoch 0 (ckpt-10), not from step 0: epochs 1 and 2 only,
+    # each step reading what the uninterrupted run read.
+    steps = steps_of(resumed.stdout.splitlines())
+    assert sorted(steps) == [(e, s) for e in (1, 2) for s in range(1, STEPS + 1)]
+    for step, ids in steps.items():
+        assert ids == straight[step], step
+    assert_same_weights(tmp_path / "w.npz", weights)
+    # The saves rewrote the state file: it names the newest checkpoint again.
+    latest = tf.train.get_checkpoint_state(str(ckpt)).model_checkpoint_path
+    assert latest == str(kept(ckpt)[0])
+
+
+def test_a_damaged_state_file_without_checkpoints_starts_over_and_says_so(
+    tmp_path, uninterrupted
+):
+    straight, weights = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "checkpoint").write_text('model_checkpoint_path: "ckpt-')
+
+    fresh = run(ckpt, tmp_path / "w.npz", "--epochs", "3")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    said = " ".join(fresh.stderr.split())
+    assert f"the checkpoint state file {ckpt / 'checkpoint'} is damaged" in said
+    assert "holds no checkpoint (no ckpt-N.index); starting from step 0" in said
+    assert sorted(steps_of(fresh.stdout.splitlines())) == sorted(straight)
+    assert_same_weights(tmp_path / "w.npz", weights)
+
+
+@pytest.mark.filterwarnings("ignore:the checkpoint .* holds the input pipeline")
+def test_a_worker_that_does_not_save_reads_past_a_damaged_state_file_as_it_is(
+    tmp_path,
+):
+    # A cluster's other workers restore from the chief's directory and never
+    # write it: they find the checkpoints by their files and leave the state
+    # file to the chief.
+    from towers.checkpoint import TrainingCheckpoint
+
+    trained = regression()
+    fit(trained, tmp_path)
+    newest = kept(tmp_path)[0]
+    state = damage_state_file(tmp_path, "empty")
+    worker = regression(seed=1)
+    checkpoint = TrainingCheckpoint(worker, str(tmp_path), writes=False)
+    with pytest.warns(UserWarning, match="state file .* is damaged"):
+        epoch, step, _ = checkpoint.restore()
+
+    assert (epoch, step) == (3, 0)  # after the third epoch
+    for mine, saved in zip(worker.model.get_weights(), trained.model.get_weights()):
+        np.testing.assert_array_equal(mine, saved)
+    assert state.read_text() == "" and kept(tmp_path)[0] == newest
+
+
 def test_a_file_where_the_checkpoint_directory_should_be_is_refused_first(tmp_path):
     keras.utils.set_random_seed(0)
     engine = Towers(

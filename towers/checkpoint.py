@@ -12,8 +12,10 @@ resumed the old way, by skipping the batches already trained
 (:func:`data_position_saveable` says why).
 
 Saved with ``tf.train.Checkpoint`` and ``tf.train.CheckpointManager``, which write
-each checkpoint's files first and point the directory's ``checkpoint`` index at them
-last: a run killed while saving leaves the previous checkpoint as the latest.
+each checkpoint's files first and point the directory's ``checkpoint`` state file
+at them last: a run killed while saving leaves the previous checkpoint as the
+latest. A damaged or missing state file is not a fresh start: the checkpoints are
+found by their own files (``towers/checkpoint_state.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import tensorflow as tf
+
+from towers.checkpoint_state import STATE_FILE, on_disk, rewrite, state_damage
 
 # The checkpoint's key for the running epoch's metrics.
 _METRICS = "epoch_metrics"
@@ -92,9 +96,18 @@ class TrainingCheckpoint:
         self._checkpoint = tf.train.Checkpoint(
             **self._state, **({_METRICS: metric_variables} if metric_variables else {})
         )
-        self._manager = tf.train.CheckpointManager(
-            self._checkpoint, directory, max_to_keep=keep
-        )
+        # A damaged or missing state file: the checkpoints found by their files,
+        # and the state file rewritten from them before the manager reads it (by
+        # the process that saves; the others never need the manager).
+        self._state_damage = state_damage(directory)
+        self._found = on_disk(directory) if self._state_damage else []
+        if self._state_damage and writes:
+            rewrite(directory, self._found)
+        self._manager = None
+        if writes or not self._state_damage:
+            self._manager = tf.train.CheckpointManager(
+                self._checkpoint, directory, max_to_keep=keep
+            )
         self._engine = engine
 
     def follow(self, iterator: Any) -> None:
@@ -122,9 +135,27 @@ class TrainingCheckpoint:
             or no kept checkpoint can be read; nothing is restored into the
             engine in either case.
         """
-        if self.directory is None or self._manager.latest_checkpoint is None:
+        if self.directory is None:
             return 0, 0, False
-        path = self._readable_checkpoint()
+        newest_first = self._kept()
+        if not newest_first:
+            if self._state_damage:
+                warnings.warn(
+                    f"the checkpoint state file {self._state_file} is damaged "
+                    f"({self._state_damage}) and {self.directory} holds no "
+                    "checkpoint (no ckpt-N.index); starting from step 0",
+                    stacklevel=3,
+                )
+            return 0, 0, False
+        path = self._readable_checkpoint(newest_first)
+        if self._state_damage:
+            warnings.warn(
+                f"the checkpoint state file {self._state_file} is damaged "
+                f"({self._state_damage}); resuming from the newest checkpoint found "
+                f"in {self.directory} that reads back whole, {path}. The state "
+                "file is rewritten from the checkpoints found.",
+                stacklevel=3,
+            )
         saved = {key for key, _ in tf.train.list_variables(path)}
         has_position = any(key.startswith("data/") for key in saved)
         positioned = has_position and iterator is not None
@@ -163,9 +194,25 @@ class TrainingCheckpoint:
         self._engine.after_restore()
         return epoch, step, positioned
 
-    def _readable_checkpoint(self) -> str:
-        """The newest kept checkpoint whose every tensor reads back whole (the
-        bundle's checksums included), warning of each newer one that does not.
+    @property
+    def _state_file(self) -> str:
+        return os.path.join(self.directory, STATE_FILE)
+
+    def _kept(self) -> list[str]:
+        """The kept checkpoints, newest first: as the state file names them, or
+        found by their files when it is damaged or missing."""
+        if self._state_damage:
+            return list(reversed(self._found))
+        newest_first = list(reversed(self._manager.checkpoints))
+        latest = self._manager.latest_checkpoint
+        if latest is not None and latest not in newest_first:
+            newest_first.insert(0, latest)
+        return newest_first
+
+    def _readable_checkpoint(self, newest_first: list[str]) -> str:
+        """The newest of ``newest_first`` whose every tensor reads back whole
+        (the bundle's checksums included), warning of each newer one that does
+        not.
 
         Read in full before anything is restored, so a damaged checkpoint never
         half-overwrites the engine.
@@ -173,10 +220,6 @@ class TrainingCheckpoint:
         Raises:
           ValueError: no kept checkpoint can be read; each is named with why.
         """
-        newest_first = list(reversed(self._manager.checkpoints))
-        latest = self._manager.latest_checkpoint
-        if latest not in newest_first:
-            newest_first.insert(0, latest)
         damaged = []
         for path in newest_first:
             why = unreadable(path)
