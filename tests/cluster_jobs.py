@@ -48,6 +48,43 @@ def launch(out, *args, workers=2):
     )  # fmt: skip
 
 
+def start_launch(out, *args, workers=2):
+    """``towers launch`` of the job, running: the launcher's process, its
+    output (the workers' prefixed lines) on stdout."""
+    out.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "towers.cli", "launch", "--workers", str(workers),
+            "--towers-per-worker", "2", "--",
+            sys.executable, SCRIPT, "--out", str(out), *args,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )  # fmt: skip
+
+
+def processes_of(out):
+    """The pids of the live processes running the job's script for ``out``:
+    its workers (not their launcher)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        zombie = "State:\tZ" in status
+        worker = command[1:2] == [SCRIPT.encode()]  # python SCRIPT --out OUT ...
+        if worker and str(out).encode() in command and not zombie:
+            pids.append(int(entry.name))
+    return pids
+
+
 def weights(out, rank, name="weights"):
     with np.load(out / f"{name}-{rank}.npz") as saved:
         return [saved[key] for key in sorted(saved, key=lambda k: int(k[4:]))]

@@ -94,6 +94,22 @@ def test_timeouts_must_be_positive(timeout):
         Cluster(WORKERS, 0, timeout_seconds=timeout)
 
 
+def test_the_startup_timeout_comes_from_the_environment_unless_given(monkeypatch):
+    config = json.dumps(
+        {"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 1}}
+    )
+    assert Cluster.from_tf_config(config).startup_timeout_seconds == 300.0
+    monkeypatch.setenv("TOWERS_STARTUP_TIMEOUT", "45")
+    assert Cluster.from_tf_config(config).startup_timeout_seconds == 45.0
+    given = Cluster.from_tf_config(config, startup_timeout_seconds=9)
+    assert given.startup_timeout_seconds == 9.0
+    monkeypatch.setenv("TOWERS_STARTUP_TIMEOUT", "soon")
+    with pytest.raises(
+        ValueError, match=r"TOWERS_STARTUP_TIMEOUT must be a number .*'soon'"
+    ):
+        Cluster.from_tf_config(config)
+
+
 def test_a_port_in_use_is_named_before_anything_starts():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -4,9 +4,11 @@ preempted one, a stopped one, a bad TF_CONFIG; and where the launched workers'
 servers can be reached from. Each job ends by itself.
 """
 
+import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,9 +24,11 @@ from tests.cluster_jobs import (
     launch,
     launch_servers,
     listening_ports,
+    processes_of,
     reference,
     result,
     run,
+    start_launch,
     start_workers,
     steps_saved,
 )
@@ -205,3 +209,132 @@ def test_where_the_launched_workers_servers_listen(network):
         # in its source): what --network private is for.
         every = {"00000000", "00000000000000000000000000000000"}
         assert {listening[port] for port in served} <= every and not refused
+
+
+def read_until(stream, wanted):
+    """The lines of ``stream`` up to and with the one that is ``wanted``."""
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if line.strip() == wanted:
+            return lines
+    raise AssertionError(f"never printed {wanted!r}: {''.join(lines)[-3000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_worker_at_one_step_and_saves(
+    tmp_path, sig
+):
+    fit = ["--mode", "fit", "--every", "4"]
+    ref = reference(tmp_path / "ref", *fit, "--checkpoint", str(tmp_path / "c0"))
+    out, checkpoints = tmp_path / "job", tmp_path / "ckpt"
+    job = start_launch(out, *fit, "--checkpoint", str(checkpoints), "--slow")
+    try:
+        before = read_until(job.stdout, "[worker 1] worker 1 trained step 5")
+        job.send_signal(sig)
+        rest, said = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == PREEMPTED_EXIT_CODE, said[-3000:]
+    assert f"towers launch: {sig.name}; passing SIGTERM on to 2 worker(s)" in said
+    assert processes_of(out) == []  # nothing orphaned
+    lines = "".join(before) + rest
+    stops = re.findall(r"\[worker (\d)\] .*stopped after (epoch \d+ step \d+)", lines)
+    assert sorted(w for w, _ in stops) == ["0", "1"], lines[-3000:]
+    assert stops[0][1] == stops[1][1]  # the same step
+    last = int(re.findall(r"trained step (\d+)", lines)[-1])
+    saved = steps_saved(tf.train.latest_checkpoint(checkpoints))
+    assert saved == last and 5 <= saved <= 8
+
+    assert_a_relaunch_resumes(ref, out, *fit, "--checkpoint", str(checkpoints))
+
+
+def test_workers_of_a_killed_launcher_stop_as_preempted_and_a_relaunch_resumes(
+    tmp_path,
+):
+    fit = ["--mode", "fit", "--every", "4"]
+    ref = reference(tmp_path / "ref", *fit, "--checkpoint", str(tmp_path / "c0"))
+    out, checkpoints = tmp_path / "job", tmp_path / "ckpt"
+    job = start_launch(out, *fit, "--checkpoint", str(checkpoints), "--slow")
+    try:
+        read_until(job.stdout, "[worker 1] worker 1 trained step 5")
+        assert len(processes_of(out)) == 2
+        job.send_signal(signal.SIGKILL)  # nothing can be passed on
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while processes_of(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        job.kill()
+    assert processes_of(out) == []  # they stopped by themselves...
+    # ...soon, not after training on to the end (14 steps), and saved.
+    assert not (out / "result-0.json").exists()
+    saved = steps_saved(tf.train.latest_checkpoint(checkpoints))
+    assert 5 <= saved <= 8
+
+    assert_a_relaunch_resumes(ref, out, *fit, "--checkpoint", str(checkpoints))
+
+
+def test_a_worker_whose_peer_never_starts_says_whom_it_waits_for_then_gives_up(
+    tmp_path,
+):
+    # Started directly, as a scheduler does: worker 1's port is taken, so it
+    # exits at once; worker 0 must not wait in silence.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        addresses = [f"127.0.0.1:{free_ports(1)[0]}", f"127.0.0.1:{port}"]
+        started = time.monotonic()
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    SCRIPT,
+                    "--out",
+                    str(tmp_path / str(rank)),
+                    "--mode",
+                    "fit",
+                    "--startup-timeout",
+                    "20",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={
+                    **os.environ,
+                    "TF_CONFIG": config,
+                    "TOWERS_PER_WORKER": "2",
+                    "TF_CPP_MIN_LOG_LEVEL": "2",
+                },
+            )
+            for rank, config in enumerate(tf_configs(addresses))
+        ]
+        try:
+            said = []
+            for line in workers[0].stdout:
+                said.append((time.monotonic() - started, line))
+            workers[0].wait(timeout=60)
+            lost_output = workers[1].communicate(timeout=60)[0]
+        finally:
+            for worker in workers:
+                worker.kill()
+    assert workers[1].returncode != 0 and f"port {port}" in lost_output
+    notices = [
+        (at, line)
+        for at, line in said
+        if line.startswith("towers: worker 0 of 2 is waiting for the others to start")
+    ]
+    # Within seconds of the wait (after TensorFlow's import), then again.
+    assert len(notices) >= 2, "".join(line for _, line in said)[-3000:]
+    assert notices[0][0] < 15 and notices[-1][0] - notices[0][0] >= 10
+    for _, line in notices:
+        assert f"worker 1 ({addresses[1]}) accepts connections but no " in line
+        assert "gives up at 20 s, startup_timeout_seconds" in line
+    assert workers[0].returncode != 0
+    gave_up = said[-1][1]
+    assert "WorkerLostError: worker 0 of 2: the workers did not all start within " in (
+        gave_up
+    )
+    assert f"worker 1 ({addresses[1]}" in gave_up
+    assert said[-1][0] < 60

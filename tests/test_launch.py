@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -75,12 +76,48 @@ def test_free_ports_are_distinct_and_configs_name_them():
     [
         (["--workers", "2"], "launch needs a command after --; received none"),
         (["--workers", "0", "--", "true"], "must be a positive integer; received 0"),
+        (
+            ["--workers", "1", "--grace", "0", "--", "true"],
+            "must be a positive number; received 0",
+        ),
     ],
 )
 def test_launch_refuses_bad_input(args, expected):
     done = launch(*args)
     assert done.returncode == 2
     assert expected in done.stderr
+
+
+def test_launch_refuses_a_grace_that_is_not_a_positive_number():
+    with pytest.raises(
+        ValueError, match="--grace must be a positive number; received -1"
+    ):
+        towers_launch(["true"], 1, grace=-1)
+
+
+# Ignores SIGTERM: only the launcher's SIGKILL after the grace period stops it.
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('up', flush=True); time.sleep(600)"
+)
+
+
+def test_workers_still_running_after_the_grace_period_are_killed():
+    job = subprocess.Popen(
+        [sys.executable, "-m", "towers.cli", "launch", "--workers", "2",
+         "--grace", "2", "--", sys.executable, "-c", STUBBORN],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(2):
+            assert job.stdout.readline().endswith("up\n")
+        job.send_signal(signal.SIGTERM)
+        _, said = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGKILL
+    for worker in (0, 1):
+        assert f"worker {worker} did not stop within 2 s (--grace) of SIGTERM" in said
 
 
 # Each worker listens on every interface of its port, as TensorFlow's servers

@@ -10,8 +10,9 @@ import argparse
 import os
 import sys
 
-from towers.arguments import positive_int
+from towers.arguments import positive_float, positive_int
 from towers.bench.cli import add_bench_parser
+from towers.launch import GRACE_SECONDS
 
 DESCRIPTION = """\
 towers: data-parallel training with towers on TensorFlow 2.
@@ -53,11 +54,16 @@ Start N worker processes of one command on this machine, each with a TF_CONFIG
 naming the cluster (every worker's 127.0.0.1:port, ports free when chosen) and
 its own index, as a job across machines would give them. Every output line is
 prefixed with its worker. If any worker fails, the others are stopped and the
-launcher exits with that worker's status. TensorFlow's servers listen on every
-interface of their ports, so by default the workers share a private network
-namespace whose only interface is its loopback: nothing outside the job can
-reach them (where the kernel refuses one, the launcher says so and uses the
-machine's network). --network host gives them the machine's network.
+launcher exits with that worker's status. SIGTERM or SIGINT (Ctrl-C) to the
+launcher goes on to every worker as SIGTERM: in fit they stop after the same
+step, the chief saves, and the launcher exits with their status (75) once they
+have, killing any still running after --grace seconds; a second signal kills
+them at once. Workers whose launcher was killed stop the same way. TensorFlow's
+servers listen on every interface of their ports, so by default the workers
+share a private network namespace whose only interface is its loopback: nothing
+outside the job can reach them (where the kernel refuses one, the launcher says
+so and uses the machine's network). --network host gives them the machine's
+network.
 
 Example: towers launch --workers 2 -- python train.py --epochs 3
 """
@@ -193,6 +199,14 @@ def _add_launch(commands) -> None:
         "machine's network, the workers' ports open to it",
     )
     launch.add_argument(
+        "--grace",
+        type=positive_float,
+        default=GRACE_SECONDS,
+        metavar="SECONDS",
+        help="how long the workers have to stop after a SIGTERM or SIGINT is passed "
+        f"on, before SIGKILL (default: {GRACE_SECONDS:g})",
+    )
+    launch.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- then the command to run"
     )
     launch.set_defaults(run=run_launch)
@@ -240,7 +254,12 @@ def run_launch(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(
-        command, args.workers, args.towers_per_worker, args.host, network=args.network
+        command,
+        args.workers,
+        args.towers_per_worker,
+        args.host,
+        network=args.network,
+        grace=args.grace,
     )
 
 

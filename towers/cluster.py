@@ -23,12 +23,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers import _runtime
+from towers import _runtime, orphan
 from towers.split import split_batch
 from towers.tf_config import check_address, parse_tf_config, split_address
 
 # The cluster this process joined (a process joins one at most).
 _started: Cluster | None = None
+# The start-up timeout for a cluster read from TF_CONFIG, when the script does
+# not give one: a scheduler's knob that needs no change to the script.
+STARTUP_TIMEOUT_ENV = "TOWERS_STARTUP_TIMEOUT"
 
 
 class Cluster:
@@ -40,7 +43,10 @@ class Cluster:
       timeout_seconds: how long a collective waits for the other workers during
         training before this worker gives up with ``towers.WorkerLostError``.
       startup_timeout_seconds: the same for the first collectives, which wait for
-        every worker to start (import TensorFlow, build the model).
+        every worker to start (import TensorFlow, build the model): a worker
+        says within seconds, then every 15 s, which peers it is waiting for,
+        and gives up after this long naming them (default 300 s; from
+        ``TF_CONFIG``, ``$TOWERS_STARTUP_TIMEOUT`` when set).
 
     Example:
       >>> cluster = Cluster(["127.0.0.1:2222", "127.0.0.1:2223"], index=1)
@@ -90,10 +96,12 @@ class Cluster:
 
         Args:
           tf_config: the JSON text or its parsed dict; default ``$TF_CONFIG``.
-          **options: ``timeout_seconds``, ``startup_timeout_seconds``.
+          **options: ``timeout_seconds``, ``startup_timeout_seconds`` (default
+            ``$TOWERS_STARTUP_TIMEOUT`` if set, else 300).
 
         Raises:
-          ValueError: ``TF_CONFIG`` is missing or malformed; the message says which
+          ValueError: ``TF_CONFIG`` is missing or malformed, or
+            ``$TOWERS_STARTUP_TIMEOUT`` is not a number; the message says which
             part and what was received.
 
         Example:
@@ -107,6 +115,17 @@ class Cluster:
             if not tf_config:
                 raise ValueError("TF_CONFIG is not set; received no cluster to join")
         task = parse_tf_config(tf_config)
+        if "startup_timeout_seconds" not in options and os.environ.get(
+            STARTUP_TIMEOUT_ENV
+        ):
+            text = os.environ[STARTUP_TIMEOUT_ENV]
+            try:
+                options["startup_timeout_seconds"] = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"${STARTUP_TIMEOUT_ENV} must be a number of seconds; received "
+                    f"{text!r}"
+                ) from None
         return cls(task.workers, task.index, **options)
 
     @property
@@ -174,6 +193,7 @@ class Cluster:
         _check_port_free(self.address, self.index)
         _runtime.start(self.workers, self.index)
         _started = self
+        orphan.watch()  # started by towers launch: stop if the launcher dies
         return self
 
 

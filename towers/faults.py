@@ -11,9 +11,13 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import sys
+import threading
 import time
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, TextIO
 
 # TensorFlow's own dependency; its servers speak gRPC, so a gRPC handshake is the
 # one probe that tells a live server from a stopped process (whose kernel still
@@ -27,6 +31,10 @@ from towers.tf_config import split_address
 # Words of the line in TensorFlow's error that says why a collective failed.
 _CAUSES = ("timed out", "aborted by", "Socket closed", "failed to connect")
 _STOPPED = "it is stopped (SIGSTOP, a debugger) or its machine is overloaded"
+# While the workers wait for each other to start: the first notice after this
+# many seconds, then one every NOTICE_EVERY_SECONDS.
+NOTICE_FIRST_SECONDS = 3.0
+NOTICE_EVERY_SECONDS = 15.0
 # The errors a collective raises when a peer does not come.
 _LOST_KINDS = (
     tf.errors.DeadlineExceededError,
@@ -129,8 +137,72 @@ def silent_servers(addresses: list[str], timeout: float) -> list[str]:
     return silent
 
 
-def lost_error(cluster: Cluster, error: Exception, waited: float) -> WorkerLostError:
-    """The error a survivor raises when a collective failed or timed out.
+@contextlib.contextmanager
+def waiting_notices(
+    cluster: Cluster,
+    first: float = NOTICE_FIRST_SECONDS,
+    every: float = NOTICE_EVERY_SECONDS,
+    out: TextIO | None = None,
+) -> Iterator[None]:
+    """Within, while the workers wait for each other to start (the first
+    collectives), says ``first`` seconds in and then every ``every`` seconds
+    which peers this worker is waiting for, on ``out`` (default stderr)."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def notice() -> None:
+        wait = first
+        while not done.wait(wait):
+            said = waiting_message(cluster, time.monotonic() - started)
+            if not done.is_set():
+                print(said, file=out or sys.stderr, flush=True)
+            wait = every
+
+    threading.Thread(target=notice, name="towers-startup-notices", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def waiting_message(cluster: Cluster, waited: float) -> str:
+    """What a worker waiting for its peers to start says: who it waits for.
+
+    Example:
+      >>> with socket.socket() as closed:
+      ...     closed.bind(("127.0.0.1", 0))  # bound, not listening: refuses
+      ...     peer = f"127.0.0.1:{closed.getsockname()[1]}"
+      ...     cluster = Cluster(["a:1", peer], 0, startup_timeout_seconds=60)
+      ...     said = waiting_message(cluster, 3)
+      >>> print(said.replace(peer, "PEER"))  # doctest: +NORMALIZE_WHITESPACE
+      towers: worker 0 of 2 is waiting for the others to start (3 s so far, gives
+      up at 60 s, startup_timeout_seconds): worker 1 (PEER: Connection refused)
+      does not accept connections yet
+    """
+    lost = unreachable(cluster, timeout=1.0)
+    said = [
+        f"worker {p.rank} ({p.address}: {p.reason}) does not accept connections yet"
+        if p.dead
+        else f"worker {p.rank} ({p.address}) accepts connections but no TensorFlow "
+        "server answers there (another process on its port, or a stopped worker)"
+        for p in lost
+    ]
+    who = "; ".join(said) or (
+        "every worker's server answers; waiting for them to reach the first "
+        "collective (still building the model?)"
+    )
+    return (
+        f"towers: worker {cluster.index} of {cluster.num_workers} is waiting for the "
+        f"others to start ({waited:.0f} s so far, gives up at "
+        f"{cluster.startup_timeout_seconds:g} s, startup_timeout_seconds): {who}"
+    )
+
+
+def lost_error(
+    cluster: Cluster, error: Exception, waited: float, startup: bool = False
+) -> WorkerLostError:
+    """The error a survivor raises when a collective failed or timed out
+    (``startup``: one of the first, while the workers wait for each other).
 
     Example:
       >>> cluster = Cluster(["127.0.0.1:1", "127.0.0.1:2"], index=1)
@@ -142,7 +214,8 @@ def lost_error(cluster: Cluster, error: Exception, waited: float) -> WorkerLostE
     """
     lost = unreachable(cluster)
     said = []
-    for dead, verdict in ((True, "it has probably died"), (False, _STOPPED)):
+    died = "it has not started, or has exited" if startup else "it has probably died"
+    for dead, verdict in ((True, died), (False, _STOPPED)):
         who = [f"worker {p.rank} ({p.address}: {p.reason})" for p in lost]
         who = [w for w, p in zip(who, lost) if p.dead == dead]
         if who:
@@ -158,7 +231,15 @@ def lost_error(cluster: Cluster, error: Exception, waited: float) -> WorkerLostE
     first_line = next(
         (ln for ln in lines if any(k in ln for k in _CAUSES)),
         lines[-1] if lines else "",
-    )
+    ).rstrip(".")
+    if startup:
+        return WorkerLostError(
+            f"worker {cluster.index} of {cluster.num_workers}: the workers did not "
+            f"all start within {cluster.startup_timeout_seconds:g} s "
+            f"(startup_timeout_seconds; waited {waited:.1f} s); {what}. Received: "
+            f"{first_line}. Start every worker of TF_CONFIG's cluster, or give them "
+            "longer (Cluster(startup_timeout_seconds=...) or $TOWERS_STARTUP_TIMEOUT)."
+        )
     return WorkerLostError(
         f"worker {cluster.index} of {cluster.num_workers}: a collective did not "
         f"complete (waited {waited:.1f} s); {what}. Received: {first_line}. "
@@ -167,7 +248,9 @@ def lost_error(cluster: Cluster, error: Exception, waited: float) -> WorkerLostE
     )
 
 
-def raise_if_lost(cluster: Cluster, error: Exception, waited: float) -> None:
+def raise_if_lost(
+    cluster: Cluster, error: Exception, waited: float, startup: bool = False
+) -> None:
     """Turns a collective that failed for want of a peer into WorkerLostError.
 
     Example:
@@ -179,4 +262,4 @@ def raise_if_lost(cluster: Cluster, error: Exception, waited: float) -> None:
       towers.faults.WorkerLostError: worker 0 of 2: a collective did not complete...
     """
     if isinstance(error, _LOST_KINDS) or "timed out" in str(error):
-        raise lost_error(cluster, error, waited) from error
+        raise lost_error(cluster, error, waited, startup) from error

@@ -20,6 +20,8 @@ import sys
 import threading
 from typing import Any
 
+from towers import orphan
+
 # EX_TEMPFAIL: a temporary failure, run the same command again.
 PREEMPTED_EXIT_CODE = 75
 
@@ -50,7 +52,9 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
     def _notice(self, signum: int, frame: Any) -> None:
-        # Only a flag: the step under way finishes undisturbed.
+        # Only a flag: the step under way finishes undisturbed. A launcher that
+        # died reads no more output: printing to its pipe would fail.
+        orphan.silence_if_orphaned()
         self.noticed = True
 
     def before_step(self) -> None:

@@ -16,6 +16,7 @@ collective runtime (``towers/collective.py``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,7 +28,7 @@ import tensorflow as tf
 
 from towers.cluster import Cluster
 from towers.collective import AllReduce
-from towers.faults import raise_if_lost
+from towers.faults import raise_if_lost, waiting_notices
 from towers.options import refuse_unsupported
 from towers.placement import Placement
 from towers.reducers import Packed
@@ -249,19 +250,24 @@ class Workers:
         if variables:
             self.call(exchange)
 
-    def run(self, step: Callable[..., Any], *args: Any) -> Any:
+    def run(self, step: Callable[..., Any], *args: Any, startup: bool = False) -> Any:
         """``step(*args)``; a collective that failed for want of a peer raises
-        ``WorkerLostError`` naming it."""
+        ``WorkerLostError`` naming it. ``startup``: the first collectives, where
+        the workers wait for each other to start: while they wait, this worker
+        says which peers it is waiting for (``faults.waiting_notices``)."""
         started = time.monotonic()
+        notices = waiting_notices(self.cluster) if startup else contextlib.nullcontext()
         try:
-            return step(*args)
+            with notices:
+                return step(*args)
         except tf.errors.OpError as error:
-            raise_if_lost(self.cluster, error, time.monotonic() - started)
+            raise_if_lost(self.cluster, error, time.monotonic() - started, startup)
             raise
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Runs ``fn`` as a tf.function (see :meth:`run`); results as NumPy."""
-        result = self.run(tf.function(fn))
+        """Runs ``fn`` as a tf.function, one of the start's collectives (see
+        :meth:`run`); results as NumPy."""
+        result = self.run(tf.function(fn), startup=True)
         return tf.nest.map_structure(
             lambda t: t.numpy() if hasattr(t, "numpy") else t, result
         )

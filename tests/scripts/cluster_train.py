@@ -41,6 +41,7 @@ parser.add_argument("--mode", choices=["steps", "fit", "explain"], default="step
 parser.add_argument("--towers", type=int, default=None)
 parser.add_argument("--optimizer", default="adam")
 parser.add_argument("--timeout", type=float, default=60.0)
+parser.add_argument("--startup-timeout", type=float, default=120.0)
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--every", type=int, default=None)
 parser.add_argument("--die-at", type=int, default=None)
@@ -62,7 +63,7 @@ devices = towers.virtual_devices(num_towers)
 cluster = None
 if in_cluster:
     cluster = towers.Cluster.from_tf_config(
-        timeout_seconds=args.timeout, startup_timeout_seconds=120
+        timeout_seconds=args.timeout, startup_timeout_seconds=args.startup_timeout
     )
     cluster.start()
 rank = cluster.index if cluster else 0
