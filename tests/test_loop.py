@@ -257,10 +257,14 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(tmp_path):
             r"loss sparse_categorical_crossentropy compares predictions with "
             r"targets; received a batch without targets \(y=None\)",
         ),
-        ((np.zeros((8, 6)), np.zeros(8)), {}, r"needs a positive batch_size"),
+        (
+            (np.zeros((8, 6)), np.zeros(8)),
+            {"batch_size": 0},
+            r"needs a positive batch_size; received batch_size=0",
+        ),
         ("digits", {}, r"received str"),
     ],
-    ids=["empty", "not-pairs", "arrays-without-batch-size", "string"],
+    ids=["empty", "not-pairs", "arrays-with-batch-size-0", "string"],
 )
 def test_bad_data_is_refused_before_training(data, kwargs, message):
     engine = make_engine(2)

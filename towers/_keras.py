@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Four jobs have no public call.
+Five jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -25,13 +25,17 @@ the model's weights once, on its own device, and runs the model in a
 ``keras.StatelessScope`` that maps each weight to that tensor; an assignment
 made in the scope (a seed generator's state, a layer's own counter) happens as
 it would outside it (``Variable._direct_assign``), so the pass changes what it
-changed before (``towers/tower.py``).
+changed before (``towers/tower.py``), unless the caller holds the seed
+generators' states to hand them from tower to tower (``towers/once.py``).
 
 Trainable changes. Freezing a layer sets its variables' ``trainable`` to False,
 like a BatchNormalization's moving statistics, which are never trained; the
 layers' own lists (``_trainable_variables``) still tell them apart. towers builds
 the optimizer's slots for every variable a layer can train, so a layer unfrozen
 between steps has its slots (tests/test_keras_parity.py).
+
+Validation split. ``fit(validation_split=...)`` holds out the last examples as
+Keras' own fit does, through its helper (``towers/data.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 import keras
 from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
+from keras.src.trainers.data_adapters.array_slicing import train_validation_split
 
 __all__ = [
     "apply_mask",
@@ -52,6 +57,7 @@ __all__ = [
     "state_variables",
     "squeeze_or_expand_to_same_rank",
     "trainable_capable",
+    "train_validation_split",
 ]
 
 

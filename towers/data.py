@@ -17,6 +17,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from towers._keras import train_validation_split
+
+# Keras' batch size for array input given none.
+DEFAULT_BATCH_SIZE = 32
+
 
 def as_dataset(
     x: Any,
@@ -31,16 +36,18 @@ def as_dataset(
       x: a ``tf.data.Dataset`` of batches, or inputs (an array, a tensor, or a
         nest of them), or the tuple ``(x, y[, sample_weight])``.
       y, sample_weight: targets and per-example weights, for array input.
-      batch_size: global batch size for array input. The last batch may be
-        smaller: it is trained exactly, not dropped or padded.
+      batch_size: global batch size for array input (default 32, as Keras'
+        fit). The last batch may be smaller: it is trained exactly, not dropped
+        or padded.
       class_weight: ``{class index: weight}``: each example's weight is
         multiplied by its class's (integer or one-hot targets of one output),
         as Keras' ``fit(class_weight=...)``; classes not named weigh 1.
 
     Raises:
-      ValueError: arrays without ``batch_size``, ``batch_size`` or ``y`` with a
-        dataset, a dataset with no elements, or ``class_weight`` with several
-        outputs; the message says what was received.
+      ValueError: a ``batch_size`` that is not a positive integer,
+        ``batch_size`` or ``y`` with a dataset, a dataset with no elements, or
+        ``class_weight`` with several outputs; the message says what was
+        received.
 
     Example:
       >>> ds = as_dataset(np.zeros((5, 2)), np.ones(5), batch_size=2)
@@ -88,6 +95,21 @@ def _from_arrays(x, y, sample_weight, batch_size) -> tf.data.Dataset:
             "data must be a tf.data.Dataset, or arrays (NumPy, tensors, or a nest "
             f"of them) with batch_size; received {type(x).__name__}"
         )
+    batch_size = check_batch_size(batch_size)
+    parts = tuple(part for part in (x, y, sample_weight) if part is not None)
+    if sample_weight is not None and y is None:
+        raise ValueError("sample_weight weighs targets; received it with y=None")
+    return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+
+
+def check_batch_size(batch_size: Any) -> int:
+    """The batch size for array input: 32 for None (Keras' default).
+
+    >>> check_batch_size(None), check_batch_size(8)
+    (32, 8)
+    """
+    if batch_size is None:
+        return DEFAULT_BATCH_SIZE
     if (
         not isinstance(batch_size, int)
         or isinstance(batch_size, bool)
@@ -97,10 +119,34 @@ def _from_arrays(x, y, sample_weight, batch_size) -> tf.data.Dataset:
             "array input needs a positive batch_size; received "
             f"batch_size={batch_size!r}"
         )
-    parts = tuple(part for part in (x, y, sample_weight) if part is not None)
-    if sample_weight is not None and y is None:
-        raise ValueError("sample_weight weighs targets; received it with y=None")
-    return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+    return batch_size
+
+
+def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float) -> tuple:
+    """``fit(validation_split=fraction)``: ``(x, y, sample_weight,
+    validation_data)``, the last ``fraction`` of the examples held out, as
+    Keras' own split takes them (before any shuffling).
+
+    Raises:
+      ValueError: a dataset (it cannot be split), or too few examples to split.
+
+    Example:
+      >>> x, y, _, (vx, vy, _) = split_validation(np.arange(10), np.arange(10),
+      ...                                         None, 0.2)
+      >>> x.tolist(), vx.tolist()
+      ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+    """
+    if isinstance(x, tf.data.Dataset):
+        raise ValueError(
+            "validation_split is for array input; received a tf.data.Dataset. "
+            "Pass validation_data instead."
+        )
+    if y is None and sample_weight is None and _is_pair(x):
+        x, y, sample_weight = (*x, None)[:3]
+    (x, y, sample_weight), validation = train_validation_split(
+        (x, y, sample_weight), validation_split=fraction
+    )
+    return x, y, sample_weight, validation
 
 
 def _is_pair(x: Any) -> bool:

@@ -10,8 +10,6 @@ where a killed run stopped (see ``checkpoint.py``).
 from __future__ import annotations
 
 import abc
-import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +18,17 @@ import numpy as np
 import tensorflow as tf
 
 from towers.checkpoint import TrainingCheckpoint, position_iterator
-from towers.data import as_dataset, unpack
+from towers.data import as_dataset, check_batch_size, split_validation, unpack
+from towers.epoch import (
+    Run,
+    check_fit_arguments,
+    check_positive,
+    known_length,
+    should_validate,
+    train_epoch,
+    validate,
+    validation_batches,
+)
 from towers.preemption import Preemption
 from towers.progress import History, Progress
 from towers.summaries import TrainingLog
@@ -88,12 +96,17 @@ class Trainer(abc.ABC):
         y: Any = None,
         batch_size: int | None = None,
         epochs: int = 1,
-        verbose: int = 1,
+        verbose: int | str = "auto",
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        validation_split: float = 0.0,
         validation_data: Any = None,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: Any = None,
+        initial_epoch: int = 0,
         steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
         *,
         checkpoint_dir: str | None = None,
         keep_checkpoints: int = 3,
@@ -103,13 +116,17 @@ class Trainer(abc.ABC):
     ) -> History:
         """Trains for ``epochs`` epochs; resumes from ``checkpoint_dir`` if it has one.
 
+        The arguments before ``*`` are Keras' ``fit``'s, in its order, with its
+        defaults.
+
         Args:
           x, y, batch_size, sample_weight, class_weight: the data, in Keras' forms
             (:func:`towers.data.as_dataset`): arrays cut into batches of
-            ``batch_size``, or a dataset of batches. An epoch is one pass, or
-            ``steps_per_epoch`` batches. Checkpoints save the pipeline's position
-            (``towers/checkpoint.py``): a resumed run reads each example of the
-            epoch once, in an uninterrupted run's order, shuffled data included
+            ``batch_size`` (default 32), or a dataset of batches. An epoch is
+            one pass, or ``steps_per_epoch`` batches. Checkpoints save the
+            pipeline's position (``towers/checkpoint.py``): a resumed run reads
+            each example of the epoch once, in an uninterrupted run's order,
+            shuffled data included
             (with a shuffle seed). A pipeline whose position cannot be saved
             (``from_generator``, ``py_function``) gets a warning, and resuming
             skips the batches already trained: its data must come in the same
@@ -117,12 +134,23 @@ class Trainer(abc.ABC):
             position, so build the pipeline alike on every worker
             (``towers.shard`` does).
           epochs: the total number of epochs, counting those done before a resume.
-          verbose: 1 for a progress bar per epoch, 0 for silence.
+          verbose: 1 (or ``"auto"``) for a progress bar per epoch, 2 for one line
+            per epoch (for logs), 0 for silence.
           callbacks: Keras callbacks; they see ``model`` (with its ``optimizer``),
             and ``model.stop_training = True`` ends training after the epoch.
+          validation_split: the fraction of array data (its last examples, as
+            Keras takes them) held out and evaluated after each epoch, when
+            there is no ``validation_data``.
           validation_data: ``(x, y[, sample_weight])`` or a dataset, evaluated
             after each epoch; its results join the history as ``val_<name>``.
+          initial_epoch: the epoch to start at (0-based) when no checkpoint
+            says where to resume.
           steps_per_epoch: batches per epoch; default, the whole data.
+          validation_steps: how many validation batches to evaluate; default all.
+          validation_batch_size: the batch size of array validation data;
+            default ``batch_size``.
+          validation_freq: validate every this many epochs, or after the epochs
+            (counted from 1) in a list.
           checkpoint_dir: where to save model, optimizer, epoch and step (and the
             epoch's loss and metrics so far, the input pipeline's position) with
             ``tf.train.CheckpointManager``; a directory that holds a checkpoint of
@@ -146,7 +174,25 @@ class Trainer(abc.ABC):
           >>> history["loss"][-1] < history["loss"][0]
           True
         """
+        verbose = check_fit_arguments(
+            verbose, validation_split, initial_epoch, validation_freq
+        )
+        for name, value in (
+            ("validation_steps", validation_steps),
+            ("validation_batch_size", validation_batch_size),
+        ):
+            if value is not None:
+                check_positive(name, value)
+        if validation_split and validation_data is None:
+            x, y, sample_weight, validation_data = split_validation(
+                x, y, sample_weight, validation_split
+            )
         dataset = as_dataset(x, y, sample_weight, batch_size, class_weight)
+        validation = None
+        if validation_data is not None:
+            validation = validation_batches(
+                validation_data, validation_batch_size or batch_size, validation_steps
+            )
         if not _is_chief(self):
             # In a cluster the chief alone reports and writes; every worker trains.
             verbose, log_dir, profile_steps = 0, None, None
@@ -164,6 +210,8 @@ class Trainer(abc.ABC):
         batches = dataset.take(steps_per_epoch) if steps_per_epoch else dataset
         iterator = position_iterator(batches, checkpoint_dir)
         start_epoch, start_step, positioned = checkpoint.restore(iterator)
+        if (start_epoch, start_step) == (0, 0):
+            start_epoch = initial_epoch
         history = History()
         callback_list = keras.callbacks.CallbackList(
             [*(callbacks or []), history],
@@ -172,7 +220,7 @@ class Trainer(abc.ABC):
             steps=steps_per_epoch,
             verbose=0,
         )
-        run = _Run(
+        run = Run(
             self,
             batches,
             epochs,
@@ -195,7 +243,7 @@ class Trainer(abc.ABC):
                     if not positioned:
                         for _ in range(done):  # no saved position: skip them
                             next(epoch_batches, None)
-                    logs = _train_epoch(run, epoch, done, epoch_batches)
+                    logs = train_epoch(run, epoch, done, epoch_batches)
                     # An epoch ends with its last accumulate_steps window applied.
                     self.apply_accumulated()
                     if iterator is not None:
@@ -204,8 +252,12 @@ class Trainer(abc.ABC):
                         iterator = iter(batches)
                         checkpoint.follow(iterator)
                     checkpoint.save(epoch + 1, 0)
-                    if validation_data is not None:
-                        logs.update(_validate(run, validation_data, batch_size))
+                    if validation is not None and should_validate(
+                        epoch, validation_freq
+                    ):
+                        logs.update(validate(run, validation))
+                    if verbose == 2:  # one line per epoch, validation included
+                        print(Progress.summary(*run.last_epoch, logs), flush=True)
                     log.after_epoch(logs)
                     callback_list.on_epoch_end(epoch, logs)
                     if self.model.stop_training:
@@ -226,7 +278,8 @@ class Trainer(abc.ABC):
         """The loss and metrics over all of the data, computed by the towers.
 
         Args:
-          x, y, batch_size, sample_weight: the data, as :meth:`fit` takes it.
+          x, y, batch_size, sample_weight: the data, as :meth:`fit` takes it
+            (arrays in batches of ``batch_size``, default 32).
           verbose: 1 for a progress bar.
 
         Returns:
@@ -241,7 +294,7 @@ class Trainer(abc.ABC):
         dataset = as_dataset(x, y, sample_weight, batch_size)
         verbose = verbose if _is_chief(self) else 0
         self.reset_metrics()
-        bar = Progress(_known_length(dataset)) if verbose else None
+        bar = Progress(known_length(dataset)) if verbose else None
         for step, batch in enumerate(dataset, 1):
             self.evaluate_step(*unpack(batch))
             if bar is not None:
@@ -258,7 +311,7 @@ class Trainer(abc.ABC):
           x: inputs (arrays cut into batches of ``batch_size``), or a dataset
             of batches (of ``x``, or of ``(x, y[, sample_weight])``: the inputs
             are taken).
-          batch_size: for array input.
+          batch_size: for array input (default 32, as Keras').
           verbose: 1 for a progress bar.
 
         Example:
@@ -269,9 +322,9 @@ class Trainer(abc.ABC):
             dataset = as_dataset(x)
         else:
             dataset = tf.data.Dataset.from_tensor_slices(x).batch(
-                _check_batch_size(batch_size)
+                check_batch_size(batch_size)
             )
-        bar = Progress(_known_length(dataset)) if verbose else None
+        bar = Progress(known_length(dataset)) if verbose else None
         outputs = []
         for step, batch in enumerate(dataset, 1):
             outputs.append(self.predict_step(unpack(batch)[0]))
@@ -282,104 +335,5 @@ class Trainer(abc.ABC):
         )
 
 
-@dataclasses.dataclass
-class _Run:
-    """What stays the same for every epoch of one fit."""
-
-    engine: Trainer
-    dataset: tf.data.Dataset  # one epoch's batches
-    epochs: int
-    steps_per_epoch: int | None
-    verbose: int
-    callbacks: keras.callbacks.CallbackList
-    checkpoint: TrainingCheckpoint
-    checkpoint_every: int | None
-    log: TrainingLog
-    preemption: Preemption | None = None
-
-
-def _train_epoch(run: _Run, epoch: int, skip: int, batches: Any) -> dict[str, float]:
-    """One epoch from batch ``skip`` on, reading ``batches`` (an iterator that
-    stands after the first ``skip``); returns the epoch's loss and metrics."""
-    engine = run.engine
-    if skip == 0:  # else the checkpoint restored the epoch's metrics so far
-        engine.reset_metrics()
-    total = run.steps_per_epoch or _known_length(run.dataset)
-    bar = None
-    if run.verbose:
-        print(f"Epoch {epoch + 1}/{run.epochs}")
-        bar = Progress(total)
-    examples, started = 0, time.perf_counter()
-    step = skip
-    for batch in batches:
-        x, y, sample_weight = unpack(batch)
-        size = int(tf.nest.flatten(x)[0].shape[0])
-        run.callbacks.on_train_batch_begin(step)
-        run.log.before_step()
-        run.preemption.before_step()
-        step_started = time.perf_counter()
-        logs = engine.train_step(x, y, sample_weight)
-        # Reading the loss back waits for the step, so the time is the step's.
-        logs = {name: float(np.asarray(value)) for name, value in logs.items()}
-        run.log.after_step(logs, time.perf_counter() - step_started, size)
-        step += 1
-        examples += size
-        run.callbacks.on_train_batch_end(step - 1, logs)
-        # The epoch's last step is saved by the epoch-end checkpoint just after.
-        saved = bool(run.checkpoint_every) and step % run.checkpoint_every == 0
-        saved = saved and step != total
-        if saved:
-            run.checkpoint.save(epoch, step)
-        if run.preemption.stop_now():
-            if not saved:
-                run.checkpoint.save(epoch, step)
-            where = f"epoch {epoch + 1} step {step}"
-            run.preemption.exit(where, run.checkpoint.directory)
-        if bar is not None:
-            rate = examples / max(time.perf_counter() - started, 1e-9)
-            bar.update(step, {**engine.get_metrics_result(), "examples/s": rate})
-    if step == skip and skip == 0:
-        raise ValueError(
-            f"epoch {epoch + 1} got no batches: the dataset is empty or exhausted "
-            "(with steps_per_epoch, repeat() the dataset)"
-        )
-    if bar is not None and total is None:
-        bar.update(step, engine.get_metrics_result(), done=True)
-    return engine.get_metrics_result()
-
-
-def _validate(run: _Run, data: Any, batch_size: int | None) -> dict[str, float]:
-    """The validation results, as ``val_<name>``; printed under the bar."""
-    if isinstance(data, tf.data.Dataset):
-        results = run.engine.evaluate(data)
-    else:
-        x, y, sample_weight = (*data, None)[:3]
-        results = run.engine.evaluate(x, y, batch_size, 0, sample_weight)
-    if run.verbose:
-        print(
-            "  "
-            + " - ".join(Progress.format(f"val_{k}", v) for k, v in results.items())
-        )
-    return {f"val_{name}": value for name, value in results.items()}
-
-
 def _is_chief(engine: Trainer) -> bool:
     return engine.cluster is None or engine.cluster.is_chief
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    if (
-        not isinstance(batch_size, int)
-        or isinstance(batch_size, bool)
-        or batch_size < 1
-    ):
-        raise ValueError(
-            "array input needs a positive batch_size; received "
-            f"batch_size={batch_size!r}"
-        )
-    return batch_size
-
-
-def _known_length(dataset: tf.data.Dataset) -> int | None:
-    length = int(dataset.cardinality())
-    return length if length >= 0 else None

@@ -64,6 +64,16 @@ class Progress:
         self.out.write("\r" + " - ".join(parts) + end)
         self.out.flush()
 
+    @classmethod
+    def summary(cls, steps: int, seconds: float, values: Mapping[str, float]) -> str:
+        """An epoch's one line (``verbose=2``): its steps, time and results.
+
+        >>> Progress.summary(4, 0.25, {"loss": 0.5, "val_loss": 0.75})
+        '4/4 - 0.2 s - loss: 0.5000 - val_loss: 0.7500'
+        """
+        parts = [f"{steps}/{steps}", f"{seconds:.1f} s"]
+        return " - ".join(parts + [cls.format(k, v) for k, v in values.items()])
+
     @staticmethod
     def format(name: str, value: float) -> str:
         if name.endswith("/s") or float(value).is_integer() and abs(value) >= 1:
