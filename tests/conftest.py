@@ -9,3 +9,9 @@ from tests.shuffled_run import uninterrupted_run
 def uninterrupted(tmp_path_factory):
     """The shuffled script's 3 epochs, never stopped (tests/shuffled_run.py)."""
     return uninterrupted_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_arrays(tmp_path_factory):
+    """The same, on arrays that fit shuffles every epoch (its default)."""
+    return uninterrupted_run(tmp_path_factory, data="--arrays")

@@ -16,8 +16,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_with_checkpoints.py"
 EXAMPLES, EPOCHS, STEPS = 76, 3, 10
 
 
-def launch(directory, out, *flags):
-    command = [sys.executable, str(SCRIPT), str(directory), str(out), "--shuffled"]
+def launch(directory, out, *flags, data="--shuffled"):
+    """The script on ``data``: "--shuffled" (a tf.data pipeline reshuffled
+    every epoch) or "--arrays" (arrays, which fit shuffles every epoch)."""
+    command = [sys.executable, str(SCRIPT), str(directory), str(out), data]
     return subprocess.Popen(
         command + list(flags),
         stdout=subprocess.PIPE,
@@ -53,10 +55,12 @@ def assert_same_weights(path, reference):
         )
 
 
-def uninterrupted_run(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory, data="--shuffled"):
     """3 epochs, never stopped: ({(epoch, step): ids}, its weights' path)."""
     directory = tmp_path_factory.mktemp("straight")
-    steps = finish(launch(directory / "ckpt", directory / "w.npz", "--epochs", "3"))
+    steps = finish(
+        launch(directory / "ckpt", directory / "w.npz", "--epochs", "3", data=data)
+    )
     assert len(steps) == EPOCHS * STEPS
     orders = [sum((steps[(e, s)] for s in range(1, STEPS + 1)), []) for e in range(3)]
     for order in orders:  # every epoch reads every example once...

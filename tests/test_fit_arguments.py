@@ -10,6 +10,7 @@ import tensorflow as tf
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
+from towers.data import as_dataset
 
 EXAMPLES = 70  # 32 + 32 + 6 in Keras' default batches
 
@@ -47,7 +48,7 @@ def assert_same_weights(engine, model):
 def test_no_batch_size_means_keras_32_in_fit_evaluate_and_predict():
     engine, model = pair()
     x, y = arrays()
-    engine.fit(x, y, verbose=0)
+    engine.fit(x, y, verbose=0, shuffle=False)
     model.fit(x, y, verbose=0, shuffle=False)
     assert engine.steps_done == 3  # 32 + 32 + 6
     assert_same_weights(engine, model)
@@ -58,9 +59,11 @@ def test_no_batch_size_means_keras_32_in_fit_evaluate_and_predict():
 def test_validation_split_holds_out_the_last_examples_as_keras_does():
     engine, model = pair()
     x, y = arrays()
-    options = dict(batch_size=16, epochs=2, validation_split=0.25, verbose=0)
+    options = dict(
+        batch_size=16, epochs=2, validation_split=0.25, verbose=0, shuffle=False
+    )
     got = engine.fit(x, y, **options).history
-    want = model.fit(x, y, shuffle=False, **options).history
+    want = model.fit(x, y, **options).history
     assert sorted(got) == sorted(want) == ["loss", "val_loss"]
     for name in want:
         assert_close(got[name], want[name])
@@ -80,9 +83,10 @@ def test_validation_freq_steps_and_batch_size_are_keras():
         validation_steps=2,  # 2 batches of 7: 14 of the 30 examples
         validation_batch_size=7,
         verbose=0,
+        shuffle=False,
     )
     got = engine.fit(x, y, **options).history
-    want = model.fit(x, y, shuffle=False, **options).history
+    want = model.fit(x, y, **options).history
     assert len(got["val_loss"]) == len(want["val_loss"]) == 2  # epochs 2 and 4
     assert_close(got["val_loss"], want["val_loss"])
     assert_close(got["loss"], want["loss"])
@@ -97,7 +101,9 @@ def test_initial_epoch_starts_the_count_there():
     count = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda e, logs: seen.append(e)
     )
-    got = engine.fit(x, y, epochs=3, initial_epoch=1, verbose=0, callbacks=[count])
+    got = engine.fit(
+        x, y, epochs=3, initial_epoch=1, verbose=0, callbacks=[count], shuffle=False
+    )
     want = model.fit(x, y, epochs=3, initial_epoch=1, verbose=0, shuffle=False)
     assert got.epoch == want.epoch == seen == [1, 2]
     assert_close(got["loss"], want.history["loss"])
@@ -130,6 +136,7 @@ def test_verbose_2_prints_one_line_per_epoch(capsys):
         ({"initial_epoch": -1}, r"initial_epoch must be an integer >= 0; received -1"),
         ({"validation_freq": 0}, r"validation_freq must be a positive integer"),
         ({"validation_steps": 0}, r"validation_steps must be a positive integer"),
+        ({"shuffle": "batch"}, r"shuffle must be True, False or a seed .* 'batch'"),
     ],
 )
 def test_bad_fit_arguments_are_refused_before_training(options, message):
@@ -145,3 +152,42 @@ def test_validation_split_of_a_dataset_is_refused_naming_the_fix():
     dataset = tf.data.Dataset.from_tensor_slices(arrays()).batch(8)
     with pytest.raises(ValueError, match="Pass validation_data instead"):
         engine.fit(dataset, validation_split=0.2, verbose=0)
+
+
+def epoch_orders(seed, epochs=3, examples=10):
+    """The examples' order in each epoch of fit's shuffle of arrays."""
+    ids = np.arange(examples)
+    return [
+        np.concatenate(
+            [b[0].numpy() for b in as_dataset(ids, batch_size=4, shuffle=(seed, e))]
+        ).tolist()
+        for e in range(epochs)
+    ]
+
+
+def test_each_epoch_is_its_own_permutation_of_every_example():
+    orders = epoch_orders(seed=5)
+    for order in orders:
+        assert sorted(order) == list(range(10))
+    assert orders[0] != orders[1] != orders[2] != list(range(10))
+    assert epoch_orders(seed=5) == orders  # from (seed, epoch) alone
+    assert epoch_orders(seed=6) != orders
+
+
+def test_fit_shuffles_arrays_by_default_seeded_as_keras_users_seed():
+    x, y = arrays()
+    runs = []
+    for shuffle in [True, True, False, 11]:
+        engine, _ = pair()  # keras.utils.set_random_seed(0) first
+        engine.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=shuffle)
+        runs.append(engine.model.get_weights()[0])
+    shuffled, again, ordered, seeded = runs
+    np.testing.assert_array_equal(shuffled, again)  # the same seed, the same orders
+    assert not np.allclose(shuffled, ordered, rtol=1e-4)
+    assert not np.allclose(seeded, shuffled, rtol=1e-4)
+    start = pair()[0].model.get_weights()
+    keras.utils.set_random_seed(99)  # a given seed does not follow the global one
+    engine = Towers(regression, "mse", keras.optimizers.SGD(0.05), devices(3))
+    engine.model.set_weights(start)
+    engine.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=11)
+    np.testing.assert_array_equal(engine.model.get_weights()[0], seeded)

@@ -158,7 +158,13 @@ def test_fit_with_class_weight_trains_as_keras_fit(num_towers):
     reference.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
 
     history = engine.fit(
-        x, y, batch_size=16, epochs=2, verbose=0, class_weight=class_weight
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        class_weight=class_weight,
+        shuffle=False,
     )
     reference.fit(
         x,

@@ -83,7 +83,7 @@ def test_a_keras_application_trains_as_keras_fit(name, float64):
     reference.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     before = reference.get_weights()
 
-    engine.fit(x, y, batch_size=BATCH, verbose=0)
+    engine.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
 
     assert_same_updates(engine.model, reference, before)
@@ -121,7 +121,9 @@ def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64):
     reference.set_weights(engine.model.get_weights())
     before = reference.get_weights()
 
-    history = engine.fit(x, y, batch_size=BATCH, sample_weight=weights, verbose=0)
+    history = engine.fit(
+        x, y, batch_size=BATCH, sample_weight=weights, shuffle=False, verbose=0
+    )
     expected = reference.fit(
         x, y, batch_size=BATCH, sample_weight=weights, shuffle=False, verbose=0
     )

@@ -78,6 +78,43 @@ def test_a_run_resumed_at_an_epochs_end_reshuffles_as_if_never_stopped(
     assert_same_weights(tmp_path / "w.npz", weights)
 
 
+def test_shuffled_arrays_killed_mid_epoch_resume_in_the_uninterrupted_order(
+    tmp_path, uninterrupted_arrays
+):
+    # fit shuffles arrays every epoch. The resumed run draws another seed
+    # (--seed 1): the checkpoint's must win, for this epoch and the next.
+    straight, weights = uninterrupted_arrays
+    orders = [[straight[(e, s)] for s in range(1, STEPS + 1)] for e in range(3)]
+    assert orders[0] != orders[1]  # reshuffled every epoch...
+    assert sorted(sum(orders[0], [])) == list(range(EXAMPLES))  # ...each example once
+    victim = launch(
+        tmp_path / "ckpt",
+        tmp_path / "w.npz",
+        "--epochs",
+        "3",
+        "--slow",
+        data="--arrays",
+    )
+    lines = []
+    for line in victim.stdout:
+        lines.append(line)
+        if line.strip() == "trained epoch 1 step 4":
+            victim.send_signal(signal.SIGKILL)
+            break
+    victim.wait(timeout=120)
+    before = steps_of(lines)
+    resumed = launch(
+        tmp_path / "ckpt", tmp_path / "w.npz", "--epochs", "3", "--seed", "1",
+        data="--arrays",
+    )  # fmt: skip
+    after = finish(resumed)
+
+    assert min(after) in [(1, 4), (1, 5)]  # after the last saved step
+    for step, ids in {**before, **after}.items():
+        assert ids == straight[step], step
+    assert_same_weights(tmp_path / "w.npz", weights)
+
+
 def test_a_pipeline_whose_position_cannot_be_saved_is_resumed_by_skipping(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((24, 4)).astype("float32")

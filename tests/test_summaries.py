@@ -71,7 +71,7 @@ def test_fit_logs_every_step_and_epoch_scalar(tmp_path):
 def test_fit_step_loss_in_the_log_is_the_batch_loss_before_the_update(tmp_path):
     x, y = classification_data(32)
     logged, stepped = make_engine(), make_engine()
-    logged.fit((x, y), batch_size=16, verbose=0, log_dir=str(tmp_path))
+    logged.fit((x, y), batch_size=16, verbose=0, log_dir=str(tmp_path), shuffle=False)
     expected = [
         float(stepped.train_step(x[i : i + 16], y[i : i + 16])["loss"]) for i in (0, 16)
     ]

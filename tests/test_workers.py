@@ -5,7 +5,10 @@ cluster of one worker runs the same collectives, and what a cluster refuses is
 checked before anything starts.
 """
 
+import os
 import socket
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -105,3 +108,48 @@ def test_start_together_gives_every_worker_the_chiefs_values():
     var = keras.Variable([1.0, 2.0], name="w")  # start_together reads its path
     workers.start_together([var])  # the chief, alone: its values stay
     np.testing.assert_array_equal(var.numpy(), [1.0, 2.0])
+
+
+def test_agree_gives_every_worker_the_chiefs_value():
+    assert alone().agree(2**40 + 3) == 2**40 + 3  # the chief, alone: its own
+
+
+# Each worker draws another seed (keras.utils.set_random_seed(its index)); fit's
+# shuffle of arrays must take the chief's on both.
+SHUFFLING_WORKER = """
+import os, sys
+import towers
+devices = towers.virtual_devices(1)
+cluster = towers.Cluster.from_tf_config().start()
+import keras, numpy as np
+import towers.loop
+keras.utils.set_random_seed(cluster.index)
+chosen = towers.loop.shuffle_seed
+def said(*args):
+    seed = chosen(*args)
+    print("seed", seed, flush=True)
+    return seed
+towers.loop.shuffle_seed = said
+engine = towers.Towers(
+    lambda: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
+    "mse", keras.optimizers.SGD(0.1), devices=devices, cluster=cluster,
+)
+x = np.arange(16, dtype="float32").reshape(8, 2)
+engine.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+"""
+
+
+def test_fit_shuffles_arrays_in_the_chiefs_order_on_every_worker():
+    job = subprocess.run(
+        [sys.executable, "-m", "towers.cli", "launch", "--workers", "2", "--",
+         sys.executable, "-c", SHUFFLING_WORKER],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
+    seeds = {
+        line.split()[1]: line.split()[3]
+        for line in job.stdout.splitlines()
+        if line.split()[2:3] == ["seed"]
+    }
+    assert sorted(seeds) == ["0]", "1]"] and len(set(seeds.values())) == 1, seeds

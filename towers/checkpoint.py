@@ -15,7 +15,7 @@ Saved with ``tf.train.Checkpoint`` and ``tf.train.CheckpointManager``, which wri
 each checkpoint's files first and point the directory's ``checkpoint`` state file
 at them last: a run killed while saving leaves the previous checkpoint as the
 latest. A damaged or missing state file is not a fresh start: the checkpoints are
-found by their own files (``towers/checkpoint_state.py``).
+found by their own files (``towers/checkpoint_files.py``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,19 @@ from typing import Any, Protocol
 
 import tensorflow as tf
 
-from towers.checkpoint_state import STATE_FILE, on_disk, rewrite, state_damage
+from towers.checkpoint_files import (
+    STATE_FILE,
+    check_writable,
+    on_disk,
+    rewrite,
+    state_damage,
+    unreadable,
+)
 
 # The checkpoint's key for the running epoch's metrics.
 _METRICS = "epoch_metrics"
+# The shuffle seed's key in a checkpoint (optional: older ones lack it).
+_SEED_KEY = "shuffle_seed/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class Checkpointable(Protocol):
@@ -83,16 +92,21 @@ class TrainingCheckpoint:
         with tf.device(engine.variable_device):
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+            # fit's shuffle of array data: its seed, so a resumed run's later
+            # epochs come in the uninterrupted run's orders (-1: no shuffle).
+            self.shuffle_seed = tf.Variable(-1, dtype=tf.int64, trainable=False)
         self._state = {
             **engine.training_state(),
             "epoch": self.epoch,
             "step": self.step,
+            "shuffle_seed": self.shuffle_seed,
         }
         metric_variables = {
             f"{index}.{metric.name}.{v.name}".replace("/", "."): v
             for index, metric in enumerate(self._epoch_metrics)
             for v in metric.variables
         }
+        self._metric_variables = metric_variables
         self._checkpoint = tf.train.Checkpoint(
             **self._state, **({_METRICS: metric_variables} if metric_variables else {})
         )
@@ -137,8 +151,8 @@ class TrainingCheckpoint:
         """
         if self.directory is None:
             return 0, 0, False
-        newest_first = self._kept()
-        if not newest_first:
+        path = self._resume_path()
+        if path is None:
             if self._state_damage:
                 warnings.warn(
                     f"the checkpoint state file {self._state_file} is damaged "
@@ -147,7 +161,6 @@ class TrainingCheckpoint:
                     stacklevel=3,
                 )
             return 0, 0, False
-        path = self._readable_checkpoint(newest_first)
         if self._state_damage:
             warnings.warn(
                 f"the checkpoint state file {self._state_file} is damaged "
@@ -169,9 +182,19 @@ class TrainingCheckpoint:
                 stacklevel=3,
             )
         metrics_match = self._check_matches(path)
-        # Without its metrics (other or none saved), through a root of the
-        # training state alone, whose save counter the saving root then takes.
-        root = self._checkpoint if metrics_match else tf.train.Checkpoint(**self._state)
+        has_seed = _SEED_KEY in saved  # none before towers saved it
+        # Without its metrics (other or none saved) or its shuffle seed, through
+        # a root of what it holds, whose save counter the saving root then takes.
+        root = self._checkpoint
+        if not (metrics_match and has_seed):
+            parts = {
+                k: v
+                for k, v in self._state.items()
+                if has_seed or v is not self.shuffle_seed
+            }
+            if metrics_match and self._metric_variables:
+                parts[_METRICS] = self._metric_variables
+            root = tf.train.Checkpoint(**parts)
         try:
             status = root.restore(path)
         except tf.errors.OpError as error:
@@ -182,6 +205,7 @@ class TrainingCheckpoint:
         epoch, step = int(self.epoch.numpy()), int(self.step.numpy())
         if root is not self._checkpoint:
             self._checkpoint.save_counter.assign(root.save_counter)
+        if not metrics_match:
             for metric in self._epoch_metrics:
                 metric.reset_state()
             if step > 0:  # inside an epoch: its report will miss the steps done
@@ -193,6 +217,26 @@ class TrainingCheckpoint:
                 )
         self._engine.after_restore()
         return epoch, step, positioned
+
+    def saved(self, name: str) -> int | None:
+        """The value of the training state's ``name`` (``"epoch"``,
+        ``"shuffle_seed"``) in the checkpoint a resume would restore; None for
+        a fresh start, or a checkpoint without it (written before it was)."""
+        path = self._resume_path() if self.directory is not None else None
+        key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+        if path is None or key not in dict(tf.train.list_variables(path)):
+            return None
+        return int(tf.train.load_variable(path, key))
+
+    def _resume_path(self) -> str | None:
+        """The checkpoint a resume restores (the newest that reads back whole),
+        None for a fresh start; found once (every tensor is read to check it)."""
+        if not hasattr(self, "_path"):
+            newest_first = self._kept()
+            self._path = (
+                self._readable_checkpoint(newest_first) if newest_first else None
+            )
+        return self._path
 
     @property
     def _state_file(self) -> str:
@@ -267,7 +311,7 @@ class TrainingCheckpoint:
         mine = _variable_shapes(self._checkpoint)
         metrics_match = _metric_shapes(saved) == _metric_shapes(mine)
         saved, mine = _without_metrics(saved), _without_metrics(mine)
-        missing = sorted(set(mine) - set(saved))
+        missing = sorted(set(mine) - set(saved) - {_SEED_KEY})
         wrong = [
             f"{key}: saved {saved[key]}, this model {mine[key]}"
             for key in sorted(set(mine) & set(saved))
@@ -346,48 +390,3 @@ def data_position_saveable(iterator: Any) -> str | None:
             message = getattr(error, "message", str(error))
             return message.split("[Op:")[0].split("}}")[-1].strip()
     return None
-
-
-def unreadable(path: str) -> str | None:
-    """None if every tensor of the checkpoint ``path`` reads back, else why not
-    (a missing or truncated file, a garbled index, a checksum mismatch)."""
-    try:
-        reader = tf.train.load_checkpoint(path)
-        for key, dtype in reader.get_variable_to_dtype_map().items():
-            if dtype != tf.variant:  # the input position: read by its restore
-                reader.get_tensor(key)
-    # The reader raises IndexError for a data file cut short.
-    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as error:
-        message = getattr(error, "message", None) or str(error)
-        return message.strip().splitlines()[0][:300]
-    return None
-
-
-def check_writable(directory: str) -> None:
-    """Refuses, before the first step, a checkpoint directory this process cannot
-    write: a file in its place, no permission, no space for a small file.
-
-    >>> import tempfile
-    >>> with tempfile.NamedTemporaryFile() as f:
-    ...     check_writable(f.name)
-    Traceback (most recent call last):
-    ValueError: checkpoint_dir must be a directory; received ... a file...
-    """
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(
-            f"checkpoint_dir must be a directory; received {directory!r}, which is "
-            "a file"
-        )
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".towers-probe-") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as error:
-        why = error.strerror or str(error)
-        raise ValueError(
-            f"checkpoint_dir {directory!r} cannot be written ({why}); nothing was "
-            "trained or saved. Choose a directory this process can write, with "
-            "room for the model and optimizer."
-        ) from None

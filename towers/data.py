@@ -29,6 +29,7 @@ def as_dataset(
     sample_weight: Any = None,
     batch_size: int | None = None,
     class_weight: Mapping[int, float] | None = None,
+    shuffle: tuple[int, int] | None = None,
 ) -> tf.data.Dataset:
     """A dataset of global batches, prefetched.
 
@@ -42,6 +43,12 @@ def as_dataset(
       class_weight: ``{class index: weight}``: each example's weight is
         multiplied by its class's (integer or one-hot targets of one output),
         as Keras' ``fit(class_weight=...)``; classes not named weigh 1.
+      shuffle: ``(seed, epoch)``: for array input, the examples in that
+        epoch's order, a permutation that follows from the two numbers alone
+        (``tf.random.experimental.index_shuffle``: no random state, no global
+        seed), so a resumed run rebuilds any epoch's order exactly, and a
+        checkpoint of the iterator holds its position, not a buffer. None: in
+        order.
 
     Raises:
       ValueError: a ``batch_size`` that is not a positive integer,
@@ -68,7 +75,7 @@ def as_dataset(
                 )
         dataset = x
     else:
-        dataset = _from_arrays(x, y, sample_weight, batch_size)
+        dataset = _from_arrays(x, y, sample_weight, batch_size, shuffle)
     if dataset.cardinality() == 0:
         raise ValueError("the dataset is empty; received a dataset with 0 batches")
     if class_weight is not None:
@@ -86,7 +93,7 @@ def unpack(batch: Any) -> tuple[Any, Any, Any]:
     return keras.utils.unpack_x_y_sample_weight(batch)
 
 
-def _from_arrays(x, y, sample_weight, batch_size) -> tf.data.Dataset:
+def _from_arrays(x, y, sample_weight, batch_size, shuffle=None) -> tf.data.Dataset:
     if y is None and sample_weight is None and _is_pair(x):
         x, y, sample_weight = (*x, None)[:3]
     leaves = tf.nest.flatten(x)
@@ -99,7 +106,17 @@ def _from_arrays(x, y, sample_weight, batch_size) -> tf.data.Dataset:
     parts = tuple(part for part in (x, y, sample_weight) if part is not None)
     if sample_weight is not None and y is None:
         raise ValueError("sample_weight weighs targets; received it with y=None")
-    return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+    if shuffle is None:
+        return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+    parts = tf.nest.map_structure(tf.convert_to_tensor, parts)
+    last = int(tf.nest.flatten(parts)[0].shape[0]) - 1
+    seed = tf.constant(shuffle, tf.int64)
+
+    def rows(positions: tf.Tensor) -> Any:
+        order = tf.random.experimental.index_shuffle(positions, seed, last)
+        return tf.nest.map_structure(lambda a: tf.gather(a, order), parts)
+
+    return tf.data.Dataset.range(last + 1).batch(batch_size).map(rows)
 
 
 def check_batch_size(batch_size: Any) -> int:

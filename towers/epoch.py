@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,10 +125,47 @@ def should_validate(epoch: int, freq: int | Sequence[int]) -> bool:
     return epoch + 1 in freq
 
 
+def shuffle_seed(shuffle: bool | int, checkpoint: TrainingCheckpoint, workers) -> int:
+    """The seed of ``fit``'s shuffle of array data: the resumed checkpoint's if
+    it has one (a resumed run's later epochs then come in the uninterrupted
+    run's orders), else ``shuffle`` if it is a seed, else one drawn from NumPy's
+    generator; in a cluster, the chief's. Saved with the checkpoints."""
+    saved = checkpoint.saved("shuffle_seed")
+    saved = None if saved is None or saved < 0 else saved  # -1: it shuffled nothing
+    given = None if isinstance(shuffle, bool) else shuffle
+    if saved is not None:
+        if given is not None and given != saved:
+            warnings.warn(
+                f"fit was given shuffle={given}, but the checkpoint it resumes "
+                f"shuffled with seed {saved}; resuming with {saved}, so the "
+                "examples come in the uninterrupted run's order",
+                stacklevel=3,
+            )
+        seed = saved
+    else:
+        seed = given if given is not None else int(np.random.randint(2**31 - 1))
+    if workers is not None:
+        seed = workers.agree(seed)
+    if checkpoint.directory is not None:
+        checkpoint.shuffle_seed.assign(seed)
+    return seed
+
+
 def check_fit_arguments(
-    verbose: Any, validation_split: Any, initial_epoch: Any, validation_freq: Any
+    verbose: Any,
+    validation_split: Any,
+    initial_epoch: Any,
+    validation_freq: Any,
+    shuffle: Any = False,
 ) -> int:
     """Refuses what Keras' ``fit`` refuses; returns ``verbose`` as 0, 1 or 2."""
+    if not isinstance(shuffle, (bool, int)) or (
+        not isinstance(shuffle, bool) and shuffle < 0
+    ):
+        raise ValueError(
+            "shuffle must be True, False or a seed (an integer >= 0); received "
+            f"{shuffle!r}"
+        )
     if verbose == "auto":
         verbose = 1
     if verbose not in (0, 1, 2) or isinstance(verbose, bool):

@@ -25,6 +25,7 @@ from towers.epoch import (
     check_positive,
     known_length,
     should_validate,
+    shuffle_seed,
     train_epoch,
     validate,
     validation_batches,
@@ -100,6 +101,7 @@ class Trainer(abc.ABC):
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
         validation_split: float = 0.0,
         validation_data: Any = None,
+        shuffle: bool | int = True,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: Any = None,
         initial_epoch: int = 0,
@@ -143,6 +145,13 @@ class Trainer(abc.ABC):
             there is no ``validation_data``.
           validation_data: ``(x, y[, sample_weight])`` or a dataset, evaluated
             after each epoch; its results join the history as ``val_<name>``.
+          shuffle: for array data, a new order of the examples every epoch
+            (True, as Keras' default; an int: with that seed), or the arrays'
+            order (False). The seed is drawn from NumPy's generator
+            (``keras.utils.set_random_seed`` fixes it), saved with each
+            checkpoint so a resumed run comes in the uninterrupted run's orders,
+            and in a cluster taken from the chief. A dataset is not shuffled:
+            shuffle it in the pipeline.
           initial_epoch: the epoch to start at (0-based) when no checkpoint
             says where to resume.
           steps_per_epoch: batches per epoch; default, the whole data.
@@ -175,7 +184,7 @@ class Trainer(abc.ABC):
           True
         """
         verbose = check_fit_arguments(
-            verbose, validation_split, initial_epoch, validation_freq
+            verbose, validation_split, initial_epoch, validation_freq, shuffle
         )
         for name, value in (
             ("validation_steps", validation_steps),
@@ -207,8 +216,13 @@ class Trainer(abc.ABC):
             writes=_is_chief(self),
             epoch_metrics=[self.loss_tracker, *self.metrics],
         )
-        batches = dataset.take(steps_per_epoch) if steps_per_epoch else dataset
-        iterator = position_iterator(batches, checkpoint_dir)
+        batches_of = self._epoch_batches(
+            dataset, (x, y, sample_weight, batch_size, class_weight), shuffle,
+            steps_per_epoch, checkpoint,
+        )  # fmt: skip
+        first = checkpoint.saved("epoch")
+        first = initial_epoch if first is None else first
+        iterator = position_iterator(batches_of(first), checkpoint_dir)
         start_epoch, start_step, positioned = checkpoint.restore(iterator)
         if (start_epoch, start_step) == (0, 0):
             start_epoch = initial_epoch
@@ -222,7 +236,7 @@ class Trainer(abc.ABC):
         )
         run = Run(
             self,
-            batches,
+            batches_of(first),
             epochs,
             steps_per_epoch,
             verbose,
@@ -239,7 +253,10 @@ class Trainer(abc.ABC):
                 for epoch in range(start_epoch, epochs):
                     callback_list.on_epoch_begin(epoch)
                     done = start_step if epoch == start_epoch else 0
-                    epoch_batches = iter(batches) if iterator is None else iterator
+                    if iterator is None:
+                        epoch_batches = iter(batches_of(epoch))
+                    else:
+                        epoch_batches = iterator
                     if not positioned:
                         for _ in range(done):  # no saved position: skip them
                             next(epoch_batches, None)
@@ -247,9 +264,9 @@ class Trainer(abc.ABC):
                     # An epoch ends with its last accumulate_steps window applied.
                     self.apply_accumulated()
                     if iterator is not None:
-                        # The next epoch's iterator, made now: its shuffle seeds are
-                        # drawn here, and the checkpoint below saves them.
-                        iterator = iter(batches)
+                        # The next epoch's iterator, made now: the checkpoint below
+                        # saves it (its position, and a pipeline's shuffle seeds).
+                        iterator = iter(batches_of(epoch + 1))
                         checkpoint.follow(iterator)
                     checkpoint.save(epoch + 1, 0)
                     if validation is not None and should_validate(
@@ -266,6 +283,28 @@ class Trainer(abc.ABC):
             log.close()
         callback_list.on_train_end()
         return history
+
+    def _epoch_batches(self, dataset, arrays, shuffle, steps, checkpoint):
+        """``epoch -> that epoch's batches``: ``dataset`` every epoch, or for
+        arrays fit shuffles, each epoch's own order (``shuffle_seed``)."""
+        if shuffle is False or isinstance(arrays[0], tf.data.Dataset):
+            fixed = dataset.take(steps) if steps else dataset
+            return lambda epoch: fixed
+        seed = shuffle_seed(shuffle, checkpoint, self.workers)
+        # Converted once: every epoch's dataset gathers from the same tensors.
+        x, y, sample_weight, batch_size, class_weight = arrays
+        x, y, sample_weight = [
+            None if a is None else tf.nest.map_structure(tf.convert_to_tensor, a)
+            for a in (x, y, sample_weight)
+        ]
+
+        def batches_of(epoch: int) -> tf.data.Dataset:
+            data = as_dataset(
+                x, y, sample_weight, batch_size, class_weight, (seed, epoch)
+            )
+            return data.take(steps) if steps else data
+
+        return batches_of
 
     def evaluate(
         self,

@@ -113,6 +113,7 @@ class Workers:
             "/device:CPU:0", "per_tensor", cluster.startup_timeout_seconds
         )
         self._start = group(device, "packed", cluster.startup_timeout_seconds)
+        self._agree = group(device, "per_tensor", cluster.timeout_seconds)
         # Training and evaluation steps send different tensors: a group each, so
         # their instance keys never meet.
         self._groups = {
@@ -233,6 +234,14 @@ class Workers:
         """Rows of every worker, stacked in rank order (a sum of one-hot rows)."""
         spread = tf.scatter_nd([[rank]], tf.constant([row], tf.int32), [size, len(row)])
         return self.call(lambda: self._check.all_reduce([[spread]], instance)[0][0])
+
+    def agree(self, value: int) -> int:
+        """The chief's ``value`` (an integer below 2**53, e.g. a seed), on every
+        worker."""
+        chief = self.cluster.is_chief
+        mine = tf.constant(float(value) if chief else 0.0, tf.float64)
+        total = self.run(tf.function(lambda: self._agree.all_reduce([[mine]])[0][0]))
+        return int(total.numpy())
 
     def broadcast(self, variables: Sequence[tf.Variable]) -> None:
         """Sets ``variables`` to the chief's values on every worker."""

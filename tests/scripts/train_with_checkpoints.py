@@ -1,12 +1,16 @@
 """Trains a small model with checkpoints; the kill-and-resume tests run this.
 
 Usage: train_with_checkpoints.py CHECKPOINT_DIR WEIGHTS_OUT.npz [--slow]
-           [--shuffled] [--epochs N] [--saves [--kill-after N saving|saved SECONDS]]
+           [--shuffled | --arrays] [--seed N] [--epochs N]
+           [--saves [--kill-after N saving|saved SECONDS]]
 
 Prints "trained epoch E step S" after every step (flushed), and saves the final
-weights and optimizer iteration count to WEIGHTS_OUT. With ``--shuffled`` the data
-is a tf.data pipeline reshuffled every epoch, and each step first prints
-"ids I,J,..." (the examples of the batch, read from the first feature). With
+weights and optimizer iteration count to WEIGHTS_OUT. The data are arrays that
+fit shuffles every epoch (its default). With ``--shuffled`` they are a tf.data
+pipeline reshuffled every epoch instead; with either flag each step first prints
+"ids I,J,..." (the examples of the batch, read from the first feature), and
+``--arrays`` is the arrays with ids. ``--seed N``: keras.utils.set_random_seed(N)
+(default 0), where fit draws its shuffle seed from. With
 ``--saves`` every checkpoint save is bracketed by "saving N" and "saved N" (N: the
 steps it holds), so a killer knows whether it struck inside a save.
 ``--kill-after 12 saving 0.003`` SIGKILLs this process 3 ms after "saving 12" was
@@ -77,15 +81,15 @@ def announce_saves(kill_after):
     towers.checkpoint.TrainingCheckpoint.save = announced
 
 
-def main(directory, out, slow, shuffled, epochs):
-    keras.utils.set_random_seed(0)
+def main(directory, out, slow, shuffled, epochs, ids=False, seed=0):
+    keras.utils.set_random_seed(seed)
     engine = towers.Towers(
         lambda: keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)]),
         "mse",
         lambda: keras.optimizers.Adam(0.05),
         devices=towers.virtual_devices(3),
     )
-    if shuffled:
+    if ids:
         train_step = engine.train_step
 
         def announce_ids(x, y=None, sample_weight=None):
@@ -118,4 +122,7 @@ if __name__ == "__main__":
             at = args.index("--kill-after")
             kill_after = (f"{args[at + 2]} {args[at + 1]}", float(args[at + 3]))
         announce_saves(kill_after)
-    main(args[0], args[1], "--slow" in args, "--shuffled" in args, epochs)
+    seed = int(args[args.index("--seed") + 1]) if "--seed" in args else 0
+    shuffled = "--shuffled" in args
+    ids = shuffled or "--arrays" in args
+    main(args[0], args[1], "--slow" in args, shuffled, epochs, ids, seed)

@@ -1,4 +1,5 @@
-"""The checkpoint directory's state file, and resuming without it.
+"""The checkpoint directory's files: each checkpoint read back whole, the
+directory's room to write, and the state file (resuming without it).
 
 ``tf.train.CheckpointManager`` keeps a small text file, ``checkpoint``, naming
 the kept checkpoints; it is rewritten after every save. A kill or a full disk
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 
 import tensorflow as tf
 
@@ -73,3 +75,48 @@ def rewrite(directory: str, prefixes: list[str]) -> None:
     tf.compat.v1.train.update_checkpoint_state(
         directory, model_checkpoint_path=names[-1], all_model_checkpoint_paths=names
     )
+
+
+def unreadable(path: str) -> str | None:
+    """None if every tensor of the checkpoint ``path`` reads back, else why not
+    (a missing or truncated file, a garbled index, a checksum mismatch)."""
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for key, dtype in reader.get_variable_to_dtype_map().items():
+            if dtype != tf.variant:  # the input position: read by its restore
+                reader.get_tensor(key)
+    # The reader raises IndexError for a data file cut short.
+    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as error:
+        message = getattr(error, "message", None) or str(error)
+        return message.strip().splitlines()[0][:300]
+    return None
+
+
+def check_writable(directory: str) -> None:
+    """Refuses, before the first step, a checkpoint directory this process cannot
+    write: a file in its place, no permission, no space for a small file.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile() as f:
+    ...     check_writable(f.name)
+    Traceback (most recent call last):
+    ValueError: checkpoint_dir must be a directory; received ... a file...
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(
+            f"checkpoint_dir must be a directory; received {directory!r}, which is "
+            "a file"
+        )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".towers-probe-") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        why = error.strerror or str(error)
+        raise ValueError(
+            f"checkpoint_dir {directory!r} cannot be written ({why}); nothing was "
+            "trained or saved. Choose a directory this process can write, with "
+            "room for the model and optimizer."
+        ) from None
