@@ -156,7 +156,7 @@ def check_fit_arguments(
     validation_split: Any,
     initial_epoch: Any,
     validation_freq: Any,
-    shuffle: Any = False,
+    shuffle: Any,
 ) -> int:
     """Refuses what Keras' ``fit`` refuses; returns ``verbose`` as 0, 1 or 2."""
     if not isinstance(shuffle, (bool, int)) or (
