@@ -35,6 +35,9 @@ _STOPPED = "it is stopped (SIGSTOP, a debugger) or its machine is overloaded"
 # many seconds, then one every NOTICE_EVERY_SECONDS.
 NOTICE_FIRST_SECONDS = 3.0
 NOTICE_EVERY_SECONDS = 15.0
+# A collective whose group was aborted by an earlier failure (a peer that timed
+# out); TensorFlow raises it with the kind of that failure, which may be any.
+_ABORTED = "Collective ops is aborted by"
 # The errors a collective raises when a peer does not come.
 _LOST_KINDS = (
     tf.errors.DeadlineExceededError,
@@ -261,5 +264,6 @@ def raise_if_lost(
       Traceback (most recent call last):
       towers.faults.WorkerLostError: worker 0 of 2: a collective did not complete...
     """
-    if isinstance(error, _LOST_KINDS) or "timed out" in str(error):
+    said = str(error)
+    if isinstance(error, _LOST_KINDS) or "timed out" in said or _ABORTED in said:
         raise lost_error(cluster, error, waited, startup) from error
