@@ -11,13 +11,14 @@ import tensorflow as tf
 
 from towers.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.cluster import Cluster
+from towers.compiled import Compiled
 from towers.devices import canonical_device, resolve_devices
 from towers.explain import Explanation, explain
 from towers.loop import Trainer
 from towers.parts import FROM_COMPILE, join_cluster, make_step
 from towers.reducers import get_reducer
-from towers.step import Compiled
 from towers.update import NonfinitePolicy
+from towers.xla import JitCompile
 
 
 class Towers(Trainer):
@@ -53,6 +54,9 @@ class Towers(Trainer):
       cluster: ``"auto"`` (join the cluster ``TF_CONFIG`` names, if set), a
         :class:`towers.Cluster`, or None. W workers × T towers give one process's
         update on the concatenated batch (feed them with :func:`towers.shard`).
+      jit_compile: each tower's forward and backward as XLA computations on its
+        device: True, False, or ``"auto"`` (Keras' rule); None: the compiled
+        model's, else ``"auto"`` (``towers/xla.py``).
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
@@ -97,6 +101,7 @@ class Towers(Trainer):
         cluster: Cluster | str | None = "auto",
         loss_weights: Any = None,
         weighted_metrics: Sequence[Any] | None = None,
+        jit_compile: JitCompile = None,
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -111,23 +116,13 @@ class Towers(Trainer):
             batch_statistics=batch_statistics,
             on_nonfinite=on_nonfinite,
             accumulate_steps=accumulate_steps,
+            jit_compile=jit_compile,
         )
-        self.step = make_step(
-            model,
-            loss,
-            optimizer,
-            self.devices,
-            self.variable_device,
-            self.reducer,
-            placement,
-            self.cluster,
-            options,
-        )
+        where = (self.devices, self.variable_device, self.reducer, placement)
+        self.step = make_step(model, loss, optimizer, *where, self.cluster, options)
         self.placement, self.update = self.step.placement, self.step.update
-        self.workers, self.moving_statistics = (
-            self.step.workers,
-            self.step.moving_statistics,
-        )
+        self.workers = self.step.workers
+        self.moving_statistics = self.step.moving_statistics
         self.model, self.optimizer = self.placement.model, self.placement.optimizer
         # Keras callbacks (LearningRateScheduler...) find it there, as on compile.
         self.model.optimizer = self.optimizer
@@ -199,7 +194,7 @@ class Towers(Trainer):
           (1, 1)
         """
         batch = self.prepare(x, y, sample_weight)
-        out = self._run(self._compiled.train(), *batch)
+        out = self._run("train", *batch)
         self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
         if "stop" in out:
             self.workers.last_stop = out["stop"]  # read by fit (preemption.py)
@@ -220,7 +215,7 @@ class Towers(Trainer):
           >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
           (2.0, 1.0)
         """
-        return self._run(self._compiled.evaluate, *self.prepare(x, y, sample_weight))
+        return self._run("evaluate", *self.prepare(x, y, sample_weight))
 
     def predict_step(self, x: Any) -> Any:
         """The model's outputs on one batch: each tower predicts its shard; the
@@ -230,7 +225,7 @@ class Towers(Trainer):
         TensorShape([3, 1])
         """
         x, _, _ = self.prepare(x)
-        return self._run(self._compiled.predict, x)
+        return self._run("predict", x)
 
     def apply_accumulated(self) -> None:
         """Applies the gradients of a partly filled ``accumulate_steps`` window
@@ -296,5 +291,6 @@ class Towers(Trainer):
         """
         self.placement.after_restore()
 
-    def _run(self, step: Callable[..., Any], *batch: Any) -> Any:
-        return step(*batch) if self.workers is None else self.workers.run(step, *batch)
+    def _run(self, kind: str, *batch: Any) -> Any:
+        call = self.workers.run if self.workers else lambda step, *b: step(*b)
+        return self._compiled.run(kind, call, *batch)

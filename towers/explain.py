@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import tensorflow as tf
 
 from towers import _runtime
+from towers.compiled import traced
 from towers.explain_graph import (
     Transfer,
     VariableInfo,
@@ -32,7 +33,6 @@ from towers.explain_graph import (
 )
 from towers.explain_report import draw, render
 from towers.split import split_sizes
-from towers.step import traced
 
 
 @dataclass

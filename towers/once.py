@@ -23,16 +23,25 @@ read once before the calls instead, handed from each tower's call to the next
 (tower ``t`` starts where tower ``t - 1`` ended, as a trace per tower does: the
 same draws), and assigned once after the last. A state only depends on the
 state before it, so no tower waits for another's work.
+
+With XLA (``Towers(jit_compile=True)``, ``towers/xla.py``) the same function
+is compiled, so each tower's forward and backward pass is one XLA computation
+on its device, and every tower takes this path: one function per model (a
+copy per tower has its own). The weights are read before the call and passed
+in. When a divisor needs every tower's forward pass, each tower's forward runs
+first as one computation (for the divisors), then its forward again and its
+backward as another, given them: the tape cannot reach from one computation
+into the next, and the forward is the cheaper half to repeat.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
+from towers import xla
 from towers._keras import state_variables
 from towers.split import Shards, batch_size_of
 from towers.tower import Tower, TowerResult
@@ -56,45 +65,113 @@ def compute(
     working: list[int],
     divisors_of: Callable[[list], list[Any]],
 ) -> list[TowerResult] | None:
-    """``Step.compute`` with one trace for every tower: each working tower's
-    loss share and gradients, on its device; None if a divisor of the step
-    needs every tower's forward pass.
+    """``Step.compute`` with one trace for every tower of a model: each working
+    tower's loss share and gradients, on its device. None if a divisor of the
+    step needs every tower's forward pass; with XLA, that case too.
 
     ``divisors_of(passes)``: the step's divisors of ``passes`` (with its checks);
     given one tower's pass, that tower's own.
     """
-    model = placement.model_of(working[0])
+    jit = tower.jit.enabled
     examples = shards.normaliser
-    traced: dict[int, TowerResult] = {}  # per shard size, the traced result
+    held = _Held(placement, working)
 
-    def one_tower(x: Any, y: Any, sample_weight: Any, states: list) -> dict:
-        tower_pass = tower.forward(model, x, y, sample_weight, examples, states)
-        size = batch_size_of(x)
-        own = divisors_of([tower_pass])
-        divisors = [
-            _step_divisor(term, d, size, examples)
-            for term, d in zip(tower_pass.terms, own)
-        ]
-        result = tower.gradients(tower_pass, divisors)
-        traced[size] = result
-        return {**_tensors(result), "states": tower_pass.states}
+    def one_tower(model: Any) -> Callable[..., Any]:
+        def work(x, y, sample_weight, states, weights, scale) -> tuple:
+            tower_pass = tower.forward(
+                model, x, y, sample_weight, examples, states, weights
+            )
+            size = batch_size_of(x)
+            own = divisors_of([tower_pass])
+            divisors = [
+                _step_divisor(term, d, size, examples)
+                for term, d in zip(tower_pass.terms, own)
+            ]
+            return tower.gradients(tower_pass, divisors, scale), tower_pass.states
 
-    function = tf.function(one_tower, autograph=False)
-    held = state_variables(model)
-    states = [tf.identity(v) for v in held]
-    results = []
+        return xla.function(work, jit)
+
     try:
-        for t in working:
-            x, y, sample_weight = shards.parts[t]
-            with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
-                out = function(x, y, sample_weight, states)
-            states = out["states"]
-            results.append(_result(traced[shards.sizes[t]], out))
+        return held.run(working, shards, one_tower, _scale(tower))
     except _NeedsEveryTower:
-        return None
-    for variable, value in zip(held, states):
-        variable.assign(value)
-    return results
+        if not jit:
+            return None
+    return _forward_twice(placement, tower, shards, working, divisors_of)
+
+
+def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
+    """Each tower's forward pass as one XLA computation, the step's divisors of
+    them all, then each tower's forward and backward as one more, given them."""
+    examples = shards.normaliser
+
+    def forward(model: Any) -> Callable[..., Any]:
+        def work(x, y, sample_weight, states, weights, scale) -> tuple:
+            del scale
+            tower_pass = tower.forward(
+                model, x, y, sample_weight, examples, states, weights
+            )
+            tower_pass.tape = None  # stays in the computation
+            return tower_pass, tower_pass.states
+
+        return xla.function(work, jit=True)
+
+    held, scale = _Held(placement, working), _scale(tower)
+    starts = dict(held.states)
+    passes = held.run(working, shards, forward, scale)
+    divisors = divisors_of(passes)
+
+    def both(model: Any) -> Callable[..., Any]:
+        def work(x, y, sample_weight, states, weights, scale, divisors) -> tuple:
+            tower_pass = tower.forward(
+                model, x, y, sample_weight, examples, states, weights
+            )
+            return tower.gradients(tower_pass, divisors, scale), tower_pass.states
+
+        return xla.function(work, jit=True)
+
+    held.states = starts  # the same draws as the forward passes made
+    return held.run(working, shards, both, scale, extra=(divisors,))
+
+
+class _Held:
+    """The seed generators' states of each model, handed from each tower's call
+    to the next and assigned once after the last (the module's docstring)."""
+
+    def __init__(self, placement: Any, working: list[int]):
+        self.placement = placement
+        models = [placement.model_of(t) for t in working]
+        self.models = {id(model): model for model in models}
+        self.states = {
+            key: [tf.identity(v) for v in state_variables(model)]
+            for key, model in self.models.items()
+        }
+
+    def run(self, working, shards, make, scale: Any, extra: tuple = ()) -> list:
+        """Each working tower's call of ``make(model)`` (one function per
+        model), in tower order; the states assigned after the last. ``scale``:
+        the loss scale, read outside an XLA computation (None: read in the
+        call, and so are the weights)."""
+        functions = {key: make(model) for key, model in self.models.items()}
+        results = []
+        for t in working:
+            model = self.placement.model_of(t)
+            key = id(model)
+            x, y, sample_weight = shards.parts[t]
+            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
+                weights = None if scale is None else xla.read_weights(model)
+                args = (x, y, sample_weight, self.states[key], weights, scale)
+                result, self.states[key] = functions[key](*args, *extra)
+            results.append(result)
+        for key, model in self.models.items():
+            for variable, value in zip(state_variables(model), self.states[key]):
+                variable.assign(value)
+        return results
+
+
+def _scale(tower: Tower) -> Any:
+    """The loss scale, read before an XLA call (it lives on the variable
+    device); None without XLA: the call reads it."""
+    return tower.loss_scale() if tower.jit.enabled else None
 
 
 def _step_divisor(term: Any, divisor: Any, size: int, examples: Any) -> Any:
@@ -105,34 +182,3 @@ def _step_divisor(term: Any, divisor: Any, size: int, examples: Any) -> Any:
     if term.kind != "examples" or not isinstance(divisor, int):
         raise _NeedsEveryTower
     return divisor // size * examples
-
-
-def _tensors(result: TowerResult) -> dict[str, Any]:
-    """What a traced tower hands out of its function: the result's tensors."""
-    return {
-        "loss": result.loss,
-        "predictions": result.predictions,
-        "grads": result.grads,
-        "moments": result.moments,
-        "totals": [term.total for term in result.terms],
-        "extra": result.extra,
-        "output_losses": result.output_losses,
-    }
-
-
-def _result(traced: TowerResult, out: dict[str, Any]) -> TowerResult:
-    """The traced result with one call's tensors (the rest is static)."""
-    terms = [
-        dataclasses.replace(term, total=total)
-        for term, total in zip(traced.terms, out["totals"])
-    ]
-    return dataclasses.replace(
-        traced,
-        loss=out["loss"],
-        predictions=out["predictions"],
-        grads=out["grads"],
-        moments=out["moments"],
-        terms=terms,
-        extra=out["extra"],
-        output_losses=out["output_losses"],
-    )

@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 
+from towers import xla
 from towers._keras import overrides
 from towers.batchnorm import MovingStatistics
 from towers.cluster import Cluster, resolve_cluster
@@ -92,7 +93,7 @@ def make_step(
 ) -> Step:
     """The step of an engine; ``options``: ``metrics``, ``weighted_metrics``,
     ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
-    ``accumulate_steps``."""
+    ``accumulate_steps``, ``jit_compile``."""
     compiled = _compile_config(model)
     built = isinstance(model, keras.Model)  # else a builder: asked once it ran
     if built:
@@ -137,7 +138,10 @@ def make_step(
         getattr(where.model, "output_names", None),
         step_loss.output_names_with_losses(),
     )
-    tower = Tower(step_loss, moving, update.loss_scale, own_loss)
+    jit = xla.resolve(options.get("jit_compile"), where.model, devices)
+    lockstep = moving.statistics == "global" and (len(devices) > 1 or bool(cluster))
+    jit = xla.refuse_global_statistics(jit, batch_norm and lockstep)
+    tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit)
     return Step(where, tower, update, metrics, moving, workers)
 
 

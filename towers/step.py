@@ -37,43 +37,6 @@ from towers.workers import Workers
 HOST = "/device:CPU:0"
 
 
-def traced(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as a ``tf.function`` without AutoGraph, as Keras' own fit traces
-    its step. The step's Python makes no decision on a tensor's value (it calls
-    ``tf.cond`` where it needs one), and AutoGraph's rewrite of every function
-    the step calls, Keras' layers included, was most of the time to trace:
-    7.7 s of 11.4 s for MobileNetV2 on one tower."""
-    return tf.function(fn, autograph=False)
-
-
-class Compiled:
-    """A step's phases as ``tf.function``s. The train step is traced for the
-    variables the model trains: a change of ``trainable`` between steps (which
-    tf.function would not see) traces it anew, and copies follow copy 0."""
-
-    def __init__(self, step: Step):
-        self.step = step
-        self.evaluate = traced(step.evaluate)
-        self.predict = traced(step.predict)
-        self._train, self._trainable, self._retired = None, None, 0
-
-    def train(self) -> Callable[..., Any]:
-        """The compiled train step for the model's trainable variables now."""
-        model = self.step.placement.model
-        trainable = tuple(id(v) for v in model.trainable_variables)
-        if trainable != self._trainable:
-            self.step.placement.follow_trainable()
-            self._retired = self.train_traces
-            self._train, self._trainable = traced(self.step.train), trainable
-        return self._train
-
-    @property
-    def train_traces(self) -> int:
-        """How many times the train step has been traced, retraces included."""
-        current = self._train.experimental_get_tracing_count() if self._train else 0
-        return self._retired + current
-
-
 class Step:
     """One engine's train and evaluation steps, phase by phase.
 
@@ -241,7 +204,7 @@ class Step:
                 self.workers,
                 lambda passes: self._weight(passes, shards),
             )
-        if once.shareable(self.placement, shards, working):
+        if self.tower.jit.enabled or once.shareable(self.placement, shards, working):
             results = once.compute(
                 self.placement, self.tower, shards, working, self._divisors
             )

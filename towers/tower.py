@@ -28,6 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers import xla
 from towers._keras import ReadScope, compute_loss, state_variables
 from towers.batchnorm import MovingStatistics
 from towers.losses import StepLoss, Term, over
@@ -123,6 +124,9 @@ class Tower:
         the batch (a contrastive loss, a batch-wide normaliser, a mean whose
         divisor is the sample weights' sum) is computed per shard instead, and
         is then not one device's.
+      jit: whether each tower's pass is one XLA computation
+        (``towers/xla.py``): evaluation and prediction here, training in
+        ``towers/once.py``.
 
     Example:
       >>> import keras, numpy as np
@@ -141,11 +145,13 @@ class Tower:
         moving_statistics: MovingStatistics,
         loss_scale: Callable[[], Any],
         own_loss: bool = False,
+        jit: xla.Jit = xla.OFF,
     ):
         self.loss = loss
         self.moving_statistics = moving_statistics
         self.loss_scale = loss_scale
         self.own_loss = own_loss
+        self.jit = jit
 
     def forward(
         self,
@@ -155,6 +161,7 @@ class Tower:
         sample_weight: Any,
         examples: Any,
         states: list[tf.Tensor] | None = None,
+        weights: list[tf.Tensor] | None = None,
     ) -> TowerPass:
         """The forward pass in training mode, recorded for :meth:`gradients`.
 
@@ -166,10 +173,12 @@ class Tower:
           states: the values of ``state_variables(model)`` to start from; the
             pass then assigns none of them and hands their last values out
             (``TowerPass.states``). None: the pass assigns them as it draws.
+          weights: the values of ``model.weights`` (read outside an XLA
+            computation); None: read here.
         """
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
-        with weights_here(model, states) as scope:
+        with weights_here(model, states, weights) as scope:
             sources = [scope.get_current_value(v) for v in variables]
             with tape, self.moving_statistics.recording() as moments:
                 tape.watch(sources)
@@ -182,9 +191,12 @@ class Tower:
         tower_pass.variables, tower_pass.sources = variables, sources
         return tower_pass
 
-    def gradients(self, tower_pass: TowerPass, divisors: list[Any]) -> TowerResult:
-        """The tower's loss share and its gradients, given the step's divisors."""
-        scale = self.loss_scale()
+    def gradients(
+        self, tower_pass: TowerPass, divisors: list[Any], scale: Any = None
+    ) -> TowerResult:
+        """The tower's loss share and its gradients, given the step's divisors
+        (and the loss scale, if read already)."""
+        scale = self.loss_scale() if scale is None else scale
         # Each upstream in its target's dtype: a float64 model stays float64.
         targets = [t.total for t in tower_pass.terms]
         upstream = [
@@ -212,13 +224,28 @@ class Tower:
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
     ) -> TowerPass:
         """The tower's predictions and loss terms, in inference mode."""
-        with weights_here(model):
-            return self._pass(model, x, y, sample_weight, examples, False)
+
+        def evaluate(x: Any, y: Any, sample_weight: Any, weights: Any) -> TowerPass:
+            with weights_here(model, weights=weights):
+                return self._pass(model, x, y, sample_weight, examples, False)
+
+        return self._run(model, evaluate, x, y, sample_weight)
 
     def predict(self, model: keras.Model, x: Any) -> Any:
         """The model's outputs on the tower's shard, in inference mode."""
-        with weights_here(model):
-            return model(x, training=False)
+
+        def predict(x: Any, weights: Any) -> Any:
+            with weights_here(model, weights=weights):
+                return model(x, training=False)
+
+        return self._run(model, predict, x)
+
+    def _run(self, model: keras.Model, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args, weights)``: as one XLA computation with the weights read
+        here, or traced inline reading them itself."""
+        if not self.jit.enabled:
+            return work(*args, None)
+        return xla.function(work, jit=True)(*args, xla.read_weights(model))
 
     def _pass(self, model, x, y, sample_weight, examples, training: bool) -> TowerPass:
         y_pred = model(x, training=training)
@@ -241,7 +268,9 @@ class Tower:
 
 @contextlib.contextmanager
 def weights_here(
-    model: keras.Model, states: list[tf.Tensor] | None = None
+    model: keras.Model,
+    states: list[tf.Tensor] | None = None,
+    weights: list[tf.Tensor] | None = None,
 ) -> Iterator[ReadScope]:
     """Within, each of ``model``'s weights reads as one tensor, read once on the
     current device (the tower's): a layer that compiles with XLA inside cannot
@@ -250,8 +279,10 @@ def weights_here(
 
     With ``states`` (one value per ``state_variables(model)``), the seed
     generators' states read as those values and their assignments stay in the
-    scope. Yields the scope: ``get_current_value(v)`` is what ``v`` reads as."""
-    mapping = [(v, tf.identity(v)) for v in model.weights]
+    scope. Yields the scope: ``get_current_value(v)`` is what ``v`` reads as.
+    ``weights``: the weights' values, read already (``xla.read_weights``)."""
+    values = xla.read_weights(model) if weights is None else weights
+    mapping = list(zip(model.weights, values))
     held = state_variables(model) if states is not None else []
     mapping += list(zip(held, states or []))
     with ReadScope(mapping, collect_losses=True, held=held) as scope:
