@@ -162,6 +162,12 @@ def _add_explain(commands) -> None:
         metavar="DEVICE",
         help="the variable device under central placement (default: /cpu:0)",
     )
+    explain.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile each tower's forward and backward pass with XLA, and list "
+        "the XLA computations",
+    )
     explain.add_argument("--png", metavar="FILE", help="draw the step to FILE (PNG)")
     explain.add_argument(
         "--json", metavar="FILE", help="write the report's data to FILE (JSON)"
@@ -246,6 +252,7 @@ def run_explain(args: argparse.Namespace) -> int:
         variable_device=args.variable_device,
         png=args.png,
         json_path=args.json,
+        jit_compile=args.jit_compile,
     )
 
 

@@ -15,7 +15,7 @@ the tower's device.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import tensorflow as tf
@@ -25,11 +25,13 @@ from towers.compiled import traced
 from towers.explain_graph import (
     Transfer,
     VariableInfo,
+    XlaCall,
     count_ops,
     device_key,
     placed_variables,
     step_partitions,
     transfers,
+    xla_calls,
 )
 from towers.explain_report import draw, render
 from towers.split import split_sizes
@@ -49,6 +51,7 @@ class Explanation:
     transfers: list[Transfer]
     unknown_bytes: int = 0  # sent tensors whose size was not static
     workers: int = 1
+    xla: list[XlaCall] = field(default_factory=list)  # with jit_compile
 
     def ran_on(self, stage: str) -> list[str]:
         """The devices that ran ops of ``stage`` (e.g. ``"apply"``), most first."""
@@ -128,6 +131,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         transfers=crossed.transfers,
         unknown_bytes=crossed.unknown,
         workers=1 if engine.cluster is None else engine.cluster.num_workers,
+        xla=xla_calls(concrete.graph),
     )
 
 

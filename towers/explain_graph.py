@@ -6,6 +6,8 @@ Ops are grouped into the step's stages by the name scopes the step opens
 
     split                    the batch cut into shards (on the host)
     tower t forward          tower t's forward pass and loss
+    tower t XLA              with jit_compile: tower t's forward and backward
+                             passes, one XLA computation (one op, a call)
     tower t backward         tower t's gradients (GradientTape)
     combine                  the towers' gradients summed (combine_gradients)
     across workers           the sum across worker processes, in a cluster
@@ -34,7 +36,16 @@ _COLLECTIVES = {
     "CollectiveGatherV2": "all-gather",
     "CollectiveBcastSendV2": "broadcast",
 }
-_STAGE_ORDER = ("split", "forward", "backward", "combine", "across workers", "apply")
+_STAGE_ORDER = (
+    "split",
+    "forward",
+    "XLA",
+    "backward",
+    "combine",
+    "across workers",
+    "apply",
+)
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 
 
 @dataclass(frozen=True)
@@ -75,8 +86,14 @@ def stage_of(name: str) -> str:
     'tower 1 backward'
     >>> stage_of("tower_1/StatefulPartitionedCall/gradient_tape/dense/MatMul")
     'tower 1 backward'
+    >>> stage_of("tower_1/PartitionedCall"), stage_of("tower_1/PartitionedCall/_13")
+    ('tower 1 XLA', 'tower 1 XLA')
     >>> stage_of("combine_1/AddN"), stage_of("ConstantFolding/apply/Adam/Sub")
     ('combine', 'apply')
+
+    A tower's call that stayed a call is an XLA computation: TensorFlow
+    inlines every other call of the step into it (the sends and receives of
+    the call's values are named after it: ``.../_13``).
     """
     parts = name.split("/")
     while len(parts) > 1 and _is_prefix(parts[0]):
@@ -87,6 +104,8 @@ def stage_of(name: str) -> str:
     if tower:
         # A tower traced once (towers/once.py) is a call inlined into the step:
         # its ops are named tower_1/StatefulPartitionedCall/gradient_tape/...
+        if parts[1:2] and parts[1] in _CALLS and _is_transfer(parts[2:]):
+            return f"tower {tower.group(1)} XLA"
         inner = [part for part in parts[1:] if not _is_prefix(part)]
         backward = backward or inner[:1] == ["gradient_tape"]
         return f"tower {tower.group(1)} {'backward' if backward else 'forward'}"
@@ -100,6 +119,12 @@ def stage_of(name: str) -> str:
     return "other"
 
 
+def _is_transfer(rest: list[str]) -> bool:
+    """Whether what follows a call's name is nothing, or a send or receive
+    of its values (``_13``)."""
+    return not rest or (len(rest) == 1 and re.fullmatch(r"_\d+", rest[0]) is not None)
+
+
 def _is_prefix(part: str) -> bool:
     """A name part TensorFlow adds: a Grappler pass's, or an inlined call's."""
     return re.fullmatch(r"[A-Z]\w*", part) is not None
@@ -107,7 +132,7 @@ def _is_prefix(part: str) -> bool:
 
 def stage_rank(stage: str) -> tuple[int, int]:
     """Where a stage comes in the data path, for ordering rows."""
-    tower = re.fullmatch(r"tower (\d+) (forward|backward)", stage)
+    tower = re.fullmatch(r"tower (\d+) (forward|XLA|backward)", stage)
     if tower:
         return (_STAGE_ORDER.index(tower.group(2)), int(tower.group(1)))
     if stage in _STAGE_ORDER:
@@ -255,6 +280,8 @@ def _kind(node: Any, stage: str) -> str:
         return "batch"
     if stage.endswith("backward"):
         return "gradients"
+    if stage.endswith("XLA"):
+        return "gradients, outputs"
     if stage in ("combine", "across workers"):
         return "combined gradients"
     return "outputs"
@@ -311,3 +338,27 @@ def _bytes_expected(graph: tf.Graph, consumer: tuple[str, int] | None) -> int | 
     except (KeyError, IndexError):
         return None
     return _bytes(graph, f"{tensor.op.name}:{tensor.value_index}")
+
+
+@dataclass(frozen=True)
+class XlaCall:
+    """One tower's XLA computation in the traced step."""
+
+    stage: str  # "tower t XLA"
+    device: str
+    function: str  # the traced function's name
+    ops: int  # the ops XLA compiles into one computation
+
+
+def xla_calls(graph: tf.Graph) -> list[XlaCall]:
+    """The calls of ``graph`` that TensorFlow runs as one XLA computation each
+    (``_XlaMustCompile``), in tower order."""
+    calls = []
+    for op in graph.get_operations():
+        attr = op.node_def.attr.get("_XlaMustCompile")
+        if op.type not in _CALLS or attr is None or not attr.b:
+            continue
+        name = op.get_attr("f").name
+        ops = len(graph._get_function(name).cached_definition.node_def)
+        calls.append(XlaCall(stage_of(op.name), local_name(op.device), name, ops))
+    return sorted(calls, key=lambda c: stage_rank(c.stage))

@@ -8,11 +8,12 @@ from collections import Counter, defaultdict
 from typing import Any
 
 # Rows of the diagram, in data-path order; a tower's forward and backward passes
-# share the "forward" and "backward" rows.
+# share the "forward", "XLA" and "backward" rows.
 _ROWS = (
     "variables",
     "split",
     "forward",
+    "XLA",
     "backward",
     "combine",
     "across workers",
@@ -44,7 +45,7 @@ def summary(explanation: Any) -> str:
     """The report without its list of variables: ops by stage and device, where
     the combine and apply ran, and the bytes that crossed devices."""
     e = explanation
-    return "\n".join([*_ops(e), "", *_where(e), "", *_bytes(e)])
+    return "\n".join([*_ops(e), "", *_xla(e), *_where(e), "", *_bytes(e)])
 
 
 def _variables(e: Any) -> list[str]:
@@ -73,6 +74,19 @@ def _ops(e: Any) -> list[str]:
         row = "".join(f"{counts.get(d, 0) or '.':>{width}}" for d in devices)
         lines.append(f"  {stage:<18}{row}")
     return lines
+
+
+def _xla(e: Any) -> list[str]:
+    """The towers' XLA computations (``jit_compile``), with a blank line after."""
+    if not e.xla:
+        return []
+    lines = ["XLA computations (jit_compile): each one op in the placed graph"]
+    for call in e.xla:
+        lines.append(
+            f"  {call.stage:<18} on {call.device}: {call.function}, "
+            f"{call.ops} ops compiled"
+        )
+    return [*lines, ""]
 
 
 def _where(e: Any) -> list[str]:
@@ -122,7 +136,7 @@ def short(device: str) -> str:
 
 def row_of(stage: str) -> str:
     """The diagram row of a stage: ``"tower 2 forward"`` -> ``"forward"``."""
-    tower = re.fullmatch(r"tower \d+ (forward|backward)", stage)
+    tower = re.fullmatch(r"tower \d+ (forward|XLA|backward)", stage)
     if tower:
         return tower.group(1)
     return stage if stage in _ROWS else "metrics"
@@ -228,6 +242,7 @@ _COLOURS = {
     "variables": "#f6e3b4",
     "split": "#dddddd",
     "forward": "#cfe5cf",
+    "XLA": "#c2dfc2",
     "backward": "#b5d8b5",
     "combine": "#c9d8ef",
     "across workers": "#c9d8ef",

@@ -77,7 +77,7 @@ def compute(
     held = _Held(placement, working)
 
     def one_tower(model: Any) -> Callable[..., Any]:
-        def work(x, y, sample_weight, states, weights, scale) -> tuple:
+        def tower_pass(x, y, sample_weight, states, weights, scale) -> tuple:
             tower_pass = tower.forward(
                 model, x, y, sample_weight, examples, states, weights
             )
@@ -89,7 +89,7 @@ def compute(
             ]
             return tower.gradients(tower_pass, divisors, scale), tower_pass.states
 
-        return xla.function(work, jit)
+        return xla.function(tower_pass, jit)
 
     try:
         return held.run(working, shards, one_tower, _scale(tower))
@@ -105,7 +105,7 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
     examples = shards.normaliser
 
     def forward(model: Any) -> Callable[..., Any]:
-        def work(x, y, sample_weight, states, weights, scale) -> tuple:
+        def forward_pass(x, y, sample_weight, states, weights, scale) -> tuple:
             del scale
             tower_pass = tower.forward(
                 model, x, y, sample_weight, examples, states, weights
@@ -113,7 +113,7 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
             tower_pass.tape = None  # stays in the computation
             return tower_pass, tower_pass.states
 
-        return xla.function(work, jit=True)
+        return xla.function(forward_pass, jit=True)
 
     held, scale = _Held(placement, working), _scale(tower)
     starts = dict(held.states)
@@ -121,13 +121,15 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
     divisors = divisors_of(passes)
 
     def both(model: Any) -> Callable[..., Any]:
-        def work(x, y, sample_weight, states, weights, scale, divisors) -> tuple:
+        def forward_and_backward(
+            x, y, sample_weight, states, weights, scale, divisors
+        ) -> tuple:
             tower_pass = tower.forward(
                 model, x, y, sample_weight, examples, states, weights
             )
             return tower.gradients(tower_pass, divisors, scale), tower_pass.states
 
-        return xla.function(work, jit=True)
+        return xla.function(forward_and_backward, jit=True)
 
     held.states = starts  # the same draws as the forward passes made
     return held.run(working, shards, both, scale, extra=(divisors,))
