@@ -1,10 +1,11 @@
 """The non-public parts of TensorFlow towers uses, in one place.
 
-Three jobs have no public call: starting the collective runtime in this process
+Four jobs have no public call: starting the collective runtime in this process
 (``start``), reading the graphs TensorFlow actually placed on devices
-(``placed_graphs``, for ``towers explain``), and finding the traced graph of a
+(``placed_graphs``, for ``towers explain``), finding the traced graph of a
 function a step calls (``called_graph``: a tower traced once is a call, whose
-ops the placed graphs name ``tower_1/StatefulPartitionedCall/...``).
+ops the placed graphs name ``tower_1/StatefulPartitionedCall/...``), and asking
+whether op determinism is on (``op_determinism``, for ``jit_compile="auto"``).
 
 Starting TensorFlow's collective runtime:
 
@@ -161,3 +162,11 @@ def called_graph(graph: tf.Graph, name: str) -> tf.Graph | None:
     except (KeyError, ValueError):
         return None
     return getattr(function, "graph", None)
+
+
+def op_determinism() -> bool:
+    """Whether ``tf.config.experimental.enable_op_determinism`` is on (Keras'
+    ``jit_compile="auto"`` then turns XLA off; TensorFlow has no public query)."""
+    from tensorflow.python.framework import config
+
+    return config.is_op_determinism_enabled()

@@ -100,7 +100,7 @@ def stage_of(name: str) -> str:
         parts = parts[1:]  # a Grappler pass's prefix: ConstantFolding/tower_1/...
     backward = parts[0] == "gradient_tape" and len(parts) > 1
     scope = parts[1] if backward else parts[0]
-    tower = re.fullmatch(r"tower_(\d+)", scope)
+    tower = re.fullmatch(r"tower_(\d+)(?:_\d+)?", scope)  # _1: the scope again
     if tower:
         # A tower traced once (towers/once.py) is a call inlined into the step:
         # its ops are named tower_1/StatefulPartitionedCall/gradient_tape/...
@@ -352,7 +352,7 @@ class XlaCall:
 
 def xla_calls(graph: tf.Graph) -> list[XlaCall]:
     """The calls of ``graph`` that TensorFlow runs as one XLA computation each
-    (``_XlaMustCompile``), in tower order."""
+    (``_XlaMustCompile``), in the order the step makes them."""
     calls = []
     for op in graph.get_operations():
         attr = op.node_def.attr.get("_XlaMustCompile")
@@ -361,4 +361,4 @@ def xla_calls(graph: tf.Graph) -> list[XlaCall]:
         name = op.get_attr("f").name
         ops = len(graph._get_function(name).cached_definition.node_def)
         calls.append(XlaCall(stage_of(op.name), local_name(op.device), name, ops))
-    return sorted(calls, key=lambda c: stage_rank(c.stage))
+    return calls

@@ -2,10 +2,10 @@
 
 ``Towers(jit_compile=...)`` takes Keras' values. ``True`` compiles, ``False``
 does not, and ``"auto"`` decides as Keras' ``compile`` does: XLA where every
-tower is an accelerator (Keras turns it off on CPU-only machines) and every
-layer supports it (``supports_jit``). Left unset, a compiled model's
-``jit_compile`` is used (Keras resolved its ``"auto"`` at compile), else
-``"auto"``.
+tower is an accelerator (Keras turns it off on CPU-only machines), every layer
+supports it (``supports_jit``) and op determinism is off. Left unset, a
+compiled model's ``jit_compile`` is used (Keras resolved its ``"auto"`` at
+compile), else ``"auto"``.
 
 How a tower compiles: its forward and backward pass is one
 ``tf.function(jit_compile=True)``, called on the tower's device
@@ -30,6 +30,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
+from towers import _runtime
 from towers._keras import layers_of
 
 JitCompile = bool | Literal["auto"] | None
@@ -64,8 +65,6 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
       >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
       >>> resolve("auto", model, ["/cpu:0"]), resolve(True, model, ["/cpu:0"])
       (Jit(enabled=False, strict=False), Jit(enabled=True, strict=True))
-      >>> resolve("auto", model, ["/gpu:0", "/gpu:1"])
-      Jit(enabled=True, strict=False)
     """
     if option is None:
         compiled = isinstance(model, keras.Model) and getattr(model, "compiled", False)
@@ -90,7 +89,7 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
             )
         return Jit(enabled=True, strict=True)
     kinds = {tf.DeviceSpec.from_string(d).device_type for d in devices}
-    if "CPU" in kinds:  # Keras' "auto": no XLA on a CPU
+    if "CPU" in kinds or _runtime.op_determinism():  # as Keras' "auto"
         return OFF
     if refusing:
         warnings.warn(
