@@ -299,12 +299,19 @@ def normalised():
 
 
 def test_global_batch_statistics_refuse_true_and_auto_warns(xla_allowed):
+    def engine(num_towers):
+        return Towers(
+            normalised,
+            "mse",
+            keras.optimizers.SGD(),
+            devices(num_towers),
+            batch_statistics="global",
+            jit_compile=True,
+        )
+
     with pytest.raises(ValueError, match="batch_statistics='global'.*jit_compile"):
-        Towers(normalised, "mse", keras.optimizers.SGD(), devices(2), batch_statistics="global",
-               jit_compile=True)  # fmt: skip
+        engine(2)
     with pytest.warns(UserWarning, match="batch_statistics='global'"):
         jit = xla.refuse_global_statistics(xla.Jit(True, False), in_lockstep=True)
     assert jit == xla.OFF
-    one = Towers(normalised, "mse", keras.optimizers.SGD(), devices(1), batch_statistics="global",
-                 jit_compile=True)  # one tower: nothing to meet  # fmt: skip
-    assert one.step.tower.jit.enabled
+    assert engine(1).step.tower.jit.enabled  # one tower: nothing to meet

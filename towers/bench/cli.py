@@ -39,6 +39,12 @@ ratio to itself is the noise floor), naive (the TF1 tutorials' loop:
 average_gradients on the CPU), mirrored (tf.distribute.MirroredStrategy) and
 central_storage (CentralStorageStrategy), on the same devices and batch.
 
+--xla adds, beside each towers configuration and the single-device step, its
+twin compiled with XLA (each tower's forward and backward as one XLA
+computation; the single-device step as one); every process with XLA also times
+the single-device step with XLA ("vs 1 dev xla"). The strategies have none:
+Keras turns XLA off under tf.distribute.
+
 --batch is per tower (global batch = towers x batch), as in tf_cnn_benchmarks.
 With no GPU the CPU is split into logical devices automatically; with GPUs, more
 towers than GPUs needs --virtual.
@@ -138,6 +144,12 @@ def add_bench_parser(commands: Any) -> None:
         default=1,
         metavar="T",
         help="with --workers: towers in each worker (default: 1)",
+    )
+    bench.add_argument(
+        "--xla",
+        action="store_true",
+        help="also run each towers configuration and the single-device step "
+        "compiled with XLA (jit_compile=True), beside their twins without",
     )
     bench.add_argument("--json", metavar="FILE", help="write every record as JSON")
     bench.add_argument(
@@ -239,6 +251,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         steps=args.steps,
         baselines=baselines,
         max_seconds=args.max_seconds,
+        xla=args.xla,
     )
 
 

@@ -17,6 +17,11 @@ Contenders (``spec["contender"]``):
 - ``"mirrored"``: ``tf.distribute.MirroredStrategy`` over the same devices;
 - ``"central_storage"``: ``tf.distribute.experimental.CentralStorageStrategy``,
   variables on the CPU, compute on the same devices.
+
+With ``spec["jit_compile"]`` the contender (towers, or the single-device step)
+compiles with XLA, and the single-device step with XLA is timed in the same
+rounds too (``single_device_xla_ms``, ``vs_single_device_xla``). The
+strategies have no XLA variant: Keras turns XLA off under tf.distribute.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     single = single_device_step(preset.build, preset.loss(), devices[0])
     contender, extra = _contender(spec, preset, devices, x, y)
     steps = {"contender": contender, "single": lambda: single(x, y)}
+    if spec.get("jit_compile"):
+        compiled = single_device_step(preset.build, preset.loss(), devices[0], True)
+        steps["single_xla"] = lambda: compiled(x, y)
     if len(devices) > 1:
         steps["floor"] = floor_step(preset, devices, x, y)
     rounds = max(2, spec["steps"] // 10)
@@ -73,6 +81,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "global_batch": global_batch,
         "examples_per_second": global_batch / (timed["contender_ms"] / 1e3),
     }
+    if "single_xla" in times:
+        xla = ratio(times, "contender", "single_xla")
+        record["single_device_xla_ms"] = xla["baseline_ms"]
+        record.update(_ratios(xla, "vs_single_device_xla"))
     if "floor" in times:
         floor = ratio(times, "contender", "floor")
         record["floor_ms"] = floor["baseline_ms"]
@@ -98,9 +110,9 @@ def _contender(spec, preset, devices, x, y):
     from towers.bench.peers import naive_step, single_device_step, strategy_step
     from towers.engine import Towers
 
-    kind = spec["contender"]
+    kind, jit_compile = spec["contender"], bool(spec.get("jit_compile"))
     if kind == "single":
-        step = single_device_step(preset.build, preset.loss(), devices[0])
+        step = single_device_step(preset.build, preset.loss(), devices[0], jit_compile)
         return (lambda: step(x, y)), {}
     if kind == "naive":
         return naive_step(preset, devices, x, y), {}
@@ -114,6 +126,7 @@ def _contender(spec, preset, devices, x, y):
         placement=spec["placement"],
         reducer=spec["reducer"],
         variable_device=spec.get("variable_device", "/cpu:0"),
+        jit_compile=jit_compile,
     )
     return (lambda: engine.train_step(x, y)), {"engine": engine}
 

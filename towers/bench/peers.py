@@ -35,14 +35,15 @@ from towers.split import split_sizes
 Step = Callable[[], Any]
 
 
-def single_device_step(build, loss_fn, device: str):
-    """The textbook step: one device, whole batch, one tf.function ``step(x, y)``."""
+def single_device_step(build, loss_fn, device: str, jit_compile: bool = False):
+    """The textbook step: one device, whole batch, one tf.function ``step(x, y)``
+    (with ``jit_compile``, one XLA computation, as Keras' fit compiles it)."""
     with tf.device(device):
         model = build()
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def step(x, y):
         with tf.device(device):
             with tf.GradientTape() as tape:

@@ -16,7 +16,8 @@ def table(result: dict[str, Any]) -> Any:
 
     grid = Table(title=_title(result), title_justify="left")
     for name in [
-        "contender", "T", "step ms", "vs 1 dev", "vs floor", "ex/s", "speedup", "eff",
+        "contender", "T", "step ms", "vs 1 dev", "vs 1 dev xla", "vs floor", "ex/s",
+        "speedup", "eff",
         "fwd+bwd ms", "combine ms", "apply ms", "MB/tower", "algbw GB/s",
         "busbw GB/s",
     ]:  # fmt: skip
@@ -31,7 +32,8 @@ def table(result: dict[str, Any]) -> Any:
             str(record["towers"]),
             f"{record['step_ms']:.2f}",
             _spread(record, "vs_single_device"),
-            _spread(record, "vs_floor") if "vs_floor" in record else "-",
+            _maybe_spread(record, "vs_single_device_xla"),
+            _maybe_spread(record, "vs_floor"),
             f"{record['examples_per_second']:.0f}",
             _maybe(record.get("speedup"), "{:.2f}"),
             _maybe(record.get("efficiency"), "{:.0%}"),
@@ -118,6 +120,10 @@ def _spread(record: dict[str, Any], name: str) -> str:
     return (
         f"{record[name]:.2f} [{record[name + '_q25']:.2f}-{record[name + '_q75']:.2f}]"
     )
+
+
+def _maybe_spread(record: dict[str, Any], name: str) -> str:
+    return _spread(record, name) if name in record else "-"
 
 
 def _maybe(value: Any, form: str, scale: float = 1.0) -> str:

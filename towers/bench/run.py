@@ -46,28 +46,35 @@ class BenchOptions:
     steps: int = 50
     baselines: Sequence[str] = BASELINES
     max_seconds: float | None = None
+    xla: bool = False  # also each towers configuration, and single, with XLA
 
 
 def configurations(options: BenchOptions) -> list[dict[str, Any]]:
     """Every process to run, in order: per tower count, towers then baselines.
 
     The plain single-device baseline runs once (its ratio to itself is the
-    noise floor); the strategies run at each tower count.
+    noise floor); the strategies run at each tower count. With ``xla``, each
+    towers configuration and the single-device step also run compiled with
+    XLA (``jit_compile``), each right after its twin without.
     """
+    compiled = [False, True] if options.xla else [False]
     configs = []
     if "single" in options.baselines:
-        configs.append({"contender": "single", "towers": 1})
+        for jit in compiled:
+            configs.append({"contender": "single", "towers": 1, "jit_compile": jit})
     for num in options.towers:
         for placement in options.placements:
             for reducer in options.reducers:
-                configs.append(
-                    {
-                        "contender": "towers",
-                        "towers": num,
-                        "placement": placement,
-                        "reducer": reducer,
-                    }
-                )
+                for jit in compiled:
+                    configs.append(
+                        {
+                            "contender": "towers",
+                            "towers": num,
+                            "placement": placement,
+                            "reducer": reducer,
+                            "jit_compile": jit,
+                        }
+                    )
         for baseline in options.baselines:
             if baseline != "single":
                 configs.append({"contender": baseline, "towers": num})
@@ -76,9 +83,10 @@ def configurations(options: BenchOptions) -> list[dict[str, Any]]:
 
 def label(config: dict[str, Any]) -> str:
     """The contender's name in tables and plots, without the tower count."""
+    xla = " xla" if config.get("jit_compile") else ""
     if config["contender"] != "towers":
-        return config["contender"]
-    return f"towers {config['placement']} {config['reducer']}"
+        return config["contender"] + xla
+    return f"towers {config['placement']} {config['reducer']}{xla}"
 
 
 def run_bench(
