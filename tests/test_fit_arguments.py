@@ -191,3 +191,36 @@ def test_fit_shuffles_arrays_by_default_seeded_as_keras_users_seed():
     engine.model.set_weights(start)
     engine.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=11)
     np.testing.assert_array_equal(engine.model.get_weights()[0], seeded)
+
+
+@pytest.mark.parametrize("labels", ["sparse", "one_hot", "binary"])
+def test_accuracy_by_name_is_resolved_by_shapes_as_keras_compile_does(labels):
+    """compile(metrics=["accuracy"]): Keras picks binary, sparse categorical or
+    categorical accuracy from the targets' and predictions' shapes."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((EXAMPLES, 5)).astype("float32")
+    classes = 1 if labels == "binary" else 3
+    y = rng.integers(0, max(classes, 2), EXAMPLES)
+    if labels == "one_hot":
+        y = np.eye(3, dtype="float32")[y]
+    loss = {
+        "sparse": "sparse_categorical_crossentropy",
+        "one_hot": "categorical_crossentropy",
+        "binary": "binary_crossentropy",
+    }[labels]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        activation = "sigmoid" if classes == 1 else "softmax"
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(classes, activation=activation)]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss,
+                      metrics=["accuracy", "acc"])  # fmt: skip
+        return model
+
+    want = build().fit(x, y, epochs=2, shuffle=False, verbose=0).history
+    got = Towers(build(), devices=devices(3)).fit(x, y, epochs=2, shuffle=False)
+    for name in ("loss", "accuracy", "acc"):
+        assert_close(got[name], want[name])
+    assert max(want["accuracy"]) > 0.2  # a real accuracy, not 0 from equality

@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Five jobs have no public call.
+Six jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -8,7 +8,9 @@ needs the loss *before* its reduction, weighted exactly as Keras weights it
 (sample weights, masks, their ranks matched), and what the reduction would
 divide by. Keras has no public call that stops there; ``Loss.__call__`` does it
 with the helpers imported below, and so does ``towers/losses.py``, through this
-module only.
+module only. A loss named by its function (``"binary_crossentropy"``) is
+wrapped as Keras' ``compile`` wraps it (``LossFunctionWrapper``: the targets
+squeezed or expanded to the predictions' rank).
 
 Checked against Keras 3.15 (tests/test_losses.py compares every reduction, with
 and without sample weights and masks, against Keras' own full-batch value).
@@ -36,6 +38,10 @@ between steps has its slots (tests/test_keras_parity.py).
 
 Validation split. ``fit(validation_split=...)`` holds out the last examples as
 Keras' own fit does, through its helper (``towers/data.py``).
+
+"accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
+binary, sparse categorical or categorical accuracy by the shapes of the targets
+and predictions; towers uses the same rule (``towers/metrics.py``).
 """
 
 from __future__ import annotations
@@ -45,13 +51,17 @@ from typing import Any
 import keras
 from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
+from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.trainers.compile_utils import is_binary_or_sparse_categorical
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split
 
 __all__ = [
     "apply_mask",
     "compute_loss",
     "get_keras_mask",
+    "is_binary_or_sparse_categorical",
     "layers_of",
+    "LossFunctionWrapper",
     "overrides",
     "ReadScope",
     "state_variables",

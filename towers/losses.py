@@ -28,7 +28,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import apply_mask, get_keras_mask, squeeze_or_expand_to_same_rank
+from towers._keras import (
+    LossFunctionWrapper,
+    apply_mask,
+    get_keras_mask,
+    squeeze_or_expand_to_same_rank,
+)
 
 _REDUCTIONS = (
     None,
@@ -216,7 +221,11 @@ def _as_loss(loss: Any) -> keras.losses.Loss | None:
     if loss is None:
         return None
     if isinstance(loss, str):
-        loss = keras.losses.get(loss)
+        name, loss = loss, keras.losses.get(loss)
+        if not isinstance(loss, keras.losses.Loss):
+            # As Keras' compile wraps a loss named by its function: targets
+            # squeezed or expanded to the predictions' rank, then the function.
+            loss = LossFunctionWrapper(loss, name=name)
     if isinstance(loss, keras.losses.Loss):
         if loss.reduction not in _REDUCTIONS:
             raise ValueError(

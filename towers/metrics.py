@@ -20,6 +20,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import is_binary_or_sparse_categorical
+
 
 @dataclasses.dataclass
 class Changes:
@@ -218,10 +220,38 @@ def _named(metric: keras.metrics.Metric, output: Any) -> keras.metrics.Metric:
     return type(metric).from_config(config)
 
 
+class Accuracy(keras.metrics.MeanMetricWrapper):
+    """Keras' ``"accuracy"`` (or ``"acc"``) as ``compile`` resolves it: binary,
+    sparse categorical or categorical accuracy, chosen by the targets' and
+    predictions' shapes (Keras' own rule). The three keep the same state (a
+    total and a count), so the choice is made when the step is traced.
+
+    >>> accuracy = Accuracy()
+    >>> accuracy.update_state(np.array([2, 0]), np.array([[0.1, 0.2, 0.7]] * 2))
+    >>> float(accuracy.result())  # sparse labels: one of two right
+    0.5
+    """
+
+    def __init__(self, name: str = "accuracy", dtype: Any = None):
+        super().__init__(fn=_accuracy, name=name, dtype=dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype}
+
+
+def _accuracy(y_true: Any, y_pred: Any) -> Any:
+    binary, sparse = is_binary_or_sparse_categorical(y_true, y_pred)
+    if binary:
+        return keras.metrics.binary_accuracy(y_true, y_pred)
+    if sparse:
+        return keras.metrics.sparse_categorical_accuracy(y_true, y_pred)
+    return keras.metrics.categorical_accuracy(y_true, y_pred)
+
+
 def _as_metric(metric: Any) -> keras.metrics.Metric:
+    if isinstance(metric, str) and metric.lower() in ("accuracy", "acc"):
+        return Accuracy(name=metric)  # resolved by shapes, as Keras' compile does
     if isinstance(metric, str):
-        # Keras resolves "accuracy" by the loss at compile time; here the name must
-        # say which one (e.g. "sparse_categorical_accuracy").
         name, metric = metric, keras.metrics.get(metric)
         if not isinstance(metric, keras.metrics.Metric):
             metric = keras.metrics.MeanMetricWrapper(metric)
