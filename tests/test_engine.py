@@ -253,9 +253,11 @@ def test_loss_that_ignores_the_model_raises():
         ({"model": "resnet"}, r"model must be a Keras model .*received 'resnet'"),
         ({"loss": 3}, r"loss must be a keras.losses.Loss.*received 3"),
         (
-            {"optimizer": "sgd"},
-            r"optimizer must be a keras.optimizers.Optimizer .*received 'sgd'",
+            {"optimizer": "nesterov"},
+            r"optimizer must be a keras.optimizers.Optimizer, a Keras optimizer "
+            r"name.*received 'nesterov'",
         ),
+        ({"optimizer": 0.1}, r"optimizer must be .*received 0.1"),
         ({"devices": ["/cpu:0", "/gpu:3"]}, r"received '/gpu:3', available"),
         ({"variable_device": "/cpu:9"}, r"received '/cpu:9', available"),
     ],
@@ -271,3 +273,14 @@ def test_bad_arguments_name_what_was_received(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         Towers(**args)
+
+
+@pytest.mark.parametrize("name, kind", [("sgd", "SGD"), ("adam", "Adam")])
+def test_an_optimizer_by_name_is_keras_own_with_its_defaults(name, kind):
+    """As Keras' compile(optimizer="adam"): the optimizer with Keras' defaults."""
+    engine = Towers(build_mlp, "mse", name, devices=["/cpu:0", "/cpu:1"])
+    assert type(engine.optimizer).__name__ == kind
+    default = getattr(keras.optimizers, kind)()
+    assert float(engine.optimizer.learning_rate) == float(default.learning_rate)
+    _ = engine.train_step(*mlp_batch())
+    assert int(engine.optimizer.iterations.numpy()) == 1

@@ -29,8 +29,8 @@ class Towers(Trainer):
         ``variable_device``), or a Keras model whose variables live there.
       loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name, or a
         function ``(y_true, y_pred) -> per-example losses``.
-      optimizer: a Keras optimizer, or a zero-arg function that makes one (called
-        under ``variable_device``); its slots are made where the variables live.
+      optimizer: a Keras optimizer, its name, or a zero-arg function that makes
+        one (made under ``variable_device``); its slots live with the variables.
         Wrapped in a ``LossScaleOptimizer`` under ``mixed_float16``, as Keras'
         ``compile`` does (``towers/update.py``).
       devices: one device per tower; default every GPU, else the CPU.

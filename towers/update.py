@@ -44,27 +44,35 @@ def make_optimizer(
     """The optimizer an engine applies with.
 
     Args:
-      optimizer: a Keras optimizer, or a zero-arg function that makes one (called
-        under ``device``, so the scalars Keras makes with it live there).
+      optimizer: a Keras optimizer, its name (``"adam"``, with Keras' defaults),
+        or a zero-arg function that makes one (made under ``device``, so the
+        scalars Keras makes with it live there).
       device: the device the optimizer is made on.
       loss_scaling: wrap it in a ``LossScaleOptimizer`` unless it is one already
         (for a ``mixed_float16`` model: float16 gradients underflow without it).
 
     Raises:
-      ValueError: ``optimizer`` is neither.
+      ValueError: ``optimizer`` is none of these.
 
     Example:
       >>> opt = make_optimizer(keras.optimizers.SGD, "/cpu:0", loss_scaling=True)
       >>> type(opt).__name__, type(opt.inner_optimizer).__name__
       ('LossScaleOptimizer', 'SGD')
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer) and callable(optimizer):
+    given = optimizer
+    if isinstance(optimizer, str):  # a name, as Keras' compile takes it ("adam")
+        with tf.device(device):
+            try:
+                optimizer = keras.optimizers.get(optimizer)
+            except ValueError:
+                optimizer = None
+    elif not isinstance(optimizer, keras.optimizers.Optimizer) and callable(optimizer):
         with tf.device(device):
             optimizer = optimizer()
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
-            "optimizer must be a keras.optimizers.Optimizer or a zero-arg function "
-            f"that makes one; received {optimizer!r}"
+            "optimizer must be a keras.optimizers.Optimizer, a Keras optimizer "
+            f"name, or a zero-arg function that makes one; received {given!r}"
         )
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if loss_scaling and not scaled:
