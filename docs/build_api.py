@@ -20,36 +20,19 @@ import towers  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = [
-    # The data path, in the order a batch takes it.
+    # The front door and the two ideas a reader learns first.
     "towers",
     "towers.engine",
     "towers.split",
-    "towers.tower",
-    "towers.losses",
     "towers.combine",
     "towers.reducers",
-    "towers.placement",
-    "towers.shared",
-    "towers.balance",
-    "towers.replicas",
-    "towers.update",
-    "towers.accumulate",
-    "towers.batchnorm",
-    "towers.metrics",
-    "towers.step",
-    # Around it.
-    "towers.devices",
-    "towers.loop",
-    "towers.data",
-    "towers.checkpoint",
-    "towers.summaries",
+    # A stage folder brings every module in it, each with its own page.
+    "towers.step",  # the data path, in the order a batch takes it
+    "towers.placement",  # where variables live, how gradients meet, the apply
+    "towers.cluster",  # several processes
+    "towers.training",  # around the step: fit, input, checkpoints, logs
     "towers.explain",
-    "towers.cluster",
-    "towers.tf_config",
-    "towers.workers",
-    "towers.faults",
-    "towers.collective",
-    "towers.launch",
+    "towers.devices",
     "towers.bench",
 ]
 

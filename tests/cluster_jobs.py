@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
-from towers.launch import free_ports, tf_configs
+from towers.cluster.launch import free_ports, tf_configs
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "cluster_train.py")
 ROOT = str(Path(__file__).parent.parent)

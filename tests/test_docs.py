@@ -85,8 +85,8 @@ def public_functions():
         obj = getattr(towers, name)
         yield name, obj
         if inspect.isclass(obj):
-            # Inherited members too (Towers' fit comes from towers.loop.Trainer),
-            # each as the class resolves it.
+            # Inherited members too (Towers' fit comes from
+            # towers.training.loop.Trainer), each as the class resolves it.
             members = {
                 member
                 for klass in obj.__mro__

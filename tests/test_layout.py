@@ -1,6 +1,7 @@
-"""The layout shows the data path (docs/architecture.md): small modules, no import
-circle (visible or hidden in a function), and no module reaching into the
-engine's private names."""
+"""The layout shows the data path (docs/architecture.md): a folder per stage whose
+imports go one way, from the front door down; small modules; no import circle
+(visible or hidden in a function); no module reaching into the engine's private
+names."""
 
 import ast
 import re
@@ -59,9 +60,69 @@ def test_no_import_circle_even_through_local_imports():
     assert not [p for p in MODULES if "TYPE_CHECKING" in p.read_text()]
 
 
+# Stages, nearest the front door first: a module imports from its own stage or
+# from stages below it, never above (the top level's building blocks are the
+# floor: split, combine, reducers, devices, options, _keras, _runtime).
+STAGES = [
+    {"cli", "demo", "arguments", "bench"},
+    {"engine"},
+    {"training", "explain"},
+    {"step"},
+    {"cluster"},
+    {"placement"},
+    {"split", "combine", "reducers", "devices", "options", "_keras", "_runtime"},
+]
+
+
+def stage_of(module: str) -> int:
+    part = module.split(".")[1]
+    return next(rank for rank, names in enumerate(STAGES) if part in names)
+
+
+def test_the_top_level_is_a_dozen_modules_beside_the_stage_folders():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert len(modules) <= 12, modules
+    assert folders == ["bench", "cluster", "explain", "placement", "step", "training"]
+    named = {name for names in STAGES for name in names}
+    assert {Path(m).stem for m in modules} - {"__init__"} | set(folders) == named
+
+
+def test_imports_go_one_way_from_the_front_door_down():
+    known = {module_name(p) for p in MODULES}
+    upward = {
+        module_name(p): sorted(
+            dep
+            for dep in imports_of(p) & known
+            if dep != "towers" and stage_of(dep) < stage_of(module_name(p))
+        )
+        for p in MODULES
+        if module_name(p) != "towers"
+    }
+    assert {name: deps for name, deps in upward.items() if deps} == {}
+
+
+@pytest.mark.parametrize(
+    "folder", ["step", "placement", "cluster", "training", "explain"]
+)
+def test_each_stage_says_what_it_does_and_may_import(folder):
+    tree = ast.parse((PACKAGE / folder / "__init__.py").read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and "May import" in doc
+    assert len(tree.body) == 1  # the docstring: importing a stage runs nothing
+    assert (ROOT / "tests" / folder / "__init__.py").exists()  # tests mirror it
+
+
 @pytest.mark.parametrize(
     "module",
-    ["loop", "checkpoint", "summaries", "explain", "explain_graph", "explain_report"],
+    [
+        "training/loop",
+        "training/checkpoint",
+        "training/summaries",
+        "explain/run",
+        "explain/graph",
+        "explain/report",
+    ],
 )
 def test_the_engines_users_touch_no_private_name(module):
     text = (PACKAGE / f"{module}.py").read_text()

@@ -30,10 +30,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _HOME = {
-    "Cluster": "towers.cluster",
+    "Cluster": "towers.cluster.cluster",
     "Towers": "towers.engine",
-    "WorkerLostError": "towers.faults",
-    "shard": "towers.cluster",
+    "WorkerLostError": "towers.cluster.faults",
+    "shard": "towers.cluster.cluster",
     "combine_gradients": "towers.combine",
     "split_batch": "towers.split",
     "split_sizes": "towers.split",

@@ -7,18 +7,18 @@ over a tower's shard. To make T shards add up to the whole batch exactly, towers
 needs the loss *before* its reduction, weighted exactly as Keras weights it
 (sample weights, masks, their ranks matched), and what the reduction would
 divide by. Keras has no public call that stops there; ``Loss.__call__`` does it
-with the helpers imported below, and so does ``towers/losses.py``, through this
+with the helpers imported below, and so does ``towers/step/losses.py``, through this
 module only. A loss named by its function (``"binary_crossentropy"``) is
 wrapped as Keras' ``compile`` wraps it (``LossFunctionWrapper``: the targets
 squeezed or expanded to the predictions' rank).
 
-Checked against Keras 3.15 (tests/test_losses.py compares every reduction, with
+Checked against Keras 3.15 (tests/step/test_losses.py compares every reduction, with
 and without sample weights and masks, against Keras' own full-batch value).
 
 The model's own loss. A model may override Keras' ``Model.compute_loss``, and
 Keras' steps call it through ``Model._compute_loss``, which also calls an
 override written before Keras 3.3 (it takes no ``training``). towers calls it
-the same way, per tower (``towers/tower.py``).
+the same way, per tower (``towers/step/tower.py``).
 
 Weights read on the tower's device. A layer may compile part of its call with
 XLA (Keras' TensorFlow backend does for a grouped convolution on CPUs), and an
@@ -27,8 +27,8 @@ the model's weights once, on its own device, and runs the model in a
 ``keras.StatelessScope`` that maps each weight to that tensor; an assignment
 made in the scope (a seed generator's state, a layer's own counter) happens as
 it would outside it (``Variable._direct_assign``), so the pass changes what it
-changed before (``towers/tower.py``), unless the caller holds the seed
-generators' states to hand them from tower to tower (``towers/once.py``).
+changed before (``towers/step/tower.py``), unless the caller holds the seed
+generators' states to hand them from tower to tower (``towers/step/once.py``).
 
 Trainable changes. Freezing a layer sets its variables' ``trainable`` to False,
 like a BatchNormalization's moving statistics, which are never trained; the
@@ -37,11 +37,11 @@ the optimizer's slots for every variable a layer can train, so a layer unfrozen
 between steps has its slots (tests/test_keras_parity.py).
 
 Validation split. ``fit(validation_split=...)`` holds out the last examples as
-Keras' own fit does, through its helper (``towers/data.py``).
+Keras' own fit does, through its helper (``towers/training/data.py``).
 
 "accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
 binary, sparse categorical or categorical accuracy by the shapes of the targets
-and predictions; towers uses the same rule (``towers/metrics.py``).
+and predictions; towers uses the same rule (``towers/step/metrics.py``).
 """
 
 from __future__ import annotations

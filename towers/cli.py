@@ -12,7 +12,7 @@ import sys
 
 from towers.arguments import positive_float, positive_int
 from towers.bench.cli import add_bench_parser
-from towers.launch import GRACE_SECONDS
+from towers.cluster.launch import GRACE_SECONDS
 
 DESCRIPTION = """\
 towers: data-parallel training with towers on TensorFlow 2.
@@ -257,7 +257,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from towers.launch import launch
+    from towers.cluster.launch import launch
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(

@@ -113,7 +113,7 @@ def run(
 
 def _print_placement(engine, x, y) -> None:
     """Where the step's variables and ops lived, read from the placed graph."""
-    from towers.explain_report import size, summary
+    from towers.explain.report import size, summary
 
     report = engine.explain(x, y)
     held: dict[str, int] = {}

@@ -72,7 +72,7 @@ def virtual_devices(
             "the script, or in conftest.py for tests)."
         ) from None
     # Named without listing them: listing would initialise TensorFlow, and a
-    # cluster's runtime (towers/cluster.py) must still start after this.
+    # cluster's runtime (towers/cluster/cluster.py) must still start after this.
     return [f"/device:{kind}:{i}" for i in range(n)]
 
 

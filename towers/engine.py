@@ -1,5 +1,6 @@
 """Towers, the front door: the arguments resolved into the step's parts, and the
-data path of ``towers/step.py`` run as one ``tf.function`` (docs/architecture.md)."""
+data path of ``towers/step/step.py`` run as one ``tf.function``
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers.batchnorm import BatchStatistics, MovingStatisticsPolicy
-from towers.cluster import Cluster
-from towers.compiled import Compiled
+from towers.cluster.cluster import Cluster
 from towers.devices import canonical_device, resolve_devices
-from towers.explain import Explanation, explain
-from towers.loop import Trainer
-from towers.parts import FROM_COMPILE, join_cluster, make_step
+from towers.explain.run import Explanation, explain
+from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
-from towers.update import NonfinitePolicy
-from towers.xla import JitCompile
+from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
+from towers.step.compiled import Compiled
+from towers.step.parts import FROM_COMPILE, join_cluster, make_step
+from towers.step.xla import JitCompile
+from towers.training.loop import Trainer
 
 
 class Towers(Trainer):
@@ -32,13 +33,13 @@ class Towers(Trainer):
       optimizer: a Keras optimizer, its name, or a zero-arg function that makes
         one (made under ``variable_device``); its slots live with the variables.
         Wrapped in a ``LossScaleOptimizer`` under ``mixed_float16``, as Keras'
-        ``compile`` does (``towers/update.py``).
+        ``compile`` does (``towers/placement/update.py``).
       devices: one device per tower; default every GPU, else the CPU.
       variable_device: where variables live, gradients are combined and applied.
       metrics: Keras metrics (objects or names such as ``"mae"``), updated with
         every tower's predictions: they equal the full-batch metric exactly.
       moving_statistics: how BatchNormalization moves its statistics once per
-        step: ``"batch"``, ``"tower0"`` or ``"mean"`` (``towers/batchnorm.py``).
+        step: ``"batch"``, ``"tower0"`` or ``"mean"`` (``towers/step/batchnorm.py``).
       batch_statistics: what BatchNormalization normalises with in training:
         each tower's shard (``"tower"``) or the whole batch (``"global"``: one
         device's update, the towers traced in lockstep).
@@ -50,13 +51,13 @@ class Towers(Trainer):
         ``"packed"``, ``"sharded"``, ``"bf16+packed"``, ...; ``towers/reducers.py``).
       placement: ``"central"``, ``"balanced"``, ``"replicated"`` or
         ``"independent"`` (a baseline); all but ``"central"`` take ``model`` as a
-        zero-arg function (``towers/placement.py``).
+        zero-arg function (``towers/placement/base.py``).
       cluster: ``"auto"`` (join the cluster ``TF_CONFIG`` names, if set), a
         :class:`towers.Cluster`, or None. W workers × T towers give one process's
         update on the concatenated batch (feed them with :func:`towers.shard`).
       jit_compile: each tower's forward and backward as XLA computations on its
         device: True, False, or ``"auto"`` (Keras' rule); None: the compiled
-        model's, else ``"auto"`` (``towers/xla.py``).
+        model's, else ``"auto"`` (``towers/step/xla.py``).
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
@@ -78,7 +79,7 @@ class Towers(Trainer):
       (['loss'], 1)
 
       ``fit``, ``evaluate`` and the metrics' ``reset_metrics`` and
-      ``get_metrics_result`` come from :class:`towers.loop.Trainer`. The other
+      ``get_metrics_result`` come from :class:`towers.training.loop.Trainer`. The other
       examples use ``make_engine(**options)``: this engine, with ``options``.
     """
 
@@ -260,7 +261,7 @@ class Towers(Trainer):
 
     def explain(self, x: Any, y: Any) -> Explanation:
         """Where one step on ``(x, y)`` put every variable and op, as TensorFlow
-        placed them (``towers/explain.py``); the step runs, then every variable
+        placed them (``towers/explain/run.py``); the step runs, then every variable
         it touched is put back. In a cluster every worker must call it.
 
         >>> eng = make_engine()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from towers.bench.presets import get_preset
-from towers.placement import variable_bytes
+from towers.placement.base import variable_bytes
 
 
 def bench(*args, timeout=300):

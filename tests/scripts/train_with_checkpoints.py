@@ -33,7 +33,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import towers.checkpoint  # noqa: E402
+import towers.training.checkpoint  # noqa: E402
 
 EPOCHS, BATCH, EXAMPLES = 2, 8, 76  # 10 batches an epoch, the last one of 4
 
@@ -65,7 +65,7 @@ def data(shuffled):
 
 
 def announce_saves(kill_after):
-    save = towers.checkpoint.TrainingCheckpoint.save
+    save = towers.training.checkpoint.TrainingCheckpoint.save
 
     def say(marker):
         print(marker, flush=True)
@@ -78,7 +78,7 @@ def announce_saves(kill_after):
         save(self, epoch, step)
         say(f"saved {self._engine.steps_done}")
 
-    towers.checkpoint.TrainingCheckpoint.save = announced
+    towers.training.checkpoint.TrainingCheckpoint.save = announced
 
 
 def main(directory, out, slow, shuffled, epochs, ids=False, seed=0):

@@ -308,7 +308,7 @@ def _report(result: dict[str, Any], args: argparse.Namespace) -> None:
 def _preset_bytes(name: str) -> float:
     """Bytes of the preset's trainable variables (its dense gradient size)."""
     from towers.bench.presets import get_preset
-    from towers.placement import variable_bytes
+    from towers.placement.base import variable_bytes
 
     model = get_preset(name).build()
     return float(sum(variable_bytes(v) for v in model.trainable_variables))

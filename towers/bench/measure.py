@@ -134,7 +134,7 @@ def _contender(spec, preset, devices, x, y):
 def _phases_and_bytes(engine, x, y, spec) -> dict[str, Any]:
     """Phase times, gradient bytes, bandwidths, and where the variables lived."""
     from towers.bench.phases import gradient_bytes, time_phases
-    from towers.placement import bytes_by_device
+    from towers.placement.base import bytes_by_device
 
     phases = time_phases(engine, x, y, repeats=max(5, spec["steps"] // 2))
     sent = gradient_bytes(engine, x, y)

@@ -3,7 +3,7 @@
 The step's phases overlap when it runs as one function, so subtracting times says
 little. Instead each phase runs alone on the same tensors the step would give it:
 towers' forward + backward, the combine, and the apply. They are the step's own
-phases (``Step.compute``, ``combine`` and ``apply``, ``towers/step.py``),
+phases (``Step.compute``, ``combine`` and ``apply``, ``towers/step/step.py``),
 whatever the placement.
 """
 

@@ -36,7 +36,7 @@ CHIEF_ONLY = ("single", "one_process")
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from towers.cluster import Cluster
+    from towers.cluster.cluster import Cluster
     from towers.devices import virtual_devices
 
     cluster = Cluster.from_tf_config(

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from towers.launch import free_ports, tf_configs
+from towers.cluster.launch import free_ports, tf_configs
 
 # Issue 16: a cluster step within 1.15x the CPU its workers spend, over the cores.
 TARGET_VS_FLOOR = 1.15

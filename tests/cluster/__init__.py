@@ -1,0 +1,1 @@
+"""Tests of towers/cluster/ (see that folder's __init__)."""

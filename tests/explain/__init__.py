@@ -1,0 +1,1 @@
+"""Tests of towers/explain/ (see that folder's __init__)."""

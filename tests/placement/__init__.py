@@ -1,0 +1,1 @@
+"""Tests of towers/placement/ (see that folder's __init__)."""

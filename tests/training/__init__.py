@@ -1,0 +1,1 @@
+"""Tests of towers/training/ (see that folder's __init__)."""

@@ -1,0 +1,190 @@
+"""A copy of the model and optimizer per tower: the replicated and independent
+placements.
+
+- :class:`Replicated`: the towers' gradients are all-reduced on TensorFlow's
+  collective runtime (``towers/placement/collective.py``) and every tower
+  applies the same sum to its own copy, so the copies stay identical. Every
+  tower joins every all-reduce, even one with no examples this step (it
+  contributes zeros).
+  Sparse gradients are all-reduced dense.
+- :class:`Independent`: each tower applies its own gradient to its own copy and
+  nothing is exchanged: the zero-communication baseline for measurements.
+
+Copy 0 is the engine's ``model`` and ``optimizer`` (what checkpoints save and
+evaluation reads); ``sync`` copies it to the others, at the start and after a
+restore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers._keras import layers_of, trainable_capable
+from towers.options import refuse_unsupported
+from towers.placement.base import Placement, check_on, needs_builder, slot_variables
+from towers.placement.collective import AllReduce
+from towers.placement.update import Update, make_optimizer, needs_loss_scaling
+from towers.split import Shards
+
+
+class Copies(Placement):
+    """Each tower has its own copy of the variables, on its own device."""
+
+    def build(self, model: Any, optimizer: Any) -> None:
+        build = needs_builder(self.name, model)
+        for t, device in enumerate(self.devices):
+            with tf.device(device):
+                self.models.append(build())
+            self.optimizers.append(_optimizer_for(optimizer, t, device))
+
+    def build_from(self, sample: Any) -> None:
+        for model, device in zip(self.models, self.devices):
+            with tf.device(device):
+                model(sample, training=False)
+
+    def build_slots(self) -> None:
+        """Creates every copy's slots, then makes every copy equal to copy 0."""
+        for model, optimizer, device in zip(self.models, self.optimizers, self.devices):
+            if not optimizer.built:
+                with tf.device(device):
+                    optimizer.build(trainable_capable(model))
+        self.sync()
+
+    def sync(self) -> None:
+        """Copies copy 0's variables and optimizer state to every other copy."""
+        first = self.models[0].variables + self.optimizers[0].variables
+        for model, optimizer in zip(self.models[1:], self.optimizers[1:]):
+            for source, target in zip(first, model.variables + optimizer.variables):
+                target.assign(source)
+
+    def after_restore(self) -> None:
+        self.sync()  # the checkpoint holds copy 0
+
+    def follow_trainable(self) -> None:
+        """Every copy's layers take copy 0's ``trainable`` (the user changes
+        ``engine.model``, which is copy 0)."""
+        first = layers_of(self.models[0])
+        for model in self.models[1:]:
+            for source, target in zip(first, layers_of(model)):
+                target.trainable = source.trainable
+
+    def model_of(self, t: int) -> keras.Model:
+        return self.models[t]
+
+    def working_towers(self, shards: Shards) -> list[int]:
+        # Every copy takes part in every step (with zeros when it has no examples).
+        return list(range(len(self.devices)))
+
+    def apply(
+        self,
+        update: Update,
+        grads: list[list[Any]],
+        tower_variables: list[list[Any]],
+        also: Callable[[], None],
+        weight: Any,
+    ) -> None:
+        """Applies ``grads[t]`` to copy t's variables, on tower t's device."""
+        for t, device in enumerate(self.devices):
+            with tf.device(device), tf.name_scope(f"apply_{t}"):
+                pairs = [
+                    (g, v)
+                    for g, v in zip(grads[t], tower_variables[t])
+                    if g is not None
+                ]
+                self.optimizers[t].apply_gradients(pairs)
+        also()
+        return None
+
+    def refuse(self, update: Update, batch_norm: bool) -> None:
+        refuse_unsupported(
+            f"placement={self.name!r}",
+            {
+                "accumulate_steps > 1": update.accumulate_steps > 1,
+                f"on_nonfinite={update.on_nonfinite!r}": update.on_nonfinite
+                != "ignore",
+                "BatchNormalization layers": batch_norm,
+                "mixed_float16 (loss scaling)": needs_loss_scaling(self.model),
+            },
+            "Use placement='central' or 'balanced'.",
+        )
+
+    def check_devices(self) -> None:
+        for t, device in enumerate(self.devices):
+            where = f"{device} (placement={self.name!r})"
+            for var in self.models[t].variables:
+                check_on(var, "model", device, where)
+            for slot in slot_variables(self.optimizers[t]):
+                check_on(slot, "optimizer slot", device, where)
+
+
+class Replicated(Copies):
+    """Copies kept identical: every tower applies the all-reduced sum."""
+
+    name = "replicated"
+    sends_slices_dense = True
+
+    def build(self, model: Any, optimizer: Any) -> None:
+        super().build(model, optimizer)
+        # Refuses reducers an all-reduce cannot take, before anything runs.
+        self.all_reduce = AllReduce(self.devices, self.reducer)
+
+    def combine(self, tower_grads: list[list[Any]]) -> list[list[Any]]:
+        """Each tower's gradients replaced by their sum over every tower."""
+        variables = [m.trainable_variables for m in self.models]
+        used = [
+            v
+            for v in range(len(variables[0]))
+            if any(grads[v] is not None for grads in tower_grads)
+        ]
+        dense = []
+        for t, device in enumerate(self.devices):
+            with tf.device(device):
+                dense.append([_dense(tower_grads[t][v], variables[t][v]) for v in used])
+        with tf.name_scope("all_reduce"):
+            sums = self.all_reduce.all_reduce(dense)
+        out = [[None] * len(variables[0]) for _ in self.devices]
+        for t in range(len(self.devices)):
+            for v, total in zip(used, sums[t]):
+                out[t][v] = total
+        return out
+
+    def topology(self) -> str:
+        return "ring all-reduce over the towers (CollectiveReduceV2)"
+
+
+class Independent(Copies):
+    """Copies that never synchronise: a measurement baseline, not training.
+
+    BatchNormalization is allowed: each copy normalises its shard and moves its
+    own statistics (the zero-sync floor of a BatchNormalization model).
+    """
+
+    name = "independent"
+
+    def refuse(self, update: Update, batch_norm: bool) -> None:
+        super().refuse(update, batch_norm=False)
+
+    def combine(self, tower_grads: list[list[Any]]) -> list[list[Any]]:
+        return tower_grads  # each tower keeps its own
+
+    def topology(self) -> str:
+        return "none: towers never exchange gradients"
+
+
+def _dense(grad: Any, var: Any) -> tf.Tensor:
+    if grad is None:  # this tower's examples do not reach the variable
+        return tf.zeros(var.shape, var.dtype)
+    return tf.convert_to_tensor(grad)
+
+
+def _optimizer_for(optimizer: Any, t: int, device: str) -> keras.optimizers.Optimizer:
+    """Tower 0 gets the optimizer as given; the others a copy from its config
+    (or their own, from a zero-arg function)."""
+    if t > 0 and isinstance(optimizer, keras.optimizers.Optimizer):
+        with tf.device(device):
+            return type(optimizer).from_config(optimizer.get_config())
+    return make_optimizer(optimizer, device)

@@ -1,0 +1,15 @@
+"""The data path of one step: split shards in, one update's gradients out.
+
+``step.py`` runs the phases in order (split, each tower's forward and backward,
+the divisors, combine, apply, metrics); ``tower.py`` is one tower's work and
+``once.py`` traces it once for every tower (``xla.py``: as one XLA computation);
+``losses.py`` makes T shards' losses add up to the batch's; ``batchnorm.py`` and
+``lockstep.py`` serve BatchNormalization (moving statistics once per step, the
+whole batch's statistics); ``metrics.py`` sees every tower's predictions;
+``parts.py`` assembles a step from ``Towers``' arguments and ``compiled.py``
+holds it as ``tf.function``\\ s.
+
+May import: ``towers.cluster``, ``towers.placement`` and the top-level
+building blocks (``split``, ``combine``, ``reducers``, ``devices``, ``options``,
+``_keras``, ``_runtime``); never the engine, ``training`` or ``explain``.
+"""

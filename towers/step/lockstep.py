@@ -1,0 +1,289 @@
+"""Towers traced side by side, meeting wherever they need each other's values.
+
+A step traces its towers one after another into one graph. Global batch
+statistics (``batch_statistics="global"``, ``towers/step/batchnorm.py``) cannot be
+traced that way: every tower's BatchNormalization layer needs every other
+tower's partial sums before it can normalise, and in the backward pass each
+tower's gradient needs the others' gradients with respect to those sums.
+
+So those towers are traced in lockstep: one Python thread per working tower,
+each building its own ops (under its own device and name scope) into the one
+graph, and a :class:`Rendezvous` where they meet: each hands in a tensor, waits
+until all have, and takes every tower's. Nothing runs in those threads; they
+only *trace*, and the graph they build is the one a one-thread trace would
+build with the partial sums exchanged: the same ops, on the same devices. The
+threads take turns (one traces at a time, in rank order), so tracing never
+races: a graph's captures, for one, are not safe to make from two threads at
+once (a LossScaleOptimizer's scale, read by every tower, once failed the step
+with "You must feed a value for placeholder").
+
+- Deadlock-free: every tower runs the same model, so each calls the rendezvous
+  the same number of times in the same order (forward: every BatchNormalization
+  layer in call order; backward: the reverse). A tower that fails, or meets the
+  others fewer times, aborts the rendezvous, and the others fail too instead of
+  waiting.
+- Exact: the statistics' gradients are summed over the towers in the backward
+  pass too (``towers/step/batchnorm.py``), which is what one device's backward pass
+  computes through the whole batch's statistics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import tensorflow as tf
+
+T = TypeVar("T")
+# How long a tower waits at a rendezvous while tracing before giving up: tracing
+# a large model's towers can take minutes on a busy machine, a deadlock forever.
+TRACE_TIMEOUT_SECONDS = 600.0
+_context = threading.local()
+
+
+class Rendezvous:
+    """Where ``size`` towers swap tensors while they are traced in lockstep.
+
+    The towers take turns: one traces at a time, in rank order, and hands the
+    turn on when it reaches the rendezvous (or finishes). So no two threads ever
+    build ops at once: what tracing touches (the graph's captures, Keras'
+    caches) sees one thread, as in a one-thread trace, and the graph is built in
+    the same order every time.
+
+    Example:
+      >>> meet = Rendezvous(2)
+      >>> meet.begin()
+      >>> out = [None, None]
+      >>> def tower(rank):
+      ...     meet.start(rank)
+      ...     out[rank] = meet.exchange(rank, f"from {rank}")
+      ...     meet.finish(rank)
+      >>> threads = [threading.Thread(target=tower, args=(r,)) for r in (0, 1)]
+      >>> for thread in threads: thread.start()
+      >>> for thread in threads: thread.join()
+      >>> out
+      [['from 0', 'from 1'], ['from 0', 'from 1']]
+    """
+
+    def __init__(
+        self,
+        size: int,
+        timeout: float = TRACE_TIMEOUT_SECONDS,
+        across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
+    ):
+        self.size = size
+        # across(tensor, backward): the tensor summed over the cluster's workers
+        # (called by rank 0 only).
+        self.across = across
+        self.timeout = timeout
+        self._turn = threading.Condition()
+        self._holder = 0  # the rank whose turn it is
+        self._done = [False] * size  # the towers traced in this round
+        self._aborted = False
+        self._calls = [0] * size
+        self._slots: dict[int, list[Any]] = {}
+        self._handed: dict[int, int] = {}  # per call, the towers that handed in
+
+    def begin(self) -> None:
+        """A new round of tracing (the forward passes, then the backward ones):
+        tower 0 goes first."""
+        with self._turn:
+            self._holder, self._done = 0, [False] * self.size
+
+    def start(self, rank: int) -> None:
+        """Waits for tower ``rank``'s first turn."""
+        self._wait(rank)
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        """Hands in ``value`` as tower ``rank``; returns every tower's, in rank
+        order, once all have handed in theirs for this call."""
+        call = self._calls[rank]
+        self._calls[rank] += 1
+        slots = self._slots.setdefault(call, [None] * self.size)
+        slots[rank] = value
+        self._handed[call] = self._handed.get(call, 0) + 1
+        self._hand_on(rank)
+        self._wait(rank)  # back to this rank: every tower has had its turn
+        if self._handed[call] != self.size:  # one finished without this call
+            self.abort()
+            raise threading.BrokenBarrierError(
+                "the towers met a different number of times: they must run the "
+                "same model"
+            )
+        return list(slots)
+
+    def finish(self, rank: int) -> None:
+        """Tower ``rank`` is traced: the turn goes on without it."""
+        self._done[rank] = True
+        self._hand_on(rank)
+
+    def abort(self) -> None:
+        """Wakes every waiting tower with ``threading.BrokenBarrierError``."""
+        with self._turn:
+            self._aborted = True
+            self._turn.notify_all()
+
+    def _hand_on(self, rank: int) -> None:
+        with self._turn:
+            for step in range(1, self.size + 1):
+                following = (rank + step) % self.size
+                if not self._done[following]:
+                    self._holder = following
+                    break
+            self._turn.notify_all()
+
+    def _wait(self, rank: int) -> None:
+        with self._turn:
+            ready = self._turn.wait_for(
+                lambda: self._holder == rank or self._aborted, self.timeout
+            )
+            if self._aborted or not ready:
+                self._aborted = True
+                self._turn.notify_all()
+                raise threading.BrokenBarrierError(
+                    f"tower {rank} waited {self.timeout:g} s for its turn"
+                )
+
+
+def current() -> tuple[Rendezvous, int] | None:
+    """This thread's rendezvous and rank when it traces a tower in lockstep."""
+    return getattr(_context, "meeting", None)
+
+
+def _total(
+    meet: Rendezvous, rank: int, value: tf.Tensor, backward: bool = False
+) -> tf.Tensor:
+    """``value`` summed over the towers, then over the workers if any (rank 0
+    sends this process's sum; every tower takes the cluster's).
+
+    The sum is wrapped in ``tf.stop_gradient``: its gradient is written out by
+    the caller (``towers/step/batchnorm.py``), and a graph walk back from it (as
+    ``tf.custom_gradient`` makes, looking for variables) stops there instead
+    of running through every other tower's model traced so far, which made
+    tracing grow with the square of the depth."""
+    local = tf.add_n(meet.exchange(rank, value))
+    if meet.across is not None:
+        summed = meet.across(local, backward) if rank == 0 else None
+        local = meet.exchange(rank, summed)[0]
+    return tf.stop_gradient(local)
+
+
+def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+    """The sum of ``value`` over every tower (and worker) in lockstep, on this
+    tower's device; no gradient flows back through it. ``backward``: ``value``
+    is an upstream gradient of this tower's loss share (across workers it is
+    weighted by each worker's examples, see :func:`compute`)."""
+    meet, rank = current()
+    return _total(meet, rank, value, backward)
+
+
+def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
+    """Traces ``works`` (one per tower, rank order) each in its own thread into
+    the current graph, meeting at ``meet``; returns their results.
+
+    Raises:
+      The first error a tower raised (the others are woken and stopped).
+
+    Example:
+      >>> @tf.function
+      ... def step(x):
+      ...     meet = Rendezvous(2)
+      ...     works = [lambda part=part: total(tf.reduce_sum(part))
+      ...              for part in tf.split(x, 2)]
+      ...     return in_lockstep(works, meet)
+      >>> [float(total) for total in step(tf.constant([1.0, 2.0, 3.0, 4.0]))]
+      [10.0, 10.0]
+    """
+    graph = tf.compat.v1.get_default_graph()
+    results: list[Any] = [None] * len(works)
+    errors: list[BaseException] = []
+
+    def trace(rank: int, work: Callable[[], T]) -> None:
+        _context.meeting = (meet, rank)
+        try:
+            meet.start(rank)
+            with graph.as_default():
+                results[rank] = work()
+            meet.finish(rank)
+        except BaseException as error:  # noqa: BLE001 - re-raised by the caller
+            errors.append(error)
+            meet.abort()
+        finally:
+            _context.meeting = None
+
+    meet.begin()
+    threads = [
+        threading.Thread(target=trace, args=(rank, work), name=f"tower-{rank}")
+        for rank, work in enumerate(works)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if first or errors:
+        raise (first or errors)[0]
+    return results
+
+
+def compute(
+    placement,
+    tower,
+    shards,
+    working: list[int],
+    divisors_of: Callable[[list], Any],
+    workers: Any = None,
+    weight_of: Callable[[list], Any] | None = None,
+) -> list:
+    """``Step.compute`` with the working towers traced in lockstep: every
+    tower's forward pass, the step's divisors (``divisors_of(passes)``), then
+    every tower's loss share and gradients, each on its tower's device.
+
+    With ``workers`` (``towers/cluster/workers.py``) the sums also run over the cluster,
+    one collective each, in the same order on every worker; ``weight_of(passes)``
+    is this worker's weight in the cluster's sum (None for a sum loss). Each
+    worker's loss
+    is a mean over its own examples, weighted by them when the workers' gradients
+    are summed (``Workers.step``): so in the backward pass each worker sends its
+    upstream gradient times its examples and divides the cluster's sum by them,
+    which makes every worker's share of the cross-worker terms exact.
+    """
+    across, weight = None, {}
+    if workers is not None:
+        instances = itertools.count()  # the same order on every worker
+
+        def across(value: tf.Tensor, backward: bool) -> tf.Tensor:
+            scale = weight.get("examples") if backward else None
+            if scale is None:  # the forward's statistics, or a sum loss
+                return workers.sum_statistics(value, next(instances))
+            scale = tf.cast(scale, value.dtype)
+            summed = workers.sum_statistics(value * scale, next(instances))
+            return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
+
+    meet = Rendezvous(len(working), across=across)
+
+    def on_tower(t: int, work: Callable[[], T]) -> Callable[[], T]:
+        def traced() -> T:
+            with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
+                return work()
+
+        return traced
+
+    def forward(t: int) -> Callable[[], Any]:
+        x, y, sample_weight = shards.parts[t]
+        model = placement.model_of(t)
+        return on_tower(
+            t, lambda: tower.forward(model, x, y, sample_weight, shards.normaliser)
+        )
+
+    passes = in_lockstep([forward(t) for t in working], meet)
+    divisors = divisors_of(passes)
+    if workers is not None:
+        weight["examples"] = weight_of(passes)
+    backward = [
+        on_tower(t, lambda p=p: tower.gradients(p, divisors))
+        for t, p in zip(working, passes)
+    ]
+    return in_lockstep(backward, meet)

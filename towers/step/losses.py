@@ -1,0 +1,330 @@
+"""The user's loss as terms that T shards add up to exactly.
+
+A Keras loss reduces over the batch it sees: ``S / D``, the weighted values summed
+(``S``) over what its reduction divides by (``D``): the number of loss values for
+``sum_over_batch_size`` (Keras' default), the sum of the sample weights for
+``mean_with_sample_weight``, the valid entries when a mask is set, 1 for ``sum``.
+``S`` and ``D`` add up over shards; their quotient does not. So each tower
+computes, per output, a :class:`Term` (its ``S_t`` and ``D_t``), and the step
+divides by the whole batch's ``D = sum_t D_t``::
+
+    loss = sum_o weight_o * (sum_t S_to) / (sum_t D_to)   (+ the model's own losses)
+
+which is Keras' value on the whole batch (``tests/step/test_losses.py`` checks each
+reduction, with sample weights and masks, against Keras itself).
+
+The loss is one loss for every output, one per output (a list in output order or
+a dict by output name, as ``model.compile`` takes them), or None when the model
+adds its loss itself (``add_loss``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers._keras import (
+    LossFunctionWrapper,
+    apply_mask,
+    get_keras_mask,
+    squeeze_or_expand_to_same_rank,
+)
+from towers.step import outputs
+
+_REDUCTIONS = (
+    None,
+    "none",
+    "sum_over_batch_size",
+    "mean",
+    "mean_with_sample_weight",
+    "sum",
+)
+
+TermKind = Literal["examples", "sum", "weights"]
+
+
+@dataclasses.dataclass
+class Term:
+    """One output's loss on a tower's shard, before the reduction.
+
+    Attributes:
+      total: ``S_t``: the weighted loss values, summed; a scalar in the loss's
+        dtype (Keras' floatx: float32, or float64 for a float64 model).
+      divisor: ``D_t``: what Keras' reduction divides ``S_t`` by on this shard
+        (a number when known at trace time, else a scalar tensor in the total's
+        dtype); None for a ``sum``, which divides by nothing.
+      weight: the output's loss weight.
+      name: the output's name (``"loss"`` for a model with one output).
+      kind: ``"examples"``: ``D_t`` is the shard's examples times a constant;
+        ``"sum"``: ``D_t`` is 1; ``"weights"``: ``D_t`` comes from sample
+        weights or a mask.
+    """
+
+    total: tf.Tensor
+    divisor: Any
+    weight: float
+    name: str
+    kind: TermKind
+
+
+class StepLoss:
+    """The user's loss, per output, as terms each tower computes on its shard.
+
+    Args:
+      loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name
+        (``"mse"``), or a function ``(y_true, y_pred) -> one value per example``;
+        a list (output order) or dict (output names) of those, None for an
+        output without a loss; or None when the model adds its loss itself.
+      loss_weights: None, or one number per loss, in the loss's structure.
+      output_names: the model's output names, for a dict over list outputs.
+
+    Raises:
+      ValueError: an unknown loss or reduction, or weights that do not match the
+        losses; the message names what was received.
+
+    Example:
+      >>> loss = StepLoss("mse")
+      >>> y, p = tf.constant([[1.0], [3.0]]), tf.constant([[0.0], [0.0]])
+      >>> [term] = loss.terms(y[:1], p[:1], None)  # a tower with 1 of 2 examples
+      >>> float(term.total), term.divisor, term.kind  # 1^2, over 1 example
+      (1.0, 1, 'examples')
+    """
+
+    def __init__(
+        self,
+        loss: Any,
+        loss_weights: Any = None,
+        output_names: Sequence[str] | None = None,
+    ):
+        self.output_names = list(output_names) if output_names else None
+        self.losses = outputs.map_spec(_as_loss, loss)
+        self.loss_weights = outputs.check_weights(loss_weights, self.losses)
+
+    def output_names_with_losses(self) -> list[str]:
+        """The outputs with a loss of their own, known before any batch: for a
+        model with several outputs (a single one reports only ``loss``).
+
+        >>> StepLoss({"a": "mse", "b": None}).output_names_with_losses()
+        ['a']
+        """
+        if isinstance(self.losses, Mapping):
+            names = self.output_names or list(self.losses)
+            return [n for n in names if self.losses.get(n) is not None]
+        names = self.output_names or []
+        if isinstance(self.losses, (list, tuple)):
+            return [n for n, loss in zip(names, self.losses) if loss is not None]
+        return list(names) if self.losses is not None and len(names) > 1 else []
+
+    def terms(self, y_true: Any, y_pred: Any, sample_weight: Any) -> list[Term]:
+        """This shard's terms, one per output that has a loss."""
+        if self.losses is None:
+            return []
+        if not isinstance(y_pred, (Mapping, list, tuple)):
+            single = outputs.only(self.losses)
+            weight = outputs.only(self.loss_weights, default=1.0)
+            return [_term(single, y_true, y_pred, sample_weight, weight, "loss")]
+        names = outputs.output_names(y_pred, self.output_names)
+        outputs.check_keys(self.losses, names, "loss")
+        outputs.check_keys(self.loss_weights, names, "loss_weights")
+        preds = list(y_pred.values()) if isinstance(y_pred, Mapping) else y_pred
+        terms = []
+        for i, (name, pred) in enumerate(zip(names, preds)):
+            loss = outputs.entry(self.losses, name, i, repeat=True)
+            if loss is not None:
+                y_t = outputs.entry(
+                    y_true, name, i, repeat=False, what="y", names=names
+                )
+                weight = outputs.entry(
+                    self.loss_weights, name, i, repeat=True, default=1.0
+                )
+                sw = outputs.entry(sample_weight, name, i, repeat=True)
+                terms.append(_term(loss, y_t, pred, sw, weight, name))
+        return terms
+
+
+def _term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, weight, name):
+    """As ``loss(y_true, y_pred, sample_weight)`` computes it, stopped before the
+    reduction: the weighted values' sum and the reduction's divisor."""
+    if y_true is None:
+        raise ValueError(
+            f"loss {loss.name} compares predictions with targets; received a batch "
+            "without targets (y=None). Pass y, or loss=None for a model that adds "
+            "its own loss (add_loss)."
+        )
+    in_mask = get_keras_mask(y_pred)  # before a cast drops it
+    y_pred = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_pred)
+    y_true = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_true)
+    values = _check_per_example(loss, loss.call(y_true, y_pred), y_pred)
+    mask = _both(in_mask, get_keras_mask(values))
+    # Weights and mask merged as for a "sum": the plain 0/1 mask, no rescaling.
+    weights = apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    weighted = values
+    if weights is not None:
+        weighted, weights = squeeze_or_expand_to_same_rank(
+            values, tf.cast(weights, values.dtype)
+        )
+        weighted = weighted * weights
+    total = tf.cast(tf.reduce_sum(weighted), loss.dtype)  # Keras' dtype: floatx
+    divisor, kind = _divisor(loss.reduction, weighted, weights, mask)
+    return Term(total, divisor, float(weight), name, kind)
+
+
+def _both(in_mask: Any, out_mask: Any) -> Any:
+    if in_mask is not None and out_mask is not None:
+        return in_mask & out_mask
+    return in_mask if in_mask is not None else out_mask
+
+
+def _divisor(reduction: Any, values: tf.Tensor, weights: Any, mask: Any):
+    """What Keras' ``reduction`` divides the summed values by, and its kind."""
+    if reduction == "sum":
+        return None, "sum"
+    dtype = values.dtype
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        return tf.reduce_sum(weights), "weights"
+    size = _size(values)
+    if mask is None or reduction == "mean_with_sample_weight":
+        return size, "examples"
+    # Keras scales a mask by total / valid, so the mean is over the valid entries.
+    mask = tf.cast(mask, dtype)
+    return tf.cast(size, dtype) * tf.reduce_sum(mask) / tf.cast(
+        tf.size(mask), dtype
+    ), "weights"
+
+
+def _size(values: tf.Tensor) -> Any:
+    """The number of loss values: an int when the shape is known, else a tensor
+    in the values' dtype."""
+    if values.shape.is_fully_defined():
+        return int(np.prod(values.shape.as_list()))
+    return tf.cast(tf.size(values), values.dtype)
+
+
+class PerExample(keras.losses.Loss):
+    """A function ``(y_true, y_pred) -> one value per example`` as a Keras loss:
+    the mean over examples (checked: one value per example, no more).
+
+    >>> float(PerExample(lambda y, p: tf.abs(y - p))(tf.ones(4), tf.zeros(4)))
+    1.0
+    """
+
+    def __init__(self, fn: Any, name: str | None = None):
+        super().__init__(name=name or getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self.fn(y_true, y_pred)
+
+
+def _as_loss(loss: Any) -> keras.losses.Loss | None:
+    """A Keras loss object for one output's loss spec."""
+    if loss is None:
+        return None
+    if isinstance(loss, str):
+        name, loss = loss, keras.losses.get(loss)
+        if not isinstance(loss, keras.losses.Loss):
+            # As Keras' compile wraps a loss named by its function: targets
+            # squeezed or expanded to the predictions' rank, then the function.
+            loss = LossFunctionWrapper(loss, name=name)
+    if isinstance(loss, keras.losses.Loss):
+        if loss.reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"unsupported loss reduction {loss.reduction!r} on {loss.name}; "
+                f"expected one of {['sum', *_REDUCTIONS[:-1]]}"
+            )
+        return loss
+    if callable(loss):
+        return PerExample(loss)
+    raise ValueError(
+        "loss must be a keras.losses.Loss, a Keras loss name, or a function "
+        f"(y_true, y_pred) -> per-example losses; received {loss!r}"
+    )
+
+
+def _check_per_example(loss: keras.losses.Loss, values: tf.Tensor, y_pred: Any):
+    """The values, if they are one per example (more per example for a Keras
+    loss, e.g. per timestep); else a ValueError naming the loss."""
+    examples = tf.nest.flatten(y_pred)[0].shape[0]
+    strict = isinstance(loss, PerExample)
+    rank_ok = values.shape.rank == 1 or (not strict and values.shape.rank)
+    if values.shape.rank is not None and not rank_ok:
+        raise ValueError(
+            f"loss {loss.name} must return one value per example, shape "
+            f"[{examples}]; received shape {values.shape}. Return per-example "
+            "losses (e.g. a Keras loss with reduction=None), not their mean."
+        )
+    if isinstance(examples, int) and values.shape[0] is not None:
+        if values.shape[0] != examples:
+            raise ValueError(
+                f"loss {loss.name} must return one value per example: "
+                f"{examples} predictions gave {values.shape[0]} loss values"
+            )
+        return values
+    check = tf.debugging.assert_equal(
+        tf.shape(values)[0],
+        tf.shape(tf.nest.flatten(y_pred)[0])[0],
+        message=f"loss {loss.name} must return one value per example",
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(values)
+
+
+Normalisation = Literal["examples", "sum", "global"]
+
+
+def normalisation(terms: list[Term], has_extra: bool) -> Normalisation:
+    """How a step's loss is normalised, from one tower's terms.
+
+    ``"examples"``: every divisor is the examples times a constant (Keras'
+    default reductions, with or without sample weights), so a worker's or a
+    micro-batch's loss, weighted by its examples, adds up to the whole batch's.
+    ``"sum"``: nothing is divided (and no model losses, which are means).
+    ``"global"``: anything else; the step needs every divisor of the batch.
+
+    >>> normalisation([], has_extra=True)  # a model that adds its own loss
+    'examples'
+    """
+    kinds = {term.kind for term in terms}
+    if kinds <= {"examples"}:
+        return "examples"
+    if kinds == {"sum"} and not has_extra:
+        return "sum"
+    return "global"
+
+
+def step_divisors(tower_terms: list[list[Term]]) -> list[Any]:
+    """Each term's divisor for the whole step: the towers' divisors summed (a
+    number when every one is), None for a sum.
+
+    >>> t = [[Term(tf.constant(1.0), 3, 1.0, "loss", "examples")],
+    ...      [Term(tf.constant(2.0), 2, 1.0, "loss", "examples")]]
+    >>> step_divisors(t)
+    [5]
+    """
+    divisors = []
+    for per_tower in zip(*tower_terms):
+        parts = [term.divisor for term in per_tower]
+        if parts[0] is None:
+            divisors.append(None)
+        elif all(isinstance(d, (int, float)) for d in parts):
+            divisors.append(sum(parts))
+        else:
+            dtype = per_tower[0].total.dtype
+            divisors.append(tf.add_n([tf.cast(d, dtype) for d in parts]))
+    return divisors
+
+
+def over(value: Any, divisor: Any) -> Any:
+    """``value / divisor`` in ``value``'s dtype, 0 where the divisor is 0 (as
+    Keras' reductions), and ``value`` itself for no divisor."""
+    if divisor is None:
+        return value
+    if isinstance(divisor, (int, float)):
+        return value / divisor if divisor else value * 0.0
+    value = tf.convert_to_tensor(value)
+    return tf.math.divide_no_nan(value, tf.cast(divisor, value.dtype))

@@ -1,0 +1,96 @@
+"""A per-output spec, as ``model.compile`` takes its loss, loss weights and
+metrics, and as ``fit`` takes targets and sample weights: one value for every
+output, a list in output order, or a dict by output name.
+
+>>> entry({"a": 1.0, "b": 2.0}, "b", 1, repeat=True), entry(3.0, "b", 1, repeat=True)
+(2.0, 3.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def map_spec(fn, spec: Any) -> Any:
+    """``fn`` applied to each entry of a loss spec: one, a list, or a dict."""
+    if spec is None:
+        return None
+    if isinstance(spec, Mapping):
+        return {key: fn(value) for key, value in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return [fn(value) for value in spec]
+    return fn(spec)
+
+
+def only(spec: Any, default: Any = None) -> Any:
+    """The one entry of a spec for a model with one output."""
+    if spec is None:
+        return default
+    if isinstance(spec, (Mapping, list, tuple)):
+        values = list(spec.values()) if isinstance(spec, Mapping) else list(spec)
+        if len(values) != 1:
+            raise ValueError(
+                f"the model has one output; received {len(values)} entries: {spec!r}"
+            )
+        return values[0]
+    return spec
+
+
+def entry(spec, name, i, repeat, default=None, what="", names=()):
+    """Output ``i`` (named ``name``)'s entry of a list or dict; a single value
+    is every output's when ``repeat``."""
+    if spec is None:
+        return default
+    if isinstance(spec, Mapping):
+        return spec.get(name, default)
+    if isinstance(spec, (list, tuple)):
+        return spec[i] if i < len(spec) else default
+    if repeat:
+        return spec
+    raise ValueError(
+        f"the model has {len(names)} outputs {names}: {what} must be a list or a "
+        f"dict with one entry per output; received a single {type(spec).__name__}"
+    )
+
+
+def output_names(y_pred: Any, names: list[str] | None) -> list[str]:
+    if isinstance(y_pred, Mapping):
+        return list(y_pred)
+    if names and len(names) == len(y_pred):
+        return names
+    return [f"output_{i}" for i in range(len(y_pred))]
+
+
+def check_keys(spec: Any, names: list[str], what: str) -> None:
+    if isinstance(spec, Mapping):
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{what} names outputs the model does not have; received "
+                f"{unknown}, the model's outputs are {names}"
+            )
+    elif isinstance(spec, (list, tuple)) and len(spec) != len(names):
+        raise ValueError(
+            f"{what} must have one entry per output ({len(names)}: {names}); "
+            f"received {len(spec)}"
+        )
+
+
+def check_weights(weights: Any, losses: Any) -> Any:
+    if weights is None:
+        return None
+    flat = (
+        list(weights.values())
+        if isinstance(weights, Mapping)
+        else list(weights)
+        if isinstance(weights, (list, tuple))
+        else [weights]
+    )
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in flat):
+        raise ValueError(f"loss_weights must be numbers; received {weights!r}")
+    if losses is None:
+        raise ValueError(
+            f"loss_weights weigh losses; received {weights!r} with loss=None"
+        )
+    return weights

@@ -1,0 +1,231 @@
+"""The step's parts, made from ``Towers``' arguments.
+
+``Towers(...)`` resolves what it was given into the parts of the data path: a
+placement (which builds the model and optimizer), the loss as per-output terms,
+the update, the metrics, the workers of a cluster, and the ``Step`` that runs
+them (``towers/step/step.py``). A model compiled with ``model.compile(...)`` brings
+its own loss, loss weights, optimizer and metrics; what is passed explicitly wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from towers._keras import overrides
+from towers.cluster.cluster import Cluster, resolve_cluster
+from towers.cluster.workers import join_workers
+from towers.placement.base import Placement
+from towers.placement.replicas import Independent, Replicated
+from towers.placement.shared import Balanced, Central
+from towers.placement.update import Update
+from towers.step import xla
+from towers.step.batchnorm import MovingStatistics
+from towers.step.losses import StepLoss
+from towers.step.metrics import Metrics
+from towers.step.step import Step
+from towers.step.tower import Tower
+
+PLACEMENTS: dict[str, type[Placement]] = {
+    cls.name: cls for cls in (Central, Balanced, Replicated, Independent)
+}
+# Keras' hooks that replace what towers' step does itself, by the step they are.
+STEP_HOOKS = {
+    "train_step": "training step",
+    "test_step": "evaluation step",
+    "predict_step": "predict step",
+    "compute_metrics": "metrics update",
+}
+
+
+class FromCompile:
+    """The default of ``Towers``' loss and optimizer: what ``model.compile``
+    said (a model that was not compiled must be given them)."""
+
+    def __repr__(self) -> str:
+        return "<from model.compile>"
+
+
+FROM_COMPILE = FromCompile()
+
+
+def join_cluster(cluster: Any, model: Any, optimizer: Any) -> Cluster | None:
+    """``resolve_cluster``, with the usual reason it is too late named: a model or
+    optimizer the script made before the engine (making one starts TensorFlow).
+    """
+    try:
+        return resolve_cluster(cluster)
+    except RuntimeError as error:
+        made = [
+            (what, obj)
+            for what, obj in (("optimizer", optimizer), ("model", model))
+            if isinstance(obj, (keras.optimizers.Optimizer, keras.Model))
+        ]
+        if "before TensorFlow initialises" not in str(error) or not made:
+            raise
+        what, obj = made[0]
+        name = type(obj).__name__
+        instead = (
+            f"optimizer=lambda: keras.optimizers.{name}(...)"
+            if what == "optimizer"
+            else "model=build_model, a function that builds it"
+        )
+        raise RuntimeError(
+            "the cluster must start before TensorFlow initialises, and making the "
+            f"{what} started it: received the {what} {name}, made before "
+            f"towers.Towers. Pass a zero-arg function instead ({instead}); towers "
+            "makes it after the cluster has started."
+        ) from None
+
+
+def make_step(
+    model: Any,
+    loss: Any,
+    optimizer: Any,
+    devices: list[str],
+    variable_device: str,
+    reducer: Any,
+    placement: str,
+    cluster: Cluster | None,
+    options: dict[str, Any],
+) -> Step:
+    """The step of an engine; ``options``: ``metrics``, ``weighted_metrics``,
+    ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
+    ``accumulate_steps``, ``jit_compile``."""
+    compiled = _compile_config(model)
+    built = isinstance(model, keras.Model)  # else a builder: asked once it ran
+    if built:
+        own_loss, loss = _loss_of(model, loss, compiled, options["loss_weights"])
+    optimizer = _given(optimizer, compiled, "optimizer")
+    if placement not in PLACEMENTS:
+        raise ValueError(
+            f"unknown placement; received {placement!r}, expected one of "
+            f"{list(PLACEMENTS)}"
+        )
+    where = PLACEMENTS[placement](devices, variable_device, reducer)
+    where.build(model, optimizer)
+    if not built:
+        own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
+    moving = MovingStatistics(
+        lambda: where.model, options["moving_statistics"], options["batch_statistics"]
+    )
+    step_loss = StepLoss(
+        loss,
+        _option(options, compiled, "loss_weights"),
+        getattr(where.model, "output_names", None),
+    )
+    update = Update(
+        where.optimizer,
+        variable_device,
+        options["on_nonfinite"],
+        options["accumulate_steps"],
+    )
+    batch_norm = bool(moving.layers)
+    where.refuse(update, batch_norm)
+    if batch_norm and moving.statistics == "global" and len(where.models) > 1:
+        raise ValueError(
+            "batch_statistics='global' needs the towers to share one model: use "
+            f"placement='central' or 'balanced'; received placement={where.name!r}"
+        )
+    per_tower = batch_norm and moving.statistics == "tower"
+    workers = join_workers(cluster, where, per_tower, variable_device)
+    metrics = Metrics(
+        _option(options, compiled, "metrics"),
+        variable_device,
+        _option(options, compiled, "weighted_metrics"),
+        getattr(where.model, "output_names", None),
+        step_loss.output_names_with_losses(),
+    )
+    jit = xla.resolve(options.get("jit_compile"), where.model, devices)
+    lockstep = moving.statistics == "global" and (len(devices) > 1 or bool(cluster))
+    jit = xla.refuse_global_statistics(jit, batch_norm and lockstep)
+    tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit)
+    return Step(where, tower, update, metrics, moving, workers)
+
+
+def _loss_of(
+    model: keras.Model, loss: Any, compiled: dict[str, Any], loss_weights: Any
+) -> tuple[bool, Any]:
+    """Whether the model computes its own loss, and the loss towers computes
+    for it otherwise (None then): the argument, else what compile said."""
+    own = _own_loss(model, loss, loss_weights)
+    return own, None if own else _given(loss, compiled, "loss")
+
+
+def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
+    """Whether the model computes its loss itself (it overrides Keras'
+    ``compute_loss``, which every tower then calls: ``towers/step/tower.py``).
+
+    Raises:
+      ValueError: the model overrides a Keras step (``train_step``, ...) that
+        towers' step would silently replace, or overrides ``compute_loss`` and
+        is given a loss too, which its override would not use.
+    """
+    for hook, what in STEP_HOOKS.items():
+        if overrides(model, hook):
+            raise ValueError(
+                f"towers runs its own {what} (split, each tower's forward and "
+                "backward, combine, apply once) and cannot run the one a model "
+                f"defines; received a {type(model).__name__} that overrides "
+                f"{hook}. Put a custom loss in compute_loss (each tower calls "
+                "it), or write your own loop with towers.split_batch and "
+                "towers.combine_gradients (docs/guides/research.md)."
+            )
+    if not overrides(model, "compute_loss"):
+        return False
+    given = [
+        name
+        for name, value in (("loss", loss), ("loss_weights", loss_weights))
+        if value is not FROM_COMPILE and value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"a {type(model).__name__} overrides compute_loss, which computes its "
+            f"loss (from what model.compile said); received {' and '.join(given)} "
+            "for Towers too, which it would not use. Pass them to model.compile."
+        )
+    return True
+
+
+def _compile_config(model: Any) -> dict[str, Any]:
+    """What ``model.compile`` said (objects as given), or {} if it was not."""
+    if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
+        return {}
+    config = model.get_compile_config() or {}
+    return {
+        "loss": model.loss,
+        "optimizer": model.optimizer,
+        "loss_weights": config.get("loss_weights"),
+        "metrics": _deserialize(config.get("metrics")),
+        "weighted_metrics": _deserialize(config.get("weighted_metrics")),
+    }
+
+
+def _given(value: Any, compiled: dict[str, Any], name: str) -> Any:
+    if value is not FROM_COMPILE:
+        return value
+    if name in compiled:
+        return compiled[name]
+    raise ValueError(
+        f"Towers needs a {name}: pass {name}=..., or a model compiled with one "
+        f"(model.compile({name}=...)); received a model that was not compiled"
+    )
+
+
+def _option(options: dict[str, Any], compiled: dict[str, Any], name: str) -> Any:
+    """An explicit option, else the compiled model's."""
+    value = options.get(name)
+    return value if value is not None else compiled.get(name)
+
+
+def _deserialize(spec: Any) -> Any:
+    """Metrics from a compile config: names stay names; objects come back."""
+    if spec is None:
+        return None
+    if isinstance(spec, Sequence) and not isinstance(spec, str):
+        return [_deserialize(item) for item in spec]
+    if isinstance(spec, dict) and "class_name" in spec:
+        return keras.saving.deserialize_keras_object(spec)
+    return spec

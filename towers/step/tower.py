@@ -1,0 +1,293 @@
+"""One tower's work: its forward pass, its share of the loss, and its gradients.
+
+Every tower runs the same code on its own device (the step opens the device
+scope); only the shard and, for a copy per tower, the model differ. A tower's
+work has two halves, because its loss divides by the whole step's divisor,
+which needs every tower's shard::
+
+    forward:    y_pred = model(x_t)                 under a GradientTape
+                S_to, D_to per output               (towers/step/losses.py)
+                extra_t = model.losses * n_t / B    (regularisers, add_loss)
+    gradients:  D_o = sum_t D_to                    (the step, towers/step/step.py)
+                loss_t  = sum_o w_o S_to / D_o + extra_t
+                grads_t = d loss_t / d vars: the tape's gradient of [S_to...,
+                          extra_t] with upstream [w_o / D_o..., 1]
+
+The divisors do not depend on the variables, so the gradient of each ``S_to``,
+scaled by ``w_o / D_o``, is exactly the gradient of the tower's loss. The towers'
+losses and gradients then add up to the full batch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers._keras import ReadScope, compute_loss, state_variables
+from towers.split import batch_size_of
+from towers.step import xla
+from towers.step.batchnorm import MovingStatistics
+from towers.step.losses import StepLoss, Term, over
+
+
+@dataclasses.dataclass
+class TowerPass:
+    """A tower's forward pass, recorded for its gradients.
+
+    Attributes:
+      terms: per output with a loss, its ``S_t`` and ``D_t``.
+      extra: the model's own losses (regularisers, ``add_loss``), or the value
+        of its ``compute_loss`` override, weighted by the tower's share of the
+        step's examples; None if the model has none.
+      predictions: the model's outputs on the shard, ``[n_t, ...]``.
+      variables: the trainable variables, read when the step was traced.
+      sources: per variable, its value as this tower read it: what the
+        gradients are taken with respect to.
+      tape: the tape that recorded the pass (None in evaluation).
+      moments: BatchNormalization moments by layer index (training only).
+      states: with ``states`` given to :meth:`Tower.forward`, the model's
+        seed-generator states after the pass (for the next tower to start from).
+    """
+
+    terms: list[Term]
+    extra: tf.Tensor | None
+    predictions: Any
+    variables: list[Any]
+    sources: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    tape: tf.GradientTape | None = None
+    moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    states: list[tf.Tensor] = dataclasses.field(default_factory=list)
+
+    def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
+        """Per output (of several), the tower's share of its unweighted loss."""
+        if len(self.terms) < 2:
+            return {}
+        return {t.name: over(t.total, d) for t, d in zip(self.terms, divisors)}
+
+    def loss(self, divisors: list[Any]) -> tf.Tensor:
+        """The tower's share of the step's loss, given the step's divisors."""
+        shares = [_weighted(t, over(t.total, d)) for t, d in zip(self.terms, divisors)]
+        if self.extra is not None:
+            shares.append(self.extra)
+        return tf.add_n(shares) if shares else tf.constant(0.0)
+
+
+@dataclasses.dataclass
+class TowerResult:
+    """What one tower hands back to the step.
+
+    Attributes:
+      loss: the tower's share of the step's loss (unscaled), a scalar in the
+        loss's dtype.
+      predictions: the model's outputs on the tower's shard, ``[n_t, ...]``.
+      grads: per variable of ``variables``, a Tensor, IndexedSlices or None (no
+        path from the loss). Of ``scale * loss`` under loss scaling: the update
+        unscales their combination once.
+      variables: the trainable variables the gradients are for.
+      moments: BatchNormalization moments by layer index (``towers/step/batchnorm.py``).
+      terms, extra: the pass's loss terms and model losses (how the step's loss
+        is normalised: ``towers/step/losses.py``).
+      output_losses: by output name, the tower's share of that output's loss
+        (unweighted), for a model with several.
+    """
+
+    loss: tf.Tensor
+    predictions: Any
+    grads: list[Any]
+    variables: list[Any]
+    moments: dict[int, tuple]
+    terms: list[Term]
+    extra: tf.Tensor | None
+    output_losses: dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
+
+
+class Tower:
+    """The work of one tower, the same on every device.
+
+    Args:
+      loss: the user's loss, as terms per output.
+      moving_statistics: records each BatchNormalization layer's moments
+        instead of letting every tower move the shared statistics.
+      loss_scale: the current loss scale (a zero-arg function; 1 without loss
+        scaling).
+      own_loss: the model overrides Keras' ``compute_loss``: each tower calls
+        it on its shard, and its value, weighted by the tower's share of the
+        step's examples (``n_t / B``), is the tower's loss. That is exactly one
+        device's loss whenever the override is a mean over the batch, as
+        Keras' default is: a sum over examples divided by their number, model
+        losses (regularisers) included. A term that couples examples across
+        the batch (a contrastive loss, a batch-wide normaliser, a mean whose
+        divisor is the sample weights' sum) is computed per shard instead, and
+        is then not one device's.
+      jit: whether each tower's pass is one XLA computation
+        (``towers/step/xla.py``): evaluation and prediction here, training in
+        ``towers/step/once.py``.
+
+    Example:
+      >>> import keras, numpy as np
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      >>> tower = Tower(StepLoss("mse"), MovingStatistics(lambda: model), lambda: 1.0)
+      >>> x, y = np.zeros((3, 2), "float32"), np.ones((3, 1), "float32")
+      >>> tower_pass = tower.forward(model, x, y, None, examples=6)  # 3 of 6
+      >>> result = tower.gradients(tower_pass, divisors=[6])
+      >>> float(result.loss), len(result.grads)  # errors of 1: 3 * 1 / 6
+      (0.5, 2)
+    """
+
+    def __init__(
+        self,
+        loss: StepLoss,
+        moving_statistics: MovingStatistics,
+        loss_scale: Callable[[], Any],
+        own_loss: bool = False,
+        jit: xla.Jit = xla.OFF,
+    ):
+        self.loss = loss
+        self.moving_statistics = moving_statistics
+        self.loss_scale = loss_scale
+        self.own_loss = own_loss
+        self.jit = jit
+
+    def forward(
+        self,
+        model: keras.Model,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        examples: Any,
+        states: list[tf.Tensor] | None = None,
+        weights: list[tf.Tensor] | None = None,
+    ) -> TowerPass:
+        """The forward pass in training mode, recorded for :meth:`gradients`.
+
+        Args:
+          model: the model this tower runs (shared, or the tower's copy).
+          x, y, sample_weight: the tower's shard, ``[n_t, ...]`` (y and
+            sample_weight may be None).
+          examples: B, the step's examples (1 for an empty share).
+          states: the values of ``state_variables(model)`` to start from; the
+            pass then assigns none of them and hands their last values out
+            (``TowerPass.states``). None: the pass assigns them as it draws.
+          weights: the values of ``model.weights`` (read outside an XLA
+            computation); None: read here.
+        """
+        variables = list(model.trainable_variables)  # read at trace: the set now
+        tape = tf.GradientTape()
+        with weights_here(model, states, weights) as scope:
+            sources = [scope.get_current_value(v) for v in variables]
+            with tape, self.moving_statistics.recording() as moments:
+                tape.watch(sources)
+                tower_pass = self._pass(model, x, y, sample_weight, examples, True)
+            if states is not None:
+                tower_pass.states = [
+                    scope.get_current_value(v) for v in state_variables(model)
+                ]
+        tower_pass.tape, tower_pass.moments = tape, moments
+        tower_pass.variables, tower_pass.sources = variables, sources
+        return tower_pass
+
+    def gradients(
+        self, tower_pass: TowerPass, divisors: list[Any], scale: Any = None
+    ) -> TowerResult:
+        """The tower's loss share and its gradients, given the step's divisors
+        (and the loss scale, if read already)."""
+        scale = self.loss_scale() if scale is None else scale
+        # Each upstream in its target's dtype: a float64 model stays float64.
+        targets = [t.total for t in tower_pass.terms]
+        upstream = [
+            over(tf.cast(scale, t.total.dtype) * t.weight, d)
+            for t, d in zip(tower_pass.terms, divisors)
+        ]
+        if tower_pass.extra is not None:
+            targets.append(tower_pass.extra)
+            upstream.append(tf.cast(scale, tower_pass.extra.dtype))
+        grads = tower_pass.tape.gradient(
+            targets, tower_pass.sources, output_gradients=upstream
+        )
+        return TowerResult(
+            loss=tower_pass.loss(divisors),
+            predictions=tower_pass.predictions,
+            grads=grads,
+            variables=tower_pass.variables,
+            moments=tower_pass.moments,
+            terms=tower_pass.terms,
+            extra=tower_pass.extra,
+            output_losses=tower_pass.output_losses(divisors),
+        )
+
+    def evaluate(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
+    ) -> TowerPass:
+        """The tower's predictions and loss terms, in inference mode."""
+
+        def evaluate(x: Any, y: Any, sample_weight: Any, weights: Any) -> TowerPass:
+            with weights_here(model, weights=weights):
+                return self._pass(model, x, y, sample_weight, examples, False)
+
+        return self._run(model, evaluate, x, y, sample_weight)
+
+    def predict(self, model: keras.Model, x: Any) -> Any:
+        """The model's outputs on the tower's shard, in inference mode."""
+
+        def predict(x: Any, weights: Any) -> Any:
+            with weights_here(model, weights=weights):
+                return model(x, training=False)
+
+        return self._run(model, predict, x)
+
+    def _run(self, model: keras.Model, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args, weights)``: as one XLA computation with the weights read
+        here, or traced inline reading them itself."""
+        if not self.jit.enabled:
+            return work(*args, None)
+        return xla.function(work, jit=True)(*args, xla.read_weights(model))
+
+    def _pass(self, model, x, y, sample_weight, examples, training: bool) -> TowerPass:
+        y_pred = model(x, training=training)
+        terms, extra = [], None
+        if self.own_loss:
+            extra = compute_loss(model, x, y, y_pred, sample_weight, training)
+        else:
+            terms = self.loss.terms(y, y_pred, sample_weight)
+            extra = tf.add_n(model.losses) if model.losses else None
+        if extra is not None:
+            # The model's own losses are per-batch means in Keras 3 (and so is
+            # Keras' compute_loss): weight by n_t / B so the towers' shares add
+            # up to the full batch's.
+            share = tf.cast(batch_size_of(x), extra.dtype) / tf.cast(
+                examples, extra.dtype
+            )
+            extra = extra * share
+        return TowerPass(terms, extra, y_pred, list(model.trainable_variables))
+
+
+@contextlib.contextmanager
+def weights_here(
+    model: keras.Model,
+    states: list[tf.Tensor] | None = None,
+    weights: list[tf.Tensor] | None = None,
+) -> Iterator[ReadScope]:
+    """Within, each of ``model``'s weights reads as one tensor, read once on the
+    current device (the tower's): a layer that compiles with XLA inside cannot
+    read a variable on another device (``towers/_keras.py``). Keras reads an
+    Embedding's whole table before it gathers, so no layer reads less than this.
+
+    With ``states`` (one value per ``state_variables(model)``), the seed
+    generators' states read as those values and their assignments stay in the
+    scope. Yields the scope: ``get_current_value(v)`` is what ``v`` reads as.
+    ``weights``: the weights' values, read already (``xla.read_weights``)."""
+    values = xla.read_weights(model) if weights is None else weights
+    mapping = list(zip(model.weights, values))
+    held = state_variables(model) if states is not None else []
+    mapping += list(zip(held, states or []))
+    with ReadScope(mapping, collect_losses=True, held=held) as scope:
+        yield scope
+
+
+def _weighted(term: Term, value: tf.Tensor) -> tf.Tensor:
+    return value if term.weight == 1.0 else term.weight * value

@@ -1,0 +1,277 @@
+"""XLA for the towers: whether they compile, and a tower's work as one XLA call.
+
+``Towers(jit_compile=...)`` takes Keras' values. ``True`` compiles, ``False``
+does not, and ``"auto"`` decides as Keras' ``compile`` does: XLA where every
+tower is an accelerator (Keras turns it off on CPU-only machines), every layer
+supports it (``supports_jit``) and op determinism is off. Left unset, a
+compiled model's ``jit_compile`` is used (Keras resolved its ``"auto"`` at
+compile), else ``"auto"``.
+
+How a tower compiles: its forward and backward pass is one
+``tf.function(jit_compile=True)``, called on the tower's device
+(``towers/step/once.py``); TensorFlow runs the call as one XLA computation there.
+The weights are read outside it, on the tower's device, and passed in: an XLA
+computation cannot read a variable on another device. The combine and apply
+stay as they are without XLA.
+
+An op XLA cannot compile (a string op, say) fails the first step before any
+update. With ``True`` the error names the layer the op belongs to; resolved
+from ``"auto"``, the engine warns, naming it, and runs without XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import keras
+import tensorflow as tf
+
+from towers import _runtime
+from towers._keras import layers_of
+
+JitCompile = bool | Literal["auto"] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Jit:
+    """The resolved choice.
+
+    Attributes:
+      enabled: each tower's pass is one XLA computation.
+      strict: an op XLA cannot compile is an error (``True`` was asked for);
+        otherwise the engine warns and runs without XLA.
+    """
+
+    enabled: bool = False
+    strict: bool = False
+
+
+OFF = Jit()
+
+
+def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
+    """``Towers``' ``jit_compile`` for ``model`` on ``devices``.
+
+    Raises:
+      ValueError: ``option`` is not True, False, "auto" or None, or is True
+        for a model with a layer that says it cannot compile
+        (``supports_jit = False``).
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      >>> resolve("auto", model, ["/cpu:0"]), resolve(True, model, ["/cpu:0"])
+      (Jit(enabled=False, strict=False), Jit(enabled=True, strict=True))
+    """
+    if option is None:
+        compiled = isinstance(model, keras.Model) and getattr(model, "compiled", False)
+        option = model.jit_compile if compiled else "auto"
+    if option not in (True, False, "auto") or not isinstance(option, (bool, str)):
+        raise ValueError(
+            f"jit_compile must be True, False or 'auto'; received {option!r}"
+        )
+    if option is False:
+        return OFF
+    refusing = [
+        layer.name
+        for layer in layers_of(model)
+        if not getattr(layer, "supports_jit", True)
+    ]
+    if option is True:
+        if refusing:
+            raise ValueError(
+                "jit_compile=True needs every layer to compile with XLA; received "
+                f"layers that do not (supports_jit=False): {refusing}. Pass "
+                "jit_compile=False, or 'auto' to compile where Keras would."
+            )
+        return Jit(enabled=True, strict=True)
+    kinds = {tf.DeviceSpec.from_string(d).device_type for d in devices}
+    if "CPU" in kinds or _runtime.op_determinism():  # as Keras' "auto"
+        return OFF
+    if refusing:
+        warnings.warn(
+            f"jit_compile='auto': layers {refusing} do not support XLA "
+            "(supports_jit=False), so the towers run without it",
+            stacklevel=4,
+        )
+        return OFF
+    return Jit(enabled=True, strict=False)
+
+
+def refuse_global_statistics(jit: Jit, in_lockstep: bool) -> Jit:
+    """``jit`` for an engine whose towers meet inside their forward pass
+    (``batch_statistics="global"``, ``towers/step/lockstep.py``): each tower's pass
+    cannot be one XLA computation then, so ``True`` is refused and ``"auto"``
+    warns and turns XLA off."""
+    if not (jit.enabled and in_lockstep):
+        return jit
+    why = (
+        "batch_statistics='global' exchanges BatchNormalization's moments "
+        "between the towers inside their forward pass, which one XLA "
+        "computation per tower cannot stop for"
+    )
+    if jit.strict:
+        raise ValueError(
+            f"jit_compile=True cannot be served with {why}; received them "
+            "together. Use batch_statistics='tower', or jit_compile=False."
+        )
+    warnings.warn(
+        f"jit_compile='auto': {why}, so the towers run without XLA", stacklevel=4
+    )
+    return OFF
+
+
+def function(work: Callable[..., Any], jit: bool) -> Callable[..., Any]:
+    """``work`` as a ``tf.function`` (one XLA computation with ``jit``) whose
+    result may hold Python values: dataclasses, numbers, variables. Its
+    tensors come out of the call; the rest is kept from the trace.
+
+    >>> double = function(lambda x: {"twice": 2 * x, "note": "kept"}, jit=True)
+    >>> out = double(tf.constant(3.0))
+    >>> float(out["twice"]), out["note"]
+    (6.0, 'kept')
+    """
+    skeletons: dict[Any, Any] = {}
+
+    def body(*args: Any) -> list[Any]:
+        leaves: list[Any] = []
+        skeletons[_signature(args)] = _split(work(*args), leaves)
+        return leaves
+
+    body.__name__ = getattr(work, "__name__", "tower")  # names the XLA call
+    traced = tf.function(body, autograph=False, jit_compile=jit)
+
+    def call(*args: Any) -> Any:
+        leaves = traced(*args)
+        return _join(skeletons[_signature(args)], iter(leaves))
+
+    return call
+
+
+def read_weights(model: keras.Model) -> list[tf.Tensor]:
+    """Each of ``model``'s weights read once, on the current device."""
+    return [tf.identity(v) for v in model.weights]
+
+
+def uncompilable_error(error: tf.errors.OpError, model: Any) -> str | None:
+    """What a failed XLA compilation says, with the layer of each op it could
+    not compile; None if ``error`` is not one."""
+    message = error.message
+    if "XLA" not in message or "compile" not in message.lower():
+        return None
+    ops = re.findall(r"(\w+) \(No registered '\w+' OpKernel for XLA_", message)
+    nodes = re.findall(r"\{\{node ([^}]+)\}\}", message)
+    names = [layer.name for layer in layers_of(model)]
+    layers = []
+    for node in nodes:
+        layer = _layer_of(node, names)
+        if layer is not None and layer not in layers:
+            layers.append(layer)
+    if not layers and not ops:
+        return None
+    where = f"layers {layers}" if layers else "the model"
+    kinds = f" (ops {sorted(set(ops))})" if ops else ""
+    return f"XLA cannot compile {where}{kinds}"
+
+
+def after_failure(jit: Jit, error: tf.errors.OpError, model: Any) -> Jit:
+    """What a step whose call failed with ``error`` runs with next: without XLA
+    (and a warning) when XLA could not compile a tower's pass and "auto" chose
+    it.
+
+    Raises:
+      ValueError: XLA could not compile, and ``jit_compile=True`` asked for it;
+        names the layers.
+      error: anything else.
+    """
+    found = uncompilable_error(error, model) if jit.enabled else None
+    if found is None:
+        raise error
+    if jit.strict:
+        raise ValueError(
+            f"jit_compile=True: {found}; received a model with them. Pass "
+            "jit_compile=False, or 'auto' to run without XLA where it cannot "
+            "compile."
+        ) from None
+    warnings.warn(
+        f"jit_compile='auto': {found}, so the towers run without XLA", stacklevel=4
+    )
+    return OFF
+
+
+def _layer_of(node: str, names: list[str]) -> str | None:
+    """The innermost layer whose name scope holds ``node``. A graph's scopes
+    may carry a suffix (``dense_1`` for a second ``dense`` scope): the exact
+    name is taken first."""
+    scopes = node.split("/")[:-1]
+    for scope in reversed(scopes):
+        if scope in names:
+            return scope
+        unsuffixed = re.sub(r"_\d+$", "", scope)
+        if unsuffixed in names:
+            return unsuffixed
+    return None
+
+
+def _signature(args: Any) -> tuple:
+    """What tells a call's trace apart: each tensor's shape and dtype, and
+    every other value as it is."""
+    return tuple(
+        (tuple(a.shape), a.dtype) if isinstance(a, tf.Tensor) else repr(a)
+        for a in tf.nest.flatten(args)
+    )
+
+
+class _Leaf:
+    """Where a tensor of a result was."""
+
+
+LEAF = _Leaf()
+
+
+def _split(obj: Any, leaves: list[Any]) -> Any:
+    """``obj`` with each tensor replaced by ``LEAF`` and appended to ``leaves``."""
+    if isinstance(obj, (tf.Tensor, tf.IndexedSlices)):
+        leaves.append(obj)
+        return LEAF
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj,
+            **{
+                f.name: _split(getattr(obj, f.name), leaves)
+                for f in dataclasses.fields(obj)
+                if f.init
+            },
+        )
+    if isinstance(obj, dict):
+        return {key: _split(value, leaves) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_split(item, leaves) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _join(skeleton: Any, leaves: Any) -> Any:
+    """The inverse of :func:`_split`: each ``LEAF`` replaced by the next leaf."""
+    if skeleton is LEAF:
+        return next(leaves)
+    if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
+        return dataclasses.replace(
+            skeleton,
+            **{
+                f.name: _join(getattr(skeleton, f.name), leaves)
+                for f in dataclasses.fields(skeleton)
+                if f.init
+            },
+        )
+    if isinstance(skeleton, dict):
+        return {key: _join(value, leaves) for key, value in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        items = [_join(item, leaves) for item in skeleton]
+        if hasattr(skeleton, "_fields"):
+            return type(skeleton)(*items)
+        return type(skeleton)(items)
+    return skeleton
