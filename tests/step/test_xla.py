@@ -90,15 +90,20 @@ def assert_same_updates(model, reference, before):
         assert_close(got.numpy() - start, want.numpy() - start)
 
 
+def fit(trainer, x, y, sample_weight):
+    """Keras' fit or the engine's, with the same call: 2 epochs of 10-example
+    batches in order."""
+    return trainer.fit(
+        x, y, sample_weight=sample_weight, batch_size=BATCH, epochs=2,
+        shuffle=False, verbose=0,
+    )  # fmt: skip
+
+
 def keras_xla_fit(build, x, y, sample_weight, loss=None):
     model = compiled(build, True, loss)
     assert model.jit_compile is True  # Keras' fit really compiles with XLA
     before = [w.numpy() for w in model.weights]
-    history = model.fit(
-        x, y, sample_weight=sample_weight, batch_size=BATCH, epochs=2,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
-    return model, before, history.history
+    return model, before, fit(model, x, y, sample_weight).history
 
 
 @pytest.mark.parametrize("num_towers", [1, 2, 4])
@@ -113,10 +118,7 @@ def test_fit_evaluate_and_predict_match_keras_xla_fit_on_one_device(
     model = compiled(build, True)
     engine = Towers(model, devices=devices(num_towers))  # the model's jit_compile
     assert engine.step.tower.jit.enabled
-    got = engine.fit(
-        x, y, sample_weight=sample_weight, batch_size=BATCH, epochs=2,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    got = fit(engine, x, y, sample_weight)
     assert_same_updates(model, reference, before)
     assert_close(got["loss"], want["loss"])
     assert_close(
@@ -162,10 +164,7 @@ def test_a_divisor_from_sample_weights_runs_the_forward_twice_and_stays_exact(
     reference, before, want = keras_xla_fit(classifier, x, targets, sample_weight, loss)
     model = compiled(classifier, True, loss)
     engine = Towers(model, devices=devices(2))
-    got = engine.fit(
-        x, targets, sample_weight=sample_weight, batch_size=BATCH, epochs=2,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    got = fit(engine, x, targets, sample_weight)
     assert_same_updates(model, reference, before)
     assert_close(got["loss"], want["loss"])
     assert_close(got["mae"], want["mae"])
@@ -190,10 +189,7 @@ def test_a_copy_per_tower_compiles_each_copy_and_stays_exact(xla_allowed):
     )
     engine.model.set_weights(before)
     engine.after_restore()
-    engine.fit(
-        x, y, sample_weight=sample_weight, batch_size=BATCH, epochs=2,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    fit(engine, x, y, sample_weight)
     for copy in engine.placement.models:
         assert_same_updates(copy, reference, before)
 

@@ -237,41 +237,25 @@ def _split(obj: Any, leaves: list[Any]) -> Any:
     if isinstance(obj, (tf.Tensor, tf.IndexedSlices)):
         leaves.append(obj)
         return LEAF
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(
-            obj,
-            **{
-                f.name: _split(getattr(obj, f.name), leaves)
-                for f in dataclasses.fields(obj)
-                if f.init
-            },
-        )
-    if isinstance(obj, dict):
-        return {key: _split(value, leaves) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_split(item, leaves) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+    return _map_children(obj, lambda child: _split(child, leaves))
 
 
 def _join(skeleton: Any, leaves: Any) -> Any:
     """The inverse of :func:`_split`: each ``LEAF`` replaced by the next leaf."""
     if skeleton is LEAF:
         return next(leaves)
-    if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
-        return dataclasses.replace(
-            skeleton,
-            **{
-                f.name: _join(getattr(skeleton, f.name), leaves)
-                for f in dataclasses.fields(skeleton)
-                if f.init
-            },
-        )
-    if isinstance(skeleton, dict):
-        return {key: _join(value, leaves) for key, value in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        items = [_join(item, leaves) for item in skeleton]
-        if hasattr(skeleton, "_fields"):
-            return type(skeleton)(*items)
-        return type(skeleton)(items)
-    return skeleton
+    return _map_children(skeleton, lambda child: _join(child, leaves))
+
+
+def _map_children(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``fn`` applied to each of its parts (a dataclass's fields, a
+    dict's values, a list's or tuple's items); anything else as it is."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(obj, **{n: fn(getattr(obj, n)) for n in fields})
+    if isinstance(obj, dict):
+        return {key: fn(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [fn(item) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
