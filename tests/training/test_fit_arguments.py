@@ -224,3 +224,28 @@ def test_accuracy_by_name_is_resolved_by_shapes_as_keras_compile_does(labels):
     for name in ("loss", "accuracy", "acc"):
         assert_close(got[name], want[name])
     assert max(want["accuracy"]) > 0.2  # a real accuracy, not 0 from equality
+
+
+def test_a_list_of_arrays_is_several_inputs_as_in_keras_fit():
+    """tf.data would stack a list into one tensor; Keras reads each array as an
+    input of its own."""
+    rng = np.random.default_rng(5)
+    first = rng.standard_normal((EXAMPLES, 4)).astype("float32")
+    second = rng.standard_normal((EXAMPLES, 2)).astype("float32")
+    y = rng.standard_normal((EXAMPLES, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((4,)), keras.Input((2,))
+        out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+        model = keras.Model([a, b], out)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    reference, engine = build(), Towers(build(), devices=devices(3))
+    want = reference.fit([first, second], y, epochs=2, shuffle=False, verbose=0)
+    got = engine.fit([first, second], y, epochs=2, shuffle=False)
+    assert_close(got["loss"], want.history["loss"])
+    assert_same_weights(engine, reference)
+    shuffled = engine.fit([first, second], y, epochs=1)  # the shuffled path too
+    assert np.isfinite(shuffled["loss"]).all()

@@ -103,7 +103,9 @@ def _from_arrays(x, y, sample_weight, batch_size, shuffle=None) -> tf.data.Datas
             f"of them) with batch_size; received {type(x).__name__}"
         )
     batch_size = check_batch_size(batch_size)
-    parts = tuple(part for part in (x, y, sample_weight) if part is not None)
+    # tf.data reads a list as one tensor (stacked); Keras reads it as a nest,
+    # each array an input (or output) of its own.
+    parts = tuple(_tuples(part) for part in (x, y, sample_weight) if part is not None)
     if sample_weight is not None and y is None:
         raise ValueError("sample_weight weighs targets; received it with y=None")
     if shuffle is None:
@@ -117,6 +119,19 @@ def _from_arrays(x, y, sample_weight, batch_size, shuffle=None) -> tf.data.Datas
         return tf.nest.map_structure(lambda a: tf.gather(a, order), parts)
 
     return tf.data.Dataset.range(last + 1).batch(batch_size).map(rows)
+
+
+def _tuples(nest: Any) -> Any:
+    """``nest`` with every list a tuple, as Keras' fit reads lists of arrays.
+
+    >>> _tuples([1, {"a": [2, 3]}])
+    (1, {'a': (2, 3)})
+    """
+    if isinstance(nest, (list, tuple)):
+        return tuple(_tuples(item) for item in nest)
+    if isinstance(nest, dict):
+        return {key: _tuples(value) for key, value in nest.items()}
+    return nest
 
 
 def check_batch_size(batch_size: Any) -> int:
