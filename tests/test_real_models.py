@@ -89,7 +89,7 @@ def test_a_keras_application_trains_as_keras_fit(name, float64):
     assert_same_updates(engine.model, reference, before)
 
 
-def gpt2():
+def gpt2(jit_compile=False):
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=64,
         num_layers=2,
@@ -104,20 +104,28 @@ def gpt2():
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         weighted_metrics=["sparse_categorical_accuracy"],
+        jit_compile=jit_compile,
     )
+    assert model.jit_compile is jit_compile  # Keras' side really compiles
     return model
 
 
-def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64):
-    # Dict inputs, a padding mask, and per-token sample weights (padding weighs 0).
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64, jit_compile, request):
+    """Dict inputs, a padding mask, and per-token sample weights (padding weighs
+    0); with XLA, each tower's pass one XLA computation against Keras' own XLA
+    fit (op determinism, on in this suite, makes Keras refuse XLA: off here)."""
+    if jit_compile:
+        request.getfixturevalue("xla_allowed")
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 64, (EXAMPLES, 9))
     lengths = rng.integers(3, 9, EXAMPLES)
     mask = np.arange(8)[None, :] < lengths[:, None]
     x = {"token_ids": tokens[:, :-1] * mask, "padding_mask": mask}
     y, weights = tokens[:, 1:] * mask, mask.astype("float64")
-    engine = Towers(gpt2(), devices=devices(2))
-    reference = gpt2()
+    engine = Towers(gpt2(jit_compile), devices=devices(2))
+    assert engine.step.tower.jit.enabled is jit_compile
+    reference = gpt2(jit_compile)
     reference.set_weights(engine.model.get_weights())
     before = reference.get_weights()
 

@@ -4,8 +4,8 @@ rounding), and chosen by Keras' rules.
 
 The suite turns op determinism on (conftest.py), and Keras then refuses XLA
 (``model_supports_jit``): the tests that compare with Keras' XLA fit turn it
-off while they run, or Keras' side would silently run without XLA (checked:
-``make_train_function`` is asked for its ``jit_compile``).
+off while they run (the ``xla_allowed`` fixture, tests/conftest.py), or Keras'
+side would silently run without XLA (each test asserts its ``jit_compile``).
 """
 
 import re
@@ -15,7 +15,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.framework import config as tf_config
 
 from tests.models import step_graph
 from tests.test_equivalence import devices
@@ -27,16 +26,6 @@ from towers.step import xla
 
 EXAMPLES = 37  # batches of 10, 10, 10 and 7: uneven over 2 and 4 towers
 BATCH = 10
-
-
-@pytest.fixture
-def xla_allowed():
-    """Op determinism off while the test runs (Keras' XLA needs it off)."""
-    tf_config.disable_op_determinism()
-    try:
-        yield
-    finally:
-        tf.config.experimental.enable_op_determinism()
 
 
 def classifier():
