@@ -78,16 +78,16 @@ def compute(
 
     def one_tower(model: Any) -> Callable[..., Any]:
         def tower_pass(x, y, sample_weight, states, weights, scale) -> tuple:
-            tower_pass = tower.forward(
+            recorded = tower.forward(
                 model, x, y, sample_weight, examples, states, weights
             )
             size = batch_size_of(x)
-            own = divisors_of([tower_pass])
+            own = divisors_of([recorded])
             divisors = [
                 _step_divisor(term, d, size, examples)
-                for term, d in zip(tower_pass.terms, own)
+                for term, d in zip(recorded.terms, own)
             ]
-            return tower.gradients(tower_pass, divisors, scale), tower_pass.states
+            return tower.gradients(recorded, divisors, scale), recorded.states
 
         return xla.function(tower_pass, jit)
 
@@ -110,14 +110,15 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
             tower_pass = tower.forward(
                 model, x, y, sample_weight, examples, states, weights
             )
-            tower_pass.tape = None  # stays in the computation
+            # The tape and the weights' values stay in the computation.
+            tower_pass.tape, tower_pass.sources = None, []
             return tower_pass, tower_pass.states
 
         return xla.function(forward_pass, jit=True)
 
     held, scale = _Held(placement, working), _scale(tower)
     starts = dict(held.states)
-    passes = held.run(working, shards, forward, scale)
+    passes = held.run(working, shards, forward, scale, assign=False)
     divisors = divisors_of(passes)
 
     def both(model: Any) -> Callable[..., Any]:
@@ -148,11 +149,13 @@ class _Held:
             for key, model in self.models.items()
         }
 
-    def run(self, working, shards, make, scale: Any, extra: tuple = ()) -> list:
+    def run(
+        self, working, shards, make, scale: Any, extra: tuple = (), assign=True
+    ) -> list:
         """Each working tower's call of ``make(model)`` (one function per
-        model), in tower order; the states assigned after the last. ``scale``:
-        the loss scale, read outside an XLA computation (None: read in the
-        call, and so are the weights)."""
+        model), in tower order; with ``assign``, the states assigned after the
+        last. ``scale``: the loss scale, read outside an XLA computation (None:
+        read in the call, and so are the weights)."""
         functions = {key: make(model) for key, model in self.models.items()}
         results = []
         for t in working:
@@ -164,7 +167,7 @@ class _Held:
                 args = (x, y, sample_weight, self.states[key], weights, scale)
                 result, self.states[key] = functions[key](*args, *extra)
             results.append(result)
-        for key, model in self.models.items():
+        for key, model in self.models.items() if assign else ():
             for variable, value in zip(state_variables(model), self.states[key]):
                 variable.assign(value)
         return results
