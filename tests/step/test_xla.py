@@ -271,33 +271,3 @@ def test_auto_falls_back_without_xla_naming_the_layer():
     assert_close(float(logs["loss"]), float(want["loss"]))
     for got, wanted in zip(engine.model.weights, plain.model.weights):
         assert_close(got.numpy(), wanted.numpy())
-
-
-def normalised():
-    return keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(4),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(1),
-        ]
-    )
-
-
-def test_global_batch_statistics_refuse_true_and_auto_warns(xla_allowed):
-    def engine(num_towers):
-        return Towers(
-            normalised,
-            "mse",
-            keras.optimizers.SGD(),
-            devices(num_towers),
-            batch_statistics="global",
-            jit_compile=True,
-        )
-
-    with pytest.raises(ValueError, match="batch_statistics='global'.*jit_compile"):
-        engine(2)
-    with pytest.warns(UserWarning, match="batch_statistics='global'"):
-        jit = xla.refuse_global_statistics(xla.Jit(True, False), in_lockstep=True)
-    assert jit == xla.OFF
-    assert engine(1).step.tower.jit.enabled  # one tower: nothing to meet

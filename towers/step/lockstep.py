@@ -29,9 +29,10 @@ with "You must feed a value for placeholder").
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import tensorflow as tf
@@ -147,9 +148,32 @@ class Rendezvous:
                 )
 
 
-def current() -> tuple[Rendezvous, int] | None:
-    """This thread's rendezvous and rank when it traces a tower in lockstep."""
+class Seat:
+    """Tower ``rank``'s place at ``meet``: what :func:`total` sums through."""
+
+    def __init__(self, meet: Rendezvous, rank: int):
+        self.meet, self.rank = meet, rank
+
+    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+        return _total(self.meet, self.rank, value, backward)
+
+
+def current() -> Any:
+    """Where this thread's tower meets the others, when it is traced to meet
+    them: a :class:`Seat` in lockstep, or a recording of the meetings
+    (``towers/step/segments.py``); None otherwise. Its ``total(value,
+    backward)`` is :func:`total`."""
     return getattr(_context, "meeting", None)
+
+
+@contextlib.contextmanager
+def seated(meeting: Any) -> Iterator[None]:
+    """Within, :func:`current` is ``meeting`` on this thread."""
+    _context.meeting = meeting
+    try:
+        yield
+    finally:
+        _context.meeting = None
 
 
 def _total(
@@ -175,8 +199,7 @@ def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
     tower's device; no gradient flows back through it. ``backward``: ``value``
     is an upstream gradient of this tower's loss share (across workers it is
     weighted by each worker's examples, see :func:`compute`)."""
-    meet, rank = current()
-    return _total(meet, rank, value, backward)
+    return current().total(value, backward)
 
 
 def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
@@ -201,17 +224,15 @@ def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
     errors: list[BaseException] = []
 
     def trace(rank: int, work: Callable[[], T]) -> None:
-        _context.meeting = (meet, rank)
         try:
-            meet.start(rank)
-            with graph.as_default():
-                results[rank] = work()
-            meet.finish(rank)
+            with seated(Seat(meet, rank)):
+                meet.start(rank)
+                with graph.as_default():
+                    results[rank] = work()
+                meet.finish(rank)
         except BaseException as error:  # noqa: BLE001 - re-raised by the caller
             errors.append(error)
             meet.abort()
-        finally:
-            _context.meeting = None
 
     meet.begin()
     threads = [
@@ -226,6 +247,27 @@ def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
     if first or errors:
         raise (first or errors)[0]
     return results
+
+
+def across_workers(workers: Any) -> tuple[Callable | None, dict]:
+    """The sum over a cluster's workers that the towers' sums go through
+    (None without ``workers``), and where to put this worker's weight once it
+    is known (``weight["examples"]``, see :func:`compute`). The sums are
+    numbered in the order they are made: the same on every worker."""
+    if workers is None:
+        return None, {}
+    weight: dict[str, Any] = {}
+    instances = itertools.count()
+
+    def across(value: tf.Tensor, backward: bool) -> tf.Tensor:
+        scale = weight.get("examples") if backward else None
+        if scale is None:  # the forward's statistics, or a sum loss
+            return workers.sum_statistics(value, next(instances))
+        scale = tf.cast(scale, value.dtype)
+        summed = workers.sum_statistics(value * scale, next(instances))
+        return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
+
+    return across, weight
 
 
 def compute(
@@ -250,18 +292,7 @@ def compute(
     upstream gradient times its examples and divides the cluster's sum by them,
     which makes every worker's share of the cross-worker terms exact.
     """
-    across, weight = None, {}
-    if workers is not None:
-        instances = itertools.count()  # the same order on every worker
-
-        def across(value: tf.Tensor, backward: bool) -> tf.Tensor:
-            scale = weight.get("examples") if backward else None
-            if scale is None:  # the forward's statistics, or a sum loss
-                return workers.sum_statistics(value, next(instances))
-            scale = tf.cast(scale, value.dtype)
-            summed = workers.sum_statistics(value * scale, next(instances))
-            return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
-
+    across, weight = across_workers(workers)
     meet = Rendezvous(len(working), across=across)
 
     def on_tower(t: int, work: Callable[[], T]) -> Callable[[], T]:

@@ -139,8 +139,6 @@ def make_step(
         step_loss.output_names_with_losses(),
     )
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
-    lockstep = moving.statistics == "global" and (len(devices) > 1 or bool(cluster))
-    jit = xla.refuse_global_statistics(jit, batch_norm and lockstep)
     tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit)
     return Step(where, tower, update, metrics, moving, workers)
 

@@ -27,7 +27,7 @@ from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of, split_for_towers
-from towers.step import lockstep, once
+from towers.step import lockstep, once, segments
 from towers.step.batchnorm import MovingStatistics
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
@@ -195,7 +195,8 @@ class Step:
         once for every tower when they can share it (``towers/step/once.py``)."""
         working = self.placement.working_towers(shards)
         if self._in_lockstep(working):
-            return lockstep.compute(
+            meet = segments.compute if self.tower.jit.enabled else lockstep.compute
+            return meet(
                 self.placement,
                 self.tower,
                 shards,

@@ -101,29 +101,6 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
     return Jit(enabled=True, strict=False)
 
 
-def refuse_global_statistics(jit: Jit, in_lockstep: bool) -> Jit:
-    """``jit`` for an engine whose towers meet inside their forward pass
-    (``batch_statistics="global"``, ``towers/step/lockstep.py``): each tower's pass
-    cannot be one XLA computation then, so ``True`` is refused and ``"auto"``
-    warns and turns XLA off."""
-    if not (jit.enabled and in_lockstep):
-        return jit
-    why = (
-        "batch_statistics='global' exchanges BatchNormalization's moments "
-        "between the towers inside their forward pass, which one XLA "
-        "computation per tower cannot stop for"
-    )
-    if jit.strict:
-        raise ValueError(
-            f"jit_compile=True cannot be served with {why}; received them "
-            "together. Use batch_statistics='tower', or jit_compile=False."
-        )
-    warnings.warn(
-        f"jit_compile='auto': {why}, so the towers run without XLA", stacklevel=4
-    )
-    return OFF
-
-
 def function(work: Callable[..., Any], jit: bool) -> Callable[..., Any]:
     """``work`` as a ``tf.function`` (one XLA computation with ``jit``) whose
     result may hold Python values: dataclasses, numbers, variables. Its
@@ -138,7 +115,7 @@ def function(work: Callable[..., Any], jit: bool) -> Callable[..., Any]:
 
     def body(*args: Any) -> list[Any]:
         leaves: list[Any] = []
-        skeletons[_signature(args)] = _split(work(*args), leaves)
+        skeletons[signature(args)] = split_leaves(work(*args), leaves)
         return leaves
 
     body.__name__ = getattr(work, "__name__", "tower")  # names the XLA call
@@ -146,7 +123,7 @@ def function(work: Callable[..., Any], jit: bool) -> Callable[..., Any]:
 
     def call(*args: Any) -> Any:
         leaves = traced(*args)
-        return _join(skeletons[_signature(args)], iter(leaves))
+        return join_leaves(skeletons[signature(args)], iter(leaves))
 
     return call
 
@@ -216,7 +193,7 @@ def _layer_of(node: str, names: list[str]) -> str | None:
     return None
 
 
-def _signature(args: Any) -> tuple:
+def signature(args: Any) -> tuple:
     """What tells a call's trace apart: each tensor's shape and dtype, and
     every other value as it is."""
     return tuple(
@@ -232,19 +209,19 @@ class _Leaf:
 LEAF = _Leaf()
 
 
-def _split(obj: Any, leaves: list[Any]) -> Any:
+def split_leaves(obj: Any, leaves: list[Any]) -> Any:
     """``obj`` with each tensor replaced by ``LEAF`` and appended to ``leaves``."""
     if isinstance(obj, (tf.Tensor, tf.IndexedSlices)):
         leaves.append(obj)
         return LEAF
-    return _map_children(obj, lambda child: _split(child, leaves))
+    return _map_children(obj, lambda child: split_leaves(child, leaves))
 
 
-def _join(skeleton: Any, leaves: Any) -> Any:
-    """The inverse of :func:`_split`: each ``LEAF`` replaced by the next leaf."""
+def join_leaves(skeleton: Any, leaves: Any) -> Any:
+    """The inverse of :func:`split_leaves`: each ``LEAF`` replaced by the next leaf."""
     if skeleton is LEAF:
         return next(leaves)
-    return _map_children(skeleton, lambda child: _join(child, leaves))
+    return _map_children(skeleton, lambda child: join_leaves(child, leaves))
 
 
 def _map_children(obj: Any, fn: Callable[[Any], Any]) -> Any:

@@ -1,0 +1,319 @@
+"""A tower's pass traced once and cut into phases where the towers meet.
+
+The towers meet where a tower's pass needs a sum over every tower
+(``lockstep.total``: BatchNormalization's global moments and their upstream
+gradients, ``towers/step/batchnorm.py``). :func:`trace` traces the pass alone,
+into a graph that never runs: each such sum hands back a placeholder and is
+recorded as an :class:`Exchange`. The graph is then cut by phase:
+
+- the graph's inputs have phase 0;
+- a sum's placeholder has one more than the op that made its value;
+- any other op has its inputs' latest phase.
+
+The ops of one phase need only earlier phases and the sums between, so each
+phase becomes one function (with XLA, one computation), its ops imported from
+the traced graph. Independent sums (a ResNet's shortcut and main branch)
+share a phase. A :class:`Plan` holds the phases; ``towers/step/segments.py``
+runs every tower's, phase by phase, with the sums between.
+
+Constants are copied into every phase that reads them; an op that reads
+another phase's tensor keeps the static shape it had in the trace (a
+convolution's gradient reads its filter's shape from the forward phase).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.framework import func_graph
+
+from towers.step import lockstep, xla
+
+# An op of no inputs that is copied into every phase that reads it.
+_COPIED = ("Const",)
+
+
+@dataclasses.dataclass
+class Exchange:
+    """One sum over the towers, as a traced tower's pass made it.
+
+    Attributes:
+      value: what the tower hands in (a tensor of the traced graph).
+      result: the placeholder that stands for every tower's sum.
+      backward: ``value`` is an upstream gradient (see ``lockstep.total``).
+      phase: the phase whose ops read ``result``.
+    """
+
+    value: tf.Tensor
+    result: tf.Tensor
+    backward: bool
+    phase: int = 0
+
+
+class Recording:
+    """Stands for the rendezvous while a tower's pass is traced alone: each sum
+    over the towers becomes a placeholder, recorded as an :class:`Exchange`."""
+
+    def __init__(self) -> None:
+        self.exchanges: list[Exchange] = []
+
+    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+        result = tf.raw_ops.Placeholder(
+            dtype=value.dtype, shape=value.shape, name="towers_sum"
+        )
+        self.exchanges.append(Exchange(value, result, backward))
+        return result
+
+
+@dataclasses.dataclass
+class Phase:
+    """The ops of one phase, as one function.
+
+    Attributes:
+      function: ``function(*inputs) -> outputs``, a ``tf.function``.
+      inputs, outputs: the names of the traced graph's tensors it reads and
+        gives (``"op:0"``).
+    """
+
+    function: Callable[..., Any]
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclasses.dataclass
+class Plan:
+    """A tower's pass, traced and cut (see the module docstring).
+
+    Attributes:
+      inputs: names of the traced graph's inputs, in :meth:`run`'s order: the
+        call's tensors, then the outer tensors the trace captured.
+      captured: the outer tensors the trace captured.
+      phases: by phase, its function (None: no op of that phase is needed).
+      exchanges: the sums over the towers, in the order the pass made them.
+      skeleton: the pass's result, its tensors replaced (``xla.function``).
+      results: names of the result's tensors, in the skeleton's order.
+      constants: values of the result's tensors that are constants, by name.
+    """
+
+    inputs: list[str]
+    captured: list[tf.Tensor]
+    phases: list[Phase | None]
+    exchanges: list[Exchange]
+    skeleton: Any
+    results: list[str]
+    constants: dict[str, tf.Tensor]
+
+
+def trace(work: Callable[..., Any], args: tuple, jit: bool = True) -> Plan:
+    """``work(*args)`` traced alone and cut into phases.
+
+    ``args``: a nest of tensors (and None); the plan serves any call with
+    tensors of the same shapes and dtypes.
+    """
+    recording = Recording()
+    graph = func_graph.FuncGraph("tower_pass")
+    with graph.as_default():
+        placeholders = [
+            tf.raw_ops.Placeholder(dtype=a.dtype, shape=a.shape, name="arg")
+            for a in tensors_of(args)
+        ]
+        fed = iter(placeholders)
+        inner = tf.nest.pack_sequence_as(
+            args,
+            [next(fed) if is_tensor(a) else a
+             for a in tf.nest.flatten(args, expand_composites=True)],
+            expand_composites=True,
+        )  # fmt: skip
+        with lockstep.seated(recording):
+            leaves: list[Any] = []
+            skeleton = xla.split_leaves(work(*inner), leaves)
+    captured = [external for external, _ in graph.captures]
+    inputs = placeholders + [internal for _, internal in graph.captures]
+    skeleton = (skeleton, leaves)
+    flat = tf.nest.flatten(leaves, expand_composites=True)
+    plan = _cut(graph, inputs, recording.exchanges, list(flat), jit)
+    plan.captured, plan.skeleton = captured, skeleton
+    return plan
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, (tf.Tensor, tf.Variable))
+
+
+def tensors_of(args: Any) -> list[Any]:
+    """The tensors of ``args``, composites' parts included, in order; other
+    values (None, numbers) are traced as they are."""
+    return [a for a in tf.nest.flatten(args, expand_composites=True) if is_tensor(a)]
+
+
+def _cut(
+    graph: tf.Graph,
+    inputs: list[tf.Tensor],
+    exchanges: list[Exchange],
+    results: list[tf.Tensor],
+    jit: bool,
+) -> Plan:
+    """The traced ``graph`` cut into phases (the module docstring)."""
+    cut = _Cut(graph, inputs, exchanges, results)
+    constants = {
+        t.name: tf.constant(tf.make_ndarray(t.op.get_attr("value")))
+        for t in results + [e.value for e in exchanges]
+        if cut.kind(t.op) == "constant"
+    }
+    library = graph.as_graph_def().library
+    phases = [
+        cut.phase_function(k, library, jit) if cut.outputs[k] else None
+        for k in range(len(cut.outputs))
+    ]
+    return Plan(
+        inputs=[t.name for t in inputs],
+        captured=[],
+        phases=phases,
+        exchanges=exchanges,
+        skeleton=None,
+        results=[t.name for t in results],
+        constants=constants,
+    )
+
+
+class _Cut:
+    """Each op of a traced tower's pass with its phase, and what each phase
+    reads and gives."""
+
+    def __init__(self, graph, inputs, exchanges, results):
+        self.graph = graph
+        self.fed = {t.op.name for t in inputs}
+        self.sums = {e.result.op.name: e for e in exchanges}
+        self.needed = self._needed(results)
+        self.phase: dict[str, int] = {}
+        for op in graph.get_operations():
+            self.phase[op.name] = self._phase_of(op)
+        # What each phase gives: what later phases, the sums and the result read.
+        wanted = list(results)
+        wanted += [e.value for e in exchanges if e.result.op.name in self.needed]
+        for op in self.ops():
+            wanted += [
+                t for t in op.inputs if self.phase[t.op.name] != self.phase[op.name]
+            ]
+        self.outputs: list[list[str]] = [
+            [] for _ in range(max(self.phase.values()) + 1)
+        ]
+        for tensor in wanted:
+            given = self.outputs[self.phase[tensor.op.name]]
+            if self.kind(tensor.op) == "op" and tensor.name not in given:
+                given.append(tensor.name)
+
+    def kind(self, op: tf.Operation) -> str:
+        """``"fed"`` (an input or a sum's placeholder: the run gives it),
+        ``"constant"`` (copied into every phase that reads it) or ``"op"``."""
+        if op.name in self.fed or op.name in self.sums:
+            return "fed"
+        if op.type in _COPIED and not op.inputs:
+            return "constant"
+        return "op"
+
+    def ops(self, k: int | None = None) -> list[tf.Operation]:
+        """The needed ops the phases run (of phase ``k``), in trace order."""
+        return [
+            op
+            for op in self.graph.get_operations()
+            if op.name in self.needed
+            and self.kind(op) == "op"
+            and (k is None or self.phase[op.name] == k)
+        ]
+
+    def phase_function(self, k: int, library: Any, jit: bool) -> Phase:
+        """Phase ``k``'s ops as one function of the tensors they read from
+        elsewhere, giving what the phase gives."""
+        nodes, copied, reads = [], set(), []
+        for op in self.ops(k):
+            node = tf.compat.v1.NodeDef()
+            node.CopyFrom(op.node_def)
+            del node.input[:]
+            for tensor in op.inputs:
+                source = tensor.op
+                if self.kind(source) == "constant":
+                    if source.name not in copied:  # a constant waits for nothing
+                        copied.add(source.name)
+                        nodes.append(_without_inputs(source.node_def))
+                elif self.kind(source) == "fed" or self.phase[source.name] != k:
+                    if tensor.name not in reads:
+                        reads.append(tensor.name)
+                node.input.append(_input_name(tensor))
+            for control in op.control_inputs:  # earlier phases ran before
+                if self.phase[control.name] == k and self.kind(control) == "op":
+                    node.input.append(f"^{control.name}")
+            nodes.append(node)
+        graph_def = tf.compat.v1.GraphDef()
+        graph_def.node.extend(nodes)
+        graph_def.library.CopyFrom(library)
+        outputs = self.outputs[k]
+        shapes = [self.graph.get_tensor_by_name(name).shape for name in outputs]
+
+        def body(*tensors: tf.Tensor) -> list[tf.Tensor]:
+            made = tf.graph_util.import_graph_def(
+                graph_def,
+                input_map=dict(zip(reads, tensors)),
+                return_elements=outputs,
+                name="",
+            )
+            for tensor, shape in zip(made, shapes):
+                tensor.set_shape(shape)  # a shape read from an earlier phase
+            return made
+
+        body.__name__ = f"tower_phase_{k}"
+        function = tf.function(body, autograph=False, jit_compile=jit)
+        return Phase(function, reads, outputs)
+
+    def _phase_of(self, op: tf.Operation) -> int:
+        if op.name in self.sums:  # after the phase that makes its value
+            exchange = self.sums[op.name]
+            exchange.phase = self.phase[exchange.value.op.name] + 1
+            return exchange.phase
+        if self.kind(op) != "op":
+            return 0
+        if op.type == "Placeholder":
+            raise ValueError(
+                f"a tower's pass read a placeholder {op.name!r} that is neither "
+                "an input nor a sum over the towers"
+            )
+        before = [self.phase[t.op.name] for t in op.inputs]
+        before += [self.phase[c.name] for c in op.control_inputs]
+        return max(before, default=0)
+
+    def _needed(self, results: list[tf.Tensor]) -> set[str]:
+        """The names of the ops the results need: their ancestors, through
+        each sum's placeholder to its value."""
+        needed: set[str] = set()
+        stack = [t.op for t in results]
+        while stack:
+            op = stack.pop()
+            if op.name in needed:
+                continue
+            needed.add(op.name)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+            if op.name in self.sums:
+                stack.append(self.sums[op.name].value.op)
+        return needed
+
+
+def _without_inputs(node_def: Any) -> Any:
+    node = tf.compat.v1.NodeDef()
+    node.CopyFrom(node_def)
+    del node.input[:]
+    return node
+
+
+def _input_name(tensor: tf.Tensor) -> str:
+    return tensor.op.name if tensor.value_index == 0 else tensor.name
+
+
+def join(skeleton: Any, flat: list[tf.Tensor]) -> Any:
+    """A result from its ``trace`` skeleton and its tensors' values."""
+    structure, leaves = skeleton
+    rebuilt = tf.nest.pack_sequence_as(leaves, flat, expand_composites=True)
+    return xla.join_leaves(structure, iter(rebuilt))

@@ -1,0 +1,225 @@
+"""Global batch statistics under XLA: each tower's pass in phases, the towers'
+sums between them.
+
+With ``batch_statistics="global"`` the towers meet inside their pass: every
+BatchNormalization layer sums its moments over the towers twice on the way
+forward and its upstream gradients once on the way back
+(``towers/step/batchnorm.py``). One XLA computation per tower cannot stop for
+that, so the tower's pass (forward, divisors, backward) is traced once and cut
+where the towers meet (``towers/step/cut.py``), each phase one XLA
+computation::
+
+    tower t:  [phase 0] -> sum -> [phase 1] -> sum -> ... -> [phase K]
+                           ^ every tower's value     ^ every tower's upstream
+
+The step calls each phase of every working tower on the tower's device, in
+rank order; between phases, each sum's values are added on every tower's
+device (``tf.add_n`` in rank order, as the lockstep does), then over the
+workers in a cluster. The phases hold the ops a lockstep trace makes, cut
+where its towers would wait: one device's numbers with
+``batch_statistics="global"``. Towers with shards of one shape call the same
+functions (one trace per shard shape, as in ``towers/step/once.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from towers._keras import state_variables
+from towers.split import Shards, batch_size_of
+from towers.step import cut, lockstep, xla
+from towers.step.cut import Plan
+from towers.step.tower import Tower, TowerResult
+
+
+def run(
+    plans: list[Plan],
+    calls: list[tuple],
+    devices: list[str],
+    ranks: list[int],
+    across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
+    chain: dict[int, int] | None = None,
+) -> list[Any]:
+    """Every tower's pass, phase by phase: ``plans[i]`` called with
+    ``calls[i]`` (its ``trace`` arguments' structure) on ``devices[i]``
+    (named scope ``tower_{ranks[i]}``), the towers' sums between phases.
+
+    ``across(value, backward)``: the towers' sum summed over the workers.
+    ``chain``: ``{input position: result position}``: each tower after the
+    first takes those inputs from the tower before's results (its calls may
+    hold anything there), as soon as that tower's phases have made them.
+    Returns each tower's result, as ``work`` returned it.
+
+    Raises:
+      ValueError: the towers' passes meet at different phases (their shards'
+        shapes made the traces differ), or a chained input is made in a later
+        phase than the one that reads it.
+    """
+    _check_alike(plans)
+    chain = chain or {}
+    values: list[dict[str, Any]] = []
+    links: list[dict[str, str]] = []
+    for i, (plan, args) in enumerate(zip(plans, calls)):
+        given = cut.tensors_of(args) + plan.captured
+        links.append(
+            {plan.inputs[n]: plans[i - 1].results[r] for n, r in chain.items()}
+            if i
+            else {}
+        )
+        values.append(
+            {name: a for n, (name, a) in enumerate(zip(plan.inputs, given))
+             if name not in links[i]}
+        )  # fmt: skip
+    phases = max(len(plan.phases) for plan in plans)
+    for k in range(phases):
+        for i, (plan, known) in enumerate(zip(plans, values)):
+            phase = plan.phases[k] if k < len(plan.phases) else None
+            if phase is None:
+                continue
+            for name in phase.inputs:
+                if name not in known:
+                    known[name] = _chained(values[i - 1], links[i][name], k)
+            with tf.device(devices[i]), tf.name_scope(f"tower_{ranks[i]}"):
+                outputs = phase.function(*[known[name] for name in phase.inputs])
+            known.update(zip(phase.outputs, outputs))
+        for c, exchange in enumerate(plans[0].exchanges):
+            if exchange.phase != k + 1:
+                continue
+            handed = [_value(plan, known, plan.exchanges[c].value.name)
+                      for plan, known in zip(plans, values)]  # fmt: skip
+            for plan, known, total in zip(
+                plans, values, _sums(handed, devices, across, exchange.backward)
+            ):
+                known[plan.exchanges[c].result.name] = total
+    results = []
+    for plan, known in zip(plans, values):
+        leaves = [_value(plan, known, name) for name in plan.results]
+        results.append(cut.join(plan.skeleton, leaves))
+    return results
+
+
+def compute(
+    placement: Any,
+    tower: Tower,
+    shards: Shards,
+    working: list[int],
+    divisors_of: Callable[[list], list[Any]],
+    workers: Any = None,
+    weight_of: Callable[[list], Any] | None = None,
+) -> list[TowerResult]:
+    """``Step.compute`` for global batch statistics under XLA: each working
+    tower's loss share and gradients, its pass cut where the towers meet.
+
+    ``divisors_of(passes)``: the step's checks on the towers' passes (given
+    one). A divisor from sample weights or a mask is summed over the towers
+    as the statistics are; one that is the examples times a constant follows
+    from the tower's own (``towers/step/once.py``). The seed generators'
+    states are handed from tower to tower as ``towers/step/once.py`` hands
+    them: tower ``t`` starts where tower ``t - 1`` ended.
+    """
+    model = placement.model_of(working[0])
+    examples = shards.normaliser
+    traced: list[Any] = []
+
+    def tower_pass(x, y, sample_weight, states, weights, scale) -> tuple:
+        recorded = tower.forward(model, x, y, sample_weight, examples, states, weights)
+        own = divisors_of([recorded])
+        size = batch_size_of(x)
+        divisors = [
+            _step_divisor(term, d, size, examples)
+            for term, d in zip(recorded.terms, own)
+        ]
+        traced.append(recorded)
+        return recorded.states, tower.gradients(recorded, divisors, scale)
+
+    across, weight = lockstep.across_workers(workers)
+    states = [tf.identity(v) for v in state_variables(model)]
+    scale = tower.loss_scale()
+    plans: dict[tuple, Plan] = {}
+    chosen, calls = [], []
+    for t in working:
+        x, y, sample_weight = shards.parts[t]
+        with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
+            weights = xla.read_weights(model)
+        args = (x, y, sample_weight, states, weights, scale)
+        key = xla.signature(args)
+        if key not in plans:
+            with tf.name_scope(f"tower_{t}"):
+                plans[key] = cut.trace(tower_pass, args, jit=True)
+        chosen.append(plans[key])
+        calls.append(args)
+    if workers is not None:
+        weight["examples"] = weight_of(traced[:1])
+    # The states come first in the arguments (after the shard's tensors) and
+    # first in the result.
+    start = len(cut.tensors_of(calls[0][:3]))
+    chain = {start + n: n for n in range(len(states))}
+    devices = [placement.devices[t] for t in working]
+    outputs = run(chosen, calls, devices, working, across, chain)
+    for variable, value in zip(state_variables(model), outputs[-1][0]):
+        variable.assign(value)
+    return [result for _, result in outputs]
+
+
+def _value(plan: Plan, known: dict[str, Any], name: str) -> Any:
+    """What the traced tensor ``name`` is in the run: a constant's value, or
+    what an input, a sum or a phase made."""
+    return plan.constants[name] if name in plan.constants else known[name]
+
+
+def _chained(before: dict[str, Any], name: str, k: int) -> Any:
+    if name not in before:
+        raise ValueError(
+            "batch_statistics='global' with jit_compile: a layer's seed state "
+            f"is read in phase {k} of a tower's pass before the tower before "
+            "it has made it; received a model whose random draws follow a sum "
+            "over the towers. Use jit_compile=False."
+        )
+    return before[name]
+
+
+def _sums(
+    handed: list[tf.Tensor],
+    devices: list[str],
+    across: Callable[[tf.Tensor, bool], tf.Tensor] | None,
+    backward: bool,
+) -> list[tf.Tensor]:
+    """The towers' sum of ``handed`` on each tower's device (in rank order);
+    with ``across``, tower 0's sum summed over the workers, read by every
+    tower."""
+    if across is None:
+        sums = []
+        for device in devices:
+            with tf.device(device), tf.name_scope("towers_sum"):
+                sums.append(tf.add_n(handed))
+        return sums
+    with tf.device(devices[0]), tf.name_scope("towers_sum"):
+        total = across(tf.add_n(handed), backward)
+    return [total] * len(devices)
+
+
+def _check_alike(plans: list[Plan]) -> None:
+    first = [(e.phase, e.backward, e.value.dtype) for e in plans[0].exchanges]
+    for plan in plans[1:]:
+        other = [(e.phase, e.backward, e.value.dtype) for e in plan.exchanges]
+        if other != first:
+            raise ValueError(
+                "batch_statistics='global' with jit_compile: the towers' passes "
+                f"meet {len(first)} and {len(other)} times, or at different "
+                "phases, on shards of different shapes; received a model whose "
+                "trace depends on its batch size. Use jit_compile=False."
+            )
+
+
+def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any) -> Any:
+    """The step's divisor of ``term`` from this tower's: ``k * B`` when it is
+    ``k`` per example (exact: integers), none for a sum, else the towers' sum
+    of theirs (an exchange)."""
+    if divisor is None:
+        return None
+    if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
+        return divisor // size * examples
+    return lockstep.total(tf.cast(divisor, term.total.dtype))
