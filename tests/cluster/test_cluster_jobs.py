@@ -148,13 +148,17 @@ def test_what_keras_users_bring_trains_in_a_cluster_as_one_process(tmp_path, arg
         )
 
 
-def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path):
+@pytest.mark.parametrize("jit", [[], ["--jit-compile"]], ids=["", "xla"])
+def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(
+    tmp_path, jit
+):
     # Global batch statistics summed over the workers' collective runtime: every
     # BatchNormalization layer normalises with the whole global batch's, worker 1
-    # joining with nothing in the batch of one.
+    # joining with nothing in the batch of one. With XLA, between each tower's
+    # XLA computations (towers/step/segments.py); the reference runs without.
     args = ["--model", "bn", "--batch-statistics", "global", "--optimizer", "sgd"]
     ref = reference(tmp_path / "ref", *args)
-    job = launch(tmp_path / "job", *args)
+    job = launch(tmp_path / "job", *args, *jit)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     # Weights and the moving mean and variance (model.variables) are one
     # process's, and the same on both workers.

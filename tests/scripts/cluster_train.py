@@ -20,7 +20,8 @@ What a Keras user brings reaches it too: --weighted (per-example sample weights)
 The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
 (with --nan-in K: the last example of global batch K is NaN, which is in the
 last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
---model bn puts a BatchNormalization layer in, with --batch-statistics global.
+--model bn puts a BatchNormalization layer in, with --batch-statistics global
+(and --jit-compile, each tower's pass in XLA computations).
 """
 
 import argparse
@@ -55,6 +56,7 @@ parser.add_argument("--weighted", action="store_true")
 parser.add_argument("--outputs", type=int, default=1)
 parser.add_argument("--slow", action="store_true")
 parser.add_argument("--batch-statistics", default="tower")
+parser.add_argument("--jit-compile", action="store_true")
 args = parser.parse_args()
 
 in_cluster = "TF_CONFIG" in os.environ
@@ -126,6 +128,7 @@ engine = towers.Towers(
     accumulate_steps=args.accumulate,
     on_nonfinite=args.nonfinite,
     batch_statistics=args.batch_statistics,
+    jit_compile=args.jit_compile,
 )
 # The variables every worker starts from (the chief's, after the engine's start).
 start = [v.numpy() for v in engine.model.variables]

@@ -191,20 +191,23 @@ class _Cut:
         self.phase: dict[str, int] = {}
         for op in graph.get_operations():
             self.phase[op.name] = self._phase_of(op)
+        count = max(self.phase.values()) + 1
+        # The needed ops each phase runs, in trace order.
+        self.by_phase: list[list[tf.Operation]] = [[] for _ in range(count)]
+        for op in graph.get_operations():
+            if op.name in self.needed and self.kind(op) == "op":
+                self.by_phase[self.phase[op.name]].append(op)
         # What each phase gives: what later phases, the sums and the result read.
         wanted = list(results)
         wanted += [e.value for e in exchanges if e.result.op.name in self.needed]
-        for op in self.ops():
-            wanted += [
-                t for t in op.inputs if self.phase[t.op.name] != self.phase[op.name]
-            ]
-        self.outputs: list[list[str]] = [
-            [] for _ in range(max(self.phase.values()) + 1)
-        ]
+        for k, ops in enumerate(self.by_phase):
+            wanted += [t for op in ops for t in op.inputs if self.phase[t.op.name] != k]
+        self.outputs: list[list[str]] = [[] for _ in range(count)]
+        given: set[str] = set()
         for tensor in wanted:
-            given = self.outputs[self.phase[tensor.op.name]]
             if self.kind(tensor.op) == "op" and tensor.name not in given:
-                given.append(tensor.name)
+                given.add(tensor.name)
+                self.outputs[self.phase[tensor.op.name]].append(tensor.name)
 
     def kind(self, op: tf.Operation) -> str:
         """``"fed"`` (an input or a sum's placeholder: the run gives it),
@@ -215,24 +218,12 @@ class _Cut:
             return "constant"
         return "op"
 
-    def ops(self, k: int | None = None) -> list[tf.Operation]:
-        """The needed ops the phases run (of phase ``k``), in trace order."""
-        return [
-            op
-            for op in self.graph.get_operations()
-            if op.name in self.needed
-            and self.kind(op) == "op"
-            and (k is None or self.phase[op.name] == k)
-        ]
-
     def phase_function(self, k: int, library: Any, jit: bool) -> Phase:
         """Phase ``k``'s ops as one function of the tensors they read from
         elsewhere, giving what the phase gives."""
         nodes, copied, reads = [], set(), []
-        for op in self.ops(k):
-            node = tf.compat.v1.NodeDef()
-            node.CopyFrom(op.node_def)
-            del node.input[:]
+        for op in self.by_phase[k]:
+            node = _without_inputs(op.node_def)
             for tensor in op.inputs:
                 source = tensor.op
                 if self.kind(source) == "constant":
@@ -302,9 +293,14 @@ class _Cut:
 
 
 def _without_inputs(node_def: Any) -> Any:
+    """A copy of ``node_def`` with no inputs and no colocation (one phase runs
+    as one computation on one device; the op it was colocated with may be in
+    another)."""
     node = tf.compat.v1.NodeDef()
     node.CopyFrom(node_def)
     del node.input[:]
+    if "_class" in node.attr:
+        del node.attr["_class"]
     return node
 
 

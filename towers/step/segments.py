@@ -221,5 +221,5 @@ def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any) -> Any:
     if divisor is None:
         return None
     if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
-        return divisor // size * examples
+        return divisor // size * examples if size else divisor  # empty: 0, as summed
     return lockstep.total(tf.cast(divisor, term.total.dtype))
