@@ -149,9 +149,7 @@ def test_what_keras_users_bring_trains_in_a_cluster_as_one_process(tmp_path, arg
 
 
 @pytest.mark.parametrize("jit", [[], ["--jit-compile"]], ids=["", "xla"])
-def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(
-    tmp_path, jit
-):
+def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path, jit):
     # Global batch statistics summed over the workers' collective runtime: every
     # BatchNormalization layer normalises with the whole global batch's, worker 1
     # joining with nothing in the batch of one. With XLA, between each tower's

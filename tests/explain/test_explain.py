@@ -189,3 +189,31 @@ def test_explaining_again_reads_only_its_own_step_and_collects_nothing_after():
     leftover = context.context().export_run_metadata()
     kept = 0 if leftover is None else len(leftover.function_graphs)
     assert kept == 0
+
+
+def test_explain_shows_each_towers_phases_under_global_statistics_and_xla():
+    """A BatchNormalization model with global statistics and XLA: each tower's
+    pass is several XLA computations, the towers' sums between them; the
+    report lists them per tower and device, as TensorFlow placed them."""
+    from tests.step.test_global_batch_statistics import bn_mlp
+
+    keras.utils.set_random_seed(0)
+    engine = towers.Towers(
+        bn_mlp,
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=CPU[:2],
+        batch_statistics="global",
+        jit_compile=True,
+    )
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(7, 5)).astype("float32"), rng.normal(size=(7, 1))
+
+    report = engine.explain(x, y)
+
+    for t in range(2):
+        mine = [c for c in report.xla if c.stage == f"tower {t} XLA"]
+        assert len(mine) == 7  # 2 BatchNormalization layers: 3 sums each, 7 phases
+        assert {c.device for c in mine} == {f"/device:CPU:{t}"}
+        line = f"{f'tower {t} XLA':<18} on /device:CPU:{t}: 7 phases, the towers' sums"
+        assert line in str(report)

@@ -7,7 +7,9 @@ Ops are grouped into the step's stages by the name scopes the step opens
     split                    the batch cut into shards (on the host)
     tower t forward          tower t's forward pass and loss
     tower t XLA              with jit_compile: tower t's forward and backward
-                             passes, one XLA computation (one op, a call)
+                             passes, one XLA computation (one op, a call); with
+                             global batch statistics one per phase, the towers'
+                             sums between them (towers/step/segments.py)
     tower t backward         tower t's gradients (GradientTape)
     combine                  the towers' gradients summed (combine_gradients)
     across workers           the sum across worker processes, in a cluster

@@ -81,12 +81,22 @@ def _xla(e: Any) -> list[str]:
     if not e.xla:
         return []
     lines = ["XLA computations (jit_compile): each one op in the placed graph"]
-    for call in e.xla:
-        lines.append(
-            f"  {call.stage:<18} on {call.device}: {call.function}, "
-            f"{call.ops} ops compiled"
-        )
+    for (stage, device), calls in _grouped(e.xla):
+        if len(calls) == 1:
+            what = f"{calls[0].function}, {calls[0].ops} ops compiled"
+        else:  # a pass cut where the towers meet (towers/step/segments.py)
+            ops = "+".join(str(c.ops) for c in calls)
+            what = f"{len(calls)} phases, the towers' sums between: {ops} ops"
+        lines.append(f"  {stage:<18} on {device}: {what}")
     return [*lines, ""]
+
+
+def _grouped(calls: list[Any]) -> list[tuple[tuple[str, str], list[Any]]]:
+    """``calls`` by stage and device, in the order each first appears."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for call in calls:
+        groups.setdefault((call.stage, call.device), []).append(call)
+    return list(groups.items())
 
 
 def _where(e: Any) -> list[str]:
