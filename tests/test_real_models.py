@@ -67,6 +67,17 @@ def application(name):
 
 @pytest.mark.parametrize("name", APPLICATIONS)
 def test_a_keras_application_trains_as_keras_fit(name, float64):
+    trains_as_keras_fit(name, jit_compile=False)
+
+
+def test_mobilenet_with_xla_trains_as_keras_xla_fit(float64, xla_allowed):
+    """Global batch statistics under XLA: each tower's pass in 157 XLA
+    computations, cut at its 52 BatchNormalization layers
+    (towers/step/segments.py), against Keras' fit with XLA on one device."""
+    trains_as_keras_fit("MobileNetV2", jit_compile=True)
+
+
+def trains_as_keras_fit(name, jit_compile):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((EXAMPLES, 32, 32, 3))
     y = rng.integers(0, 5, EXAMPLES)
@@ -77,10 +88,15 @@ def test_a_keras_application_trains_as_keras_fit(name, float64):
         keras.optimizers.SGD(0.01),
         devices=devices(2),
         batch_statistics="global",
+        jit_compile=jit_compile,
     )
+    assert engine.step.tower.jit.enabled is jit_compile
     reference = build()
     reference.set_weights(engine.model.get_weights())
-    reference.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=jit_compile
+    )
+    assert reference.jit_compile is jit_compile  # Keras' side really compiles
     before = reference.get_weights()
 
     engine.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)

@@ -18,9 +18,32 @@ from towers.devices import canonical_device
 from towers.explain.graph import xla_calls
 from towers.step import cut, lockstep, segments
 
+
+def residual():
+    """A block with a projection shortcut, as ResNet's: the shortcut's
+    BatchNormalization meets the towers in the same phases as the main
+    branch's first, and on the way back in the same phase as its second."""
+    inputs = keras.Input((6, 6, 2))
+    main = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inputs)
+    main = keras.layers.ReLU()(keras.layers.BatchNormalization(momentum=0.5)(main))
+    main = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(main)
+    main = keras.layers.BatchNormalization(momentum=0.5)(main)
+    shortcut = keras.layers.Conv2D(4, 1, use_bias=False)(inputs)
+    shortcut = keras.layers.BatchNormalization(momentum=0.5)(shortcut)
+    joined = keras.layers.ReLU()(keras.layers.Add()([main, shortcut]))
+    pooled = keras.layers.GlobalAveragePooling2D()(joined)
+    return keras.Model(inputs, keras.layers.Dense(3)(pooled))
+
+
 MODELS = {
     "mlp": (bn_mlp, (5,), keras.losses.MeanSquaredError(), "mae"),
     "cnn": (bn_cnn, (6, 6, 2), keras.losses.SparseCategoricalCrossentropy(), "acc"),
+    "residual": (
+        residual,
+        (6, 6, 2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "acc",
+    ),
 }
 
 
@@ -105,6 +128,22 @@ def test_each_tower_runs_its_phases_on_its_own_device(num_towers):
         assert {c.device for c in mine} == {canonical_device(device)}
     sums = [op for op in graph.get_operations() if "towers_sum" in op.name]
     assert sums and all(op.type in ("AddN", "Identity") for op in sums)
+
+
+def test_independent_sums_share_a_phase():
+    """Three BatchNormalization layers, three sums each, but the shortcut's
+    meet beside the main branch's: 7 phases, not 10."""
+    x, y, _ = data((6, 6, 2))
+    engine = Towers(
+        residual,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.1),
+        devices=devices(2),
+        batch_statistics="global",
+        jit_compile=True,
+    )
+    graph = step_graph(engine, x[:BATCH], y[:BATCH])
+    assert [c.stage for c in xla_calls(graph)].count("tower 0 XLA") == 7
 
 
 def test_a_pass_is_cut_where_the_towers_meet():
