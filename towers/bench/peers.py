@@ -55,14 +55,16 @@ def single_device_step(build, loss_fn, device: str, jit_compile: bool = False):
     return step
 
 
-def floor_step(preset, devices: Sequence[str], x, y) -> Step:
-    """The zero-sync floor: ``Towers(placement="independent")`` on the same shards."""
+def floor_step(preset, devices: Sequence[str], x, y, jit_compile=False) -> Step:
+    """The zero-sync floor: ``Towers(placement="independent")`` on the same shards
+    (with ``jit_compile``, each copy's pass one XLA computation)."""
     engine = Towers(
         preset.build,
         preset.loss(),
         lambda: keras.optimizers.SGD(0.01),
         devices=list(devices),
         placement="independent",
+        jit_compile=jit_compile,
     )
     return lambda: engine.train_step(x, y)["loss"]
 
