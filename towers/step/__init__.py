@@ -5,7 +5,9 @@ the divisors, combine, apply, metrics); ``tower.py`` is one tower's work and
 ``once.py`` traces it once for every tower (``xla.py``: as one XLA computation);
 ``losses.py`` makes T shards' losses add up to the batch's; ``batchnorm.py`` and
 ``lockstep.py`` serve BatchNormalization (moving statistics once per step, the
-whole batch's statistics); ``metrics.py`` sees every tower's predictions;
+whole batch's statistics), with ``cut.py`` and ``segments.py`` cutting a
+tower's pass into XLA computations where the towers meet; ``metrics.py`` sees
+every tower's predictions;
 ``parts.py`` assembles a step from ``Towers``' arguments and ``compiled.py``
 holds it as ``tf.function``\\ s.
 

@@ -28,7 +28,9 @@ What each tower normalises with is ``batch_statistics``:
   examples, with the backward pass flowing through them as on one device: the
   towers are traced in lockstep and meet at every layer (``towers/step/lockstep.py``),
   so a BatchNormalization model trains to one device's weights and moving
-  statistics. Every policy above then moves them toward the same numbers.
+  statistics (with XLA, each tower's pass is cut at those meetings into XLA
+  computations: ``towers/step/segments.py``). Every policy above then moves
+  them toward the same numbers.
 """
 
 from __future__ import annotations

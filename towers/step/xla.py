@@ -12,7 +12,9 @@ How a tower compiles: its forward and backward pass is one
 (``towers/step/once.py``); TensorFlow runs the call as one XLA computation there.
 The weights are read outside it, on the tower's device, and passed in: an XLA
 computation cannot read a variable on another device. The combine and apply
-stay as they are without XLA.
+stay as they are without XLA. With global batch statistics the towers meet
+inside their pass, so it is cut there into several XLA computations, the
+towers' sums between them (``towers/step/segments.py``).
 
 An op XLA cannot compile (a string op, say) fails the first step before any
 update. With ``True`` the error names the layer the op belongs to; resolved
