@@ -88,8 +88,8 @@ class Plan:
     """A tower's pass, traced and cut (see the module docstring).
 
     Attributes:
-      inputs: names of the traced graph's inputs, in :meth:`run`'s order: the
-        call's tensors, then the outer tensors the trace captured.
+      inputs: names of the traced graph's inputs: the call's tensors
+        (:func:`tensors_of`), then the outer tensors the trace captured.
       captured: the outer tensors the trace captured.
       phases: by phase, its function (None: no op of that phase is needed).
       exchanges: the sums over the towers, in the order the pass made them.
@@ -140,7 +140,7 @@ def trace(work: Callable[..., Any], args: tuple, jit: bool = True) -> Plan:
 
 
 def is_tensor(value: Any) -> bool:
-    return isinstance(value, (tf.Tensor, tf.Variable))
+    return isinstance(value, tf.Tensor)
 
 
 def tensors_of(args: Any) -> list[Any]:

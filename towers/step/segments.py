@@ -70,9 +70,8 @@ def run(
             else {}
         )
         values.append(
-            {name: a for n, (name, a) in enumerate(zip(plan.inputs, given))
-             if name not in links[i]}
-        )  # fmt: skip
+            {name: a for name, a in zip(plan.inputs, given) if name not in links[i]}
+        )
     phases = max(len(plan.phases) for plan in plans)
     for k in range(phases):
         for i, (plan, known) in enumerate(zip(plans, values)):
@@ -95,7 +94,9 @@ def run(
             ):
                 known[plan.exchanges[c].result.name] = total
     results = []
-    for plan, known in zip(plans, values):
+    for i, (plan, known) in enumerate(zip(plans, values)):
+        for name, link in links[i].items():  # read by no phase: passed on
+            known.setdefault(name, values[i - 1].get(link))
         leaves = [_value(plan, known, name) for name in plan.results]
         results.append(cut.join(plan.skeleton, leaves))
     return results
