@@ -73,14 +73,16 @@ def test_a_keras_application_trains_as_keras_fit(name, float64):
 def test_mobilenet_with_xla_trains_as_keras_xla_fit(float64, xla_allowed):
     """Global batch statistics under XLA: each tower's pass in 157 XLA
     computations, cut at its 52 BatchNormalization layers
-    (towers/step/segments.py), against Keras' fit with XLA on one device."""
-    trains_as_keras_fit("MobileNetV2", jit_compile=True)
+    (towers/step/segments.py), against Keras' fit with XLA on one device. One
+    step of 8, 4 + 4: every phase compiles once per shard shape and device,
+    and the small models cover uneven shards (tests/step/test_segments.py)."""
+    trains_as_keras_fit("MobileNetV2", jit_compile=True, examples=8, batch=8)
 
 
-def trains_as_keras_fit(name, jit_compile):
+def trains_as_keras_fit(name, jit_compile, examples=EXAMPLES, batch=BATCH):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((EXAMPLES, 32, 32, 3))
-    y = rng.integers(0, 5, EXAMPLES)
+    x = rng.standard_normal((examples, 32, 32, 3))
+    y = rng.integers(0, 5, examples)
     build, loss = application(name), keras.losses.SparseCategoricalCrossentropy()
     engine = Towers(
         build,
@@ -99,8 +101,8 @@ def trains_as_keras_fit(name, jit_compile):
     assert reference.jit_compile is jit_compile  # Keras' side really compiles
     before = reference.get_weights()
 
-    engine.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    engine.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
 
     assert_same_updates(engine.model, reference, before)
 
