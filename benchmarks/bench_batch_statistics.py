@@ -31,26 +31,32 @@ from towers.bench.timing import interleaved, ratio
 BATCH = 64
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-def test_global_batch_statistics_vs_tower_statistics(benchmark, num_towers):
-    preset = get_preset("resnet")
-    x, y = (tf.constant(a) for a in preset.batch(BATCH, seed=0))
-    devices = [f"/cpu:{t}" for t in range(num_towers)]
-    engines = {
-        statistics: Towers(
+def towers_steps(preset, devices, x, y, contenders: dict) -> dict:
+    """By name, a step of ``Towers`` with the contender's ``(batch_statistics,
+    jit_compile)``, returning its loss."""
+    steps = {}
+    for name, (statistics, jit_compile) in contenders.items():
+        engine = Towers(
             preset.build,
             preset.loss(),
             lambda: keras.optimizers.SGD(0.01),
             devices=devices,
             batch_statistics=statistics,
+            jit_compile=jit_compile,
         )
-        for statistics in ("tower", "global")
-    }
+        steps[name] = lambda engine=engine: engine.train_step(x, y)["loss"]
+    return steps
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_global_batch_statistics_vs_tower_statistics(benchmark, num_towers):
+    preset = get_preset("resnet")
+    x, y = (tf.constant(a) for a in preset.batch(BATCH, seed=0))
+    devices = [f"/cpu:{t}" for t in range(num_towers)]
+    steps = towers_steps(
+        preset, devices, x, y, {"tower": ("tower", False), "global": ("global", False)}
+    )
     single = single_device_step(preset.build, preset.loss(), "/cpu:0")
-    steps = {
-        name: (lambda engine=engine: engine.train_step(x, y)["loss"])
-        for name, engine in engines.items()
-    }
     steps["single"] = lambda: single(x, y)
     steps["floor"] = floor_step(preset, devices, x, y)
 
@@ -92,17 +98,7 @@ def test_global_batch_statistics_with_xla(benchmark, num_towers):
         "global": ("global", False),
         "tower xla": ("tower", True),
     }
-    steps = {}
-    for name, (statistics, jit_compile) in contenders.items():
-        engine = Towers(
-            preset.build,
-            preset.loss(),
-            lambda: keras.optimizers.SGD(0.01),
-            devices=devices,
-            batch_statistics=statistics,
-            jit_compile=jit_compile,
-        )
-        steps[name] = lambda engine=engine: engine.train_step(x, y)["loss"]
+    steps = towers_steps(preset, devices, x, y, contenders)
     single = single_device_step(preset.build, preset.loss(), "/cpu:0", True)
     steps["single xla"] = lambda: single(x, y)
     steps["floor xla"] = floor_step(preset, devices, x, y, jit_compile=True)
