@@ -66,7 +66,7 @@ def targets(name, y):
 
 
 @pytest.mark.parametrize(
-    "name, num_towers", [("mlp", 2), ("cnn", 4), ("residual", 2), ("residual", 4)]
+    "name, num_towers", [("mlp", 4), ("cnn", 2), ("residual", 2), ("residual", 4)]
 )
 def test_global_statistics_with_xla_train_as_keras_xla_fit(
     xla_allowed, name, num_towers
