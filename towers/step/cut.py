@@ -130,13 +130,26 @@ def trace(work: Callable[..., Any], args: tuple, jit: bool = True) -> Plan:
         with lockstep.seated(recording):
             leaves: list[Any] = []
             skeleton = xla.split_leaves(work(*inner), leaves)
-    captured = [external for external, _ in graph.captures]
     inputs = placeholders + [internal for _, internal in graph.captures]
-    skeleton = (skeleton, leaves)
-    flat = tf.nest.flatten(leaves, expand_composites=True)
-    plan = _cut(graph, inputs, recording.exchanges, list(flat), jit)
-    plan.captured, plan.skeleton = captured, skeleton
-    return plan
+    results = list(tf.nest.flatten(leaves, expand_composites=True))
+    cut = _Cut(graph, inputs, recording.exchanges, results)
+    library = graph.as_graph_def().library
+    return Plan(
+        inputs=[t.name for t in inputs],
+        captured=[external for external, _ in graph.captures],
+        phases=[
+            cut.phase_function(k, library, jit) if cut.outputs[k] else None
+            for k in range(len(cut.outputs))
+        ],
+        exchanges=recording.exchanges,
+        skeleton=(skeleton, leaves),
+        results=[t.name for t in results],
+        constants={
+            t.name: tf.constant(tf.make_ndarray(t.op.get_attr("value")))
+            for t in results + [e.value for e in recording.exchanges]
+            if cut.kind(t.op) == "constant"
+        },
+    )
 
 
 def is_tensor(value: Any) -> bool:
@@ -147,36 +160,6 @@ def tensors_of(args: Any) -> list[Any]:
     """The tensors of ``args``, composites' parts included, in order; other
     values (None, numbers) are traced as they are."""
     return [a for a in tf.nest.flatten(args, expand_composites=True) if is_tensor(a)]
-
-
-def _cut(
-    graph: tf.Graph,
-    inputs: list[tf.Tensor],
-    exchanges: list[Exchange],
-    results: list[tf.Tensor],
-    jit: bool,
-) -> Plan:
-    """The traced ``graph`` cut into phases (the module docstring)."""
-    cut = _Cut(graph, inputs, exchanges, results)
-    constants = {
-        t.name: tf.constant(tf.make_ndarray(t.op.get_attr("value")))
-        for t in results + [e.value for e in exchanges]
-        if cut.kind(t.op) == "constant"
-    }
-    library = graph.as_graph_def().library
-    phases = [
-        cut.phase_function(k, library, jit) if cut.outputs[k] else None
-        for k in range(len(cut.outputs))
-    ]
-    return Plan(
-        inputs=[t.name for t in inputs],
-        captured=[],
-        phases=phases,
-        exchanges=exchanges,
-        skeleton=None,
-        results=[t.name for t in results],
-        constants=constants,
-    )
 
 
 class _Cut:

@@ -96,7 +96,7 @@ def run(
     results = []
     for i, (plan, known) in enumerate(zip(plans, values)):
         for name, link in links[i].items():  # read by no phase: passed on
-            known.setdefault(name, values[i - 1].get(link))
+            known.setdefault(name, _value(plans[i - 1], values[i - 1], link))
         leaves = [_value(plan, known, name) for name in plan.results]
         results.append(cut.join(plan.skeleton, leaves))
     return results
