@@ -32,6 +32,7 @@ from towers._keras import (
     LossFunctionWrapper,
     apply_mask,
     get_keras_mask,
+    is_binary_or_sparse_categorical,
     squeeze_or_expand_to_same_rank,
 )
 from towers.step import outputs
@@ -221,10 +222,38 @@ class PerExample(keras.losses.Loss):
         return self.fn(y_true, y_pred)
 
 
+class CrossentropyByShapes(keras.losses.Loss):
+    """The loss names ``"crossentropy"`` and ``"ce"``: binary, sparse
+    categorical or categorical crossentropy, picked by the targets' and
+    predictions' shapes as Keras' ``compile`` picks it.
+
+    >>> ce = CrossentropyByShapes()
+    >>> y, p = tf.constant([0, 1]), tf.constant([[0.8, 0.2], [0.4, 0.6]])
+    >>> round(float(ce(y, p)), 4)  # sparse targets: sparse categorical
+    0.367
+    """
+
+    def __init__(self, name: str = "crossentropy"):
+        super().__init__(name=name)
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        binary, sparse = is_binary_or_sparse_categorical(y_true, y_pred)
+        picked = (
+            keras.losses.binary_crossentropy
+            if binary
+            else keras.losses.sparse_categorical_crossentropy
+            if sparse
+            else keras.losses.categorical_crossentropy
+        )
+        return LossFunctionWrapper(picked, name=self.name).call(y_true, y_pred)
+
+
 def _as_loss(loss: Any) -> keras.losses.Loss | None:
     """A Keras loss object for one output's loss spec."""
     if loss is None:
         return None
+    if isinstance(loss, str) and loss.lower() in ("crossentropy", "ce"):
+        return CrossentropyByShapes(name=loss)
     if isinstance(loss, str):
         name, loss = loss, keras.losses.get(loss)
         if not isinstance(loss, keras.losses.Loss):

@@ -98,7 +98,11 @@ def make_step(
     built = isinstance(model, keras.Model)  # else a builder: asked once it ran
     if built:
         own_loss, loss = _loss_of(model, loss, compiled, options["loss_weights"])
-    optimizer = _given(optimizer, compiled, "optimizer")
+    if not built and optimizer is FROM_COMPILE:
+        # A builder's model brings the optimizer its compile made, once built.
+        optimizer = _compiled_optimizer(lambda: where.models[-1])
+    else:
+        optimizer = _given(optimizer, compiled, "optimizer")
     if placement not in PLACEMENTS:
         raise ValueError(
             f"unknown placement; received {placement!r}, expected one of "
@@ -107,6 +111,7 @@ def make_step(
     where = PLACEMENTS[placement](devices, variable_device, reducer)
     where.build(model, optimizer)
     if not built:
+        compiled = _compile_config(where.model)
         own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
@@ -199,6 +204,12 @@ def _compile_config(model: Any) -> dict[str, Any]:
         "metrics": _deserialize(config.get("metrics")),
         "weighted_metrics": _deserialize(config.get("weighted_metrics")),
     }
+
+
+def _compiled_optimizer(last_built: Any) -> Any:
+    """A zero-arg function (the placement calls it after building each model)
+    that gives the optimizer the model just built was compiled with."""
+    return lambda: _given(FROM_COMPILE, _compile_config(last_built()), "optimizer")
 
 
 def _given(value: Any, compiled: dict[str, Any], name: str) -> Any:
