@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Six jobs have no public call.
+Eight jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -39,6 +39,24 @@ between steps has its slots (tests/test_keras_parity.py).
 Validation split. ``fit(validation_split=...)`` holds out the last examples as
 Keras' own fit does, through its helper (``towers/training/data.py``).
 
+Input as Keras' fit takes it. Keras picks a data adapter for what ``fit``,
+``evaluate`` and ``predict`` are given (arrays, pandas, tf.data, generators,
+``PyDataset``) and turns it into a tf.data pipeline; towers takes the same
+adapter (``towers/training/inputs.py``). Two things it needs have no public
+call: the adapter's converted arrays, which towers gathers in its own seeded
+order of each pass (so a resumed run rebuilds it), and a pass's
+``PyDatasetAdapter`` handed the first one's element signature, so the batches
+Keras reads to find it are read once per fit, not once per pass. Keras' epoch
+rules (``EpochIterator``) come with its warning for data that runs out, and
+``keras.callbacks.BackupAndRestore`` tells fit the epoch to start at through
+the model's ``_initial_epoch``, as Keras' own fit reads it
+(``towers/training/epochs.py``, ``towers/training/loop.py``).
+
+Progress. Keras' ``Progbar`` updates its line in place whenever the process
+runs on a POSIX system, a log file included (``"posix" in sys.modules``);
+towers' progress bar is Keras' own with in-place updates only on a terminal
+(``towers/training/progress.py``).
+
 "accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
 binary, sparse categorical or categorical accuracy by the shapes of the targets
 and predictions; towers uses the same rule (``towers/step/metrics.py``).
@@ -53,10 +71,28 @@ from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.trainers.compile_utils import is_binary_or_sparse_categorical
-from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+from keras.src.trainers.data_adapters import get_data_adapter
+from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
+from keras.src.trainers.data_adapters.array_slicing import (
+    convert_to_sliceable,
+    train_validation_split,
+)
+from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+from keras.src.trainers.epoch_iterator import EpochIterator
+from keras.src.utils.python_utils import pythonify_logs
 
 __all__ = [
+    "adapter_dataset",
     "apply_mask",
+    "array_tensors",
+    "get_data_adapter",
+    "initial_epoch",
+    "is_array_input",
+    "peeked_batch",
+    "PyDatasetAdapter",
+    "pythonify_logs",
+    "set_in_place",
+    "warn_ran_out",
     "compute_loss",
     "get_keras_mask",
     "is_binary_or_sparse_categorical",
@@ -133,3 +169,57 @@ def trainable_capable(model: keras.Model) -> list[Any]:
     the order of ``model.weights``."""
     ids = {id(v) for layer in layers_of(model) for v in layer._trainable_variables}
     return [v for v in model.weights if id(v) in ids]
+
+
+def is_array_input(data: Any) -> bool:
+    """Whether Keras' fit reads ``data`` (a nest) as arrays: NumPy, tensors,
+    pandas, lists of them (its ``ArrayDataAdapter``).
+
+    >>> is_array_input((np.zeros(3), None)), is_array_input(iter([1]))
+    (True, False)
+    """
+    return can_convert_arrays(data)
+
+
+def array_tensors(adapter: Any) -> Any:
+    """An ``ArrayDataAdapter``'s data, packed as its batches are (``(x,)``,
+    ``(x, y)`` or ``(x, y, sample_weight)``, class weights applied), converted
+    for tf.data, lists as tuples."""
+    return keras.tree.lists_to_tuples(
+        convert_to_sliceable(adapter._inputs, target_backend="tensorflow")
+    )
+
+
+def adapter_dataset(adapter: PyDatasetAdapter, like: PyDatasetAdapter) -> Any:
+    """``adapter``'s tf.data pipeline with the element signature ``like``
+    found (or finds now), so the batches it reads for it are read once."""
+    if like._output_signature is None:
+        like.get_tf_dataset()
+    adapter._output_signature = like._output_signature
+    return adapter.get_tf_dataset()
+
+
+def warn_ran_out() -> None:
+    """Keras' warning for input that ran out within an epoch."""
+    EpochIterator._interrupted_warning(None)
+
+
+def initial_epoch(model: keras.Model, forget: bool = False) -> int | None:
+    """The epoch ``keras.callbacks.BackupAndRestore`` restored to start at (it
+    sets it in ``on_train_begin``), or None; ``forget``: cleared after, as
+    Keras' fit clears it at its end."""
+    epoch = getattr(model, "_initial_epoch", None)
+    if forget:
+        model._initial_epoch = None
+    return epoch
+
+
+def peeked_batch(adapter: Any) -> Any:
+    """A generator's first batch, which Keras' adapter read to find the
+    batches' signature (reading the generator again would move it on)."""
+    return adapter._first_batches[0]
+
+
+def set_in_place(progbar: keras.utils.Progbar, in_place: bool) -> None:
+    """Whether ``progbar`` rewrites its line (``\\r``) or writes new ones."""
+    progbar._dynamic_display = in_place
