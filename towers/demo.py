@@ -92,7 +92,9 @@ def run(
         profile_steps=(10, 12) if log_dir else None,
     )
     elapsed = time.perf_counter() - started
-    results = engine.evaluate((x_test, y_test), batch_size=256)
+    results = engine.evaluate(
+        (x_test, y_test), batch_size=256, verbose=0, return_dict=True
+    )
     print(
         f"\ntest accuracy: {results['sparse_categorical_accuracy']:.4f}  "
         f"(loss {results['loss']:.4f}; {epochs} epochs in {elapsed:.1f} s)"

@@ -205,7 +205,7 @@ if args.mode == "steps":
     if args.weighted:
         parts = (*parts, sample_weight)
     evaluation = towers.shard(tf.data.Dataset.from_tensor_slices(parts).batch(9))
-    result["evaluate"] = engine.evaluate(evaluation)
+    result["evaluate"] = engine.evaluate(evaluation, verbose=0, return_dict=True)
 elif args.mode == "explain":
     share = towers.shard(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(16).take(2), cluster

@@ -73,9 +73,9 @@ def announce_saves(kill_after):
             kill = functools.partial(os.kill, os.getpid(), signal.SIGKILL)
             threading.Timer(kill_after[1], kill).start()
 
-    def announced(self, epoch, step):
+    def announced(self, epoch, step, position=(0, 0)):
         say(f"saving {self._engine.steps_done}")
-        save(self, epoch, step)
+        save(self, epoch, step, position)
         say(f"saved {self._engine.steps_done}")
 
     towers.training.checkpoint.TrainingCheckpoint.save = announced

@@ -71,7 +71,7 @@ def test_a_compute_loss_override_trains_and_evaluates_as_keras_fit(num_towers):
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=1e-5
     )
-    got = engine.evaluate(x, y, batch_size=13, verbose=0)["loss"]
+    got = engine.evaluate(x, y, batch_size=13, verbose=0)
     want = reference.evaluate(x, y, batch_size=13, verbose=0)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 

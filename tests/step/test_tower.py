@@ -168,7 +168,7 @@ def test_a_layer_that_compiles_with_xla_inside_runs_on_every_tower(placement):
         engine.predict_step(x), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6
     )
     np.testing.assert_allclose(
-        engine.evaluate(x, y, batch_size=5, verbose=0)["loss"],
+        engine.evaluate(x, y, batch_size=5, verbose=0),
         reference.evaluate(x, y, verbose=0),
         rtol=1e-5,
     )

@@ -91,7 +91,7 @@ def test_early_stopping_stops_and_restores_the_best_weights():
 
     assert len(history["loss"]) == 2  # the first epoch, then one without progress
     assert stop.stopped_epoch == 1
-    best = engine.evaluate(x, y, batch_size=8)["loss"]
+    best = engine.evaluate(x, y, batch_size=8, verbose=0)
     assert best == pytest.approx(history["val_loss"][0], rel=1e-5)
 
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.training.data import as_dataset
+from towers.training.inputs import source_of
 
 EXAMPLES = 70  # 32 + 32 + 6 in Keras' default batches
 
@@ -52,7 +52,7 @@ def test_no_batch_size_means_keras_32_in_fit_evaluate_and_predict():
     model.fit(x, y, verbose=0, shuffle=False)
     assert engine.steps_done == 3  # 32 + 32 + 6
     assert_same_weights(engine, model)
-    assert_close(engine.evaluate(x, y)["loss"], model.evaluate(x, y, verbose=0))
+    assert_close(engine.evaluate(x, y), model.evaluate(x, y, verbose=0))
     assert_close(engine.predict(x), model.predict(x, verbose=0))
 
 
@@ -156,11 +156,10 @@ def test_validation_split_of_a_dataset_is_refused_naming_the_fix():
 
 def epoch_orders(seed, epochs=3, examples=10):
     """The examples' order in each epoch of fit's shuffle of arrays."""
-    ids = np.arange(examples)
+    source = source_of(np.arange(examples), batch_size=4, shuffle=True)
+    source.seed = seed
     return [
-        np.concatenate(
-            [b[0].numpy() for b in as_dataset(ids, batch_size=4, shuffle=(seed, e))]
-        ).tolist()
+        np.concatenate([b.numpy() for b in source.make_pass(e, 0)]).tolist()
         for e in range(epochs)
     ]
 

@@ -141,12 +141,12 @@ def test_a_pipeline_whose_position_cannot_be_saved_is_resumed_by_skipping(tmp_pa
     first = engine()
     with pytest.warns(
         UserWarning,
-        match=r"cannot save this input pipeline's position .*PyFunc is stateful.*"
-        r"skips the batches already trained",
+        match=r"cannot save this input's position .*PyFunc is stateful.*"
+        r"reads the batches already trained again and drops them",
     ):
         first.fit(pipeline(), epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
     resumed = engine()
-    with pytest.warns(UserWarning, match="cannot save this input pipeline"):
+    with pytest.warns(UserWarning, match="cannot save this input's position"):
         history = resumed.fit(
             pipeline(), epochs=2, verbose=0, checkpoint_dir=str(tmp_path)
         )

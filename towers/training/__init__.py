@@ -1,10 +1,12 @@
 """What runs around the step: ``fit``, ``evaluate`` and ``predict``.
 
-``loop.py`` is Keras' ``Trainer`` API over the engine's steps and ``epoch.py``
-one epoch with its validation; ``data.py`` takes input in Keras' forms (arrays
-shuffled every epoch, datasets); ``progress.py`` prints and keeps the
-``History``; ``checkpoint.py`` and ``checkpoint_files.py`` save and resume
-(the input position included); ``preemption.py`` stops every worker after the
+``loop.py`` is Keras' ``Trainer`` API over the engine's steps; ``inputs.py``
+takes every input form through Keras' own data adapters, and ``epochs.py``
+counts steps and epochs as Keras' ``EpochIterator`` does, with a position a
+checkpoint saves; ``arguments.py`` checks fit's Keras arguments;
+``progress.py`` is Keras' progress bar and keeps the ``History``;
+``checkpoint.py`` and ``checkpoint_files.py`` save and resume (the input
+position included); ``preemption.py`` stops every worker after the
 same step on SIGTERM; ``summaries.py`` writes TensorBoard logs.
 
 May import: ``towers.step``, ``towers.cluster``, ``towers.placement`` and the

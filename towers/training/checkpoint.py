@@ -39,8 +39,13 @@ from towers.training.checkpoint_files import (
 
 # The checkpoint's key for the running epoch's metrics.
 _METRICS = "epoch_metrics"
-# The shuffle seed's key in a checkpoint (optional: older ones lack it).
-_SEED_KEY = "shuffle_seed/.ATTRIBUTES/VARIABLE_VALUE"
+# Variables older checkpoints lack (the shuffle seed; the position in the
+# data as a pass over it and the batches read from it): restored when saved.
+_OPTIONAL = ("shuffle_seed", "data_pass", "data_read")
+
+
+def _key(name: str) -> str:
+    return f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class Checkpointable(Protocol):
@@ -95,11 +100,17 @@ class TrainingCheckpoint:
             # fit's shuffle of array data: its seed, so a resumed run's later
             # epochs come in the uninterrupted run's orders (-1: no shuffle).
             self.shuffle_seed = tf.Variable(-1, dtype=tf.int64, trainable=False)
+            # Where in the data (towers/training/epochs.py): the pass, and how
+            # many of its batches were read.
+            self.data_pass = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.data_read = tf.Variable(0, dtype=tf.int64, trainable=False)
         self._state = {
             **engine.training_state(),
             "epoch": self.epoch,
             "step": self.step,
             "shuffle_seed": self.shuffle_seed,
+            "data_pass": self.data_pass,
+            "data_read": self.data_read,
         }
         metric_variables = {
             f"{index}.{metric.name}.{v.name}".replace("/", "."): v
@@ -182,16 +193,13 @@ class TrainingCheckpoint:
                 stacklevel=3,
             )
         metrics_match = self._check_matches(path)
-        has_seed = _SEED_KEY in saved  # none before towers saved it
-        # Without its metrics (other or none saved) or its shuffle seed, through
-        # a root of what it holds, whose save counter the saving root then takes.
+        lacks = {name for name in _OPTIONAL if _key(name) not in saved}
+        # Without its metrics (other or none saved) or a variable older
+        # checkpoints lack, through a root of what it holds, whose save counter
+        # the saving root then takes.
         root = self._checkpoint
-        if not (metrics_match and has_seed):
-            parts = {
-                k: v
-                for k, v in self._state.items()
-                if has_seed or v is not self.shuffle_seed
-            }
+        if not metrics_match or lacks:
+            parts = {k: v for k, v in self._state.items() if k not in lacks}
             if metrics_match and self._metric_variables:
                 parts[_METRICS] = self._metric_variables
             root = tf.train.Checkpoint(**parts)
@@ -223,7 +231,7 @@ class TrainingCheckpoint:
         ``"shuffle_seed"``) in the checkpoint a resume would restore; None for
         a fresh start, or a checkpoint without it (written before it was)."""
         path = self._resume_path() if self.directory is not None else None
-        key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+        key = _key(name)
         if path is None or key not in dict(tf.train.list_variables(path)):
             return None
         return int(tf.train.load_variable(path, key))
@@ -284,12 +292,15 @@ class TrainingCheckpoint:
             "over."
         )
 
-    def save(self, epoch: int, step: int) -> None:
-        """Saves the state after ``step`` batches of ``epoch`` (0-based)."""
+    def save(self, epoch: int, step: int, position: tuple[int, int] = (0, 0)) -> None:
+        """Saves the state after ``step`` batches of ``epoch`` (0-based), with
+        the ``position`` in the data: ``(pass, batches read from it)``."""
         if self.directory is None or not self.writes:
             return
         self.epoch.assign(epoch)
         self.step.assign(step)
+        self.data_pass.assign(position[0])
+        self.data_read.assign(position[1])
         # Numbered by the checkpoint's own save counter, so a save never rewrites
         # a kept checkpoint: TensorFlow rewrites an existing prefix's index in
         # place, and a kill meanwhile would damage it.
@@ -311,7 +322,7 @@ class TrainingCheckpoint:
         mine = _variable_shapes(self._checkpoint)
         metrics_match = _metric_shapes(saved) == _metric_shapes(mine)
         saved, mine = _without_metrics(saved), _without_metrics(mine)
-        missing = sorted(set(mine) - set(saved) - {_SEED_KEY})
+        missing = sorted(set(mine) - set(saved) - {_key(n) for n in _OPTIONAL})
         wrong = [
             f"{key}: saved {saved[key]}, this model {mine[key]}"
             for key in sorted(set(mine) & set(saved))
@@ -350,24 +361,15 @@ def _variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:
         }
 
 
-def position_iterator(batches: tf.data.Dataset, directory: str | None):
-    """An iterator over the first epoch's batches whose position the checkpoints
-    save; None without checkpoints or (with a warning) for a pipeline whose
-    position cannot be saved."""
-    if directory is None:
-        return None
-    iterator = iter(batches)
-    why = data_position_saveable(iterator)
-    if why is None:
-        return iterator
+def unsaveable_warning(why: str) -> None:
+    """Warns that fit cannot save the input's position (``why``)."""
     warnings.warn(
-        "fit cannot save this input pipeline's position with its checkpoints "
-        f"({why}); a resumed run skips the batches already trained, so the data "
-        "must come in the same order every pass (a fixed shuffle seed and "
-        "reshuffle_each_iteration=False)",
-        stacklevel=3,
+        f"fit cannot save this input's position with its checkpoints ({why}); a "
+        "resumed run reads the batches already trained again and drops them, so "
+        "the data must come in the same order every pass (a fixed shuffle seed "
+        "and reshuffle_each_iteration=False)",
+        stacklevel=4,
     )
-    return None
 
 
 def data_position_saveable(iterator: Any) -> str | None:

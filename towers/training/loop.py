@@ -1,10 +1,11 @@
-"""fit, evaluate and predict: feed global batches from tf.data to an engine.
+"""fit, evaluate and predict: Keras' own loops over an engine's steps.
 
-What Keras' ``fit`` gives, on top of the engine's placement and exactness: Keras'
-data forms (arrays with ``batch_size``, datasets of ``x``, ``(x, y)`` or ``(x, y,
-sample_weight)``, ``sample_weight`` and ``class_weight``), a progress bar per
-epoch, a ``History``, Keras callbacks, validation, and checkpoints that resume
-where a killed run stopped (see ``checkpoint.py``).
+What Keras' ``fit``, ``evaluate`` and ``predict`` give, on top of the engine's
+placement and exactness: every input form Keras takes, through Keras' own data
+adapters (``inputs.py``); steps and epochs as Keras' ``EpochIterator`` counts
+them (``epochs.py``); Keras' callbacks with every hook, its progress bar, its
+``History`` and its return values; and checkpoints that resume where a killed
+run stopped (``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -17,21 +18,26 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.training.checkpoint import TrainingCheckpoint, position_iterator
-from towers.training.data import as_dataset, check_batch_size, split_validation, unpack
-from towers.training.epoch import (
-    Run,
+from towers._keras import initial_epoch as restored_epoch
+from towers.training.arguments import (
     check_fit_arguments,
     check_positive,
-    known_length,
+    check_verbose,
     should_validate,
     shuffle_seed,
-    train_epoch,
-    validate,
-    validation_batches,
 )
+from towers.training.checkpoint import TrainingCheckpoint
+from towers.training.epochs import Epochs
+from towers.training.inputs import source_of, split_validation, unpack
 from towers.training.preemption import Preemption
-from towers.training.progress import History, Progress
+from towers.training.progress import History
+from towers.training.run import (
+    FitRun,
+    evaluate_loop,
+    fit_epoch,
+    make_callbacks,
+    resume,
+)
 from towers.training.summaries import TrainingLog
 
 
@@ -119,49 +125,59 @@ class Trainer(abc.ABC):
         """Trains for ``epochs`` epochs; resumes from ``checkpoint_dir`` if it has one.
 
         The arguments before ``*`` are Keras' ``fit``'s, in its order, with its
-        defaults.
+        defaults, read as Keras' own fit reads them.
 
         Args:
-          x, y, batch_size, sample_weight, class_weight: the data, in Keras' forms
-            (:func:`towers.training.data.as_dataset`): arrays cut into batches of
-            ``batch_size`` (default 32), or a dataset of batches. An epoch is
-            one pass, or ``steps_per_epoch`` batches. Checkpoints save the
-            pipeline's position (``towers/training/checkpoint.py``): a resumed run reads
-            each example of the epoch once, in an uninterrupted run's order,
-            shuffled data included
-            (with a shuffle seed). A pipeline whose position cannot be saved
-            (``from_generator``, ``py_function``) gets a warning, and resuming
-            skips the batches already trained: its data must come in the same
-            order every pass. In a cluster every worker takes the chief's saved
-            position, so build the pipeline alike on every worker
-            (``towers.shard`` does).
+          x, y, batch_size, sample_weight, class_weight: the data, in every form
+            Keras' fit takes, through Keras' own data adapters
+            (:func:`towers.training.inputs.source_of`): arrays, tensors, pandas
+            and nests of them (cut into batches of ``batch_size``, default 32),
+            a ``tf.data.Dataset`` of batches (finite or repeated), a Python
+            generator of batches, a ``keras.utils.PyDataset`` (its workers
+            honoured). Checkpoints save the position in the data: a resumed
+            run reads each batch of the epoch once, in an uninterrupted run's
+            order, shuffled data included (arrays and tf.data: the pipeline's
+            own position; a ``PyDataset``: its batch index). A generator, or a
+            pipeline whose position cannot be saved (``py_function``), gets a
+            warning, and resuming reads the batches already trained again and
+            drops them: its data must come in the same order every pass. In a
+            cluster every worker takes the chief's saved position, so build
+            the pipeline alike on every worker (``towers.shard`` does).
           epochs: the total number of epochs, counting those done before a resume.
-          verbose: 1 (or ``"auto"``) for a progress bar per epoch, 2 for one line
-            per epoch (for logs), 0 for silence.
-          callbacks: Keras callbacks; they see ``model`` (with its ``optimizer``),
-            and ``model.stop_training = True`` ends training after the epoch.
+          verbose: ``"auto"`` or 1: Keras' progress bar (updated in place on a
+            terminal, one line per epoch in a file); 2: one line per epoch; 0:
+            silence.
+          callbacks: Keras callbacks, with every hook Keras' fit calls (the
+            ``on_test_*`` ones for validation); they see ``model`` (with its
+            ``optimizer``). ``model.stop_training = True`` ends training after
+            the batch. ``keras.callbacks.BackupAndRestore`` resumes at the
+            epoch it saved, as in Keras' fit; it is refused with
+            ``checkpoint_dir``, which does its job and more (the position
+            inside the epoch): use one of the two.
           validation_split: the fraction of array data (its last examples, as
             Keras takes them) held out and evaluated after each epoch, when
             there is no ``validation_data``.
-          validation_data: ``(x, y[, sample_weight])`` or a dataset, evaluated
-            after each epoch; its results join the history as ``val_<name>``.
-          shuffle: for array data, a new order of the examples every epoch
-            (True, as Keras' default; an int: with that seed), or the arrays'
-            order (False). The seed is drawn from NumPy's generator
-            (``keras.utils.set_random_seed`` fixes it), saved with each
-            checkpoint so a resumed run comes in the uninterrupted run's orders,
-            and in a cluster taken from the chief. A dataset is not shuffled:
-            shuffle it in the pipeline.
+          validation_data: ``(x, y[, sample_weight])``, or any input form above;
+            evaluated after each epoch, its results logged as ``val_<name>``.
+          shuffle: for arrays and a ``PyDataset``, a new order of the examples
+            (of the batches) every pass over the data (True, as Keras'
+            default; an int: with that seed), or their order (False). The seed
+            is drawn from NumPy's generator (``keras.utils.set_random_seed``
+            fixes it), saved with each checkpoint so a resumed run comes in the
+            uninterrupted run's orders, and in a cluster taken from the chief.
+            A dataset or generator comes as it is (Keras warns of
+            ``shuffle=True`` with a dataset, as here).
           initial_epoch: the epoch to start at (0-based) when no checkpoint
             says where to resume.
-          steps_per_epoch: batches per epoch; default, the whole data.
+          steps_per_epoch: batches per epoch, as Keras counts them: the next ones
+            of a pass that runs on across epochs. Default: one pass an epoch.
           validation_steps: how many validation batches to evaluate; default all.
           validation_batch_size: the batch size of array validation data;
             default ``batch_size``.
           validation_freq: validate every this many epochs, or after the epochs
             (counted from 1) in a list.
           checkpoint_dir: where to save model, optimizer, epoch and step (and the
-            epoch's loss and metrics so far, the input pipeline's position) with
+            epoch's loss and metrics so far, the position in the data) with
             ``tf.train.CheckpointManager``; a directory that holds a checkpoint of
             this model is resumed from. In a cluster the chief alone writes it
             (and progress, and ``log_dir``); every worker restores from it.
@@ -172,7 +188,8 @@ class Trainer(abc.ABC):
             from 1 as ``steps_done``) into ``log_dir``.
 
         Returns:
-          A ``History``: per epoch, the epoch's loss and metrics (and ``val_`` ones).
+          A ``History``: per epoch, the epoch's loss and metrics (and ``val_``
+          ones); its ``params`` are Keras' (``verbose``, ``epochs``, ``steps``).
 
         Example:
           >>> eng, x = make_engine(), np.random.default_rng(0).random((20, 3), "f4")
@@ -183,32 +200,48 @@ class Trainer(abc.ABC):
           >>> history["loss"][-1] < history["loss"][0]
           True
         """
-        verbose = check_fit_arguments(
+        check_fit_arguments(
             verbose, validation_split, initial_epoch, validation_freq, shuffle
         )
         for name, value in (
+            ("steps_per_epoch", steps_per_epoch),
             ("validation_steps", validation_steps),
             ("validation_batch_size", validation_batch_size),
         ):
             if value is not None:
                 check_positive(name, value)
+        callbacks = list(callbacks or [])
+        if checkpoint_dir is not None and any(
+            isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks
+        ):
+            raise ValueError(
+                "fit was given both keras.callbacks.BackupAndRestore and "
+                f"checkpoint_dir={checkpoint_dir!r}; they would each restore the "
+                "run. Use checkpoint_dir alone (it also resumes inside an epoch, "
+                "at the position in the data) or BackupAndRestore alone."
+            )
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = split_validation(
                 x, y, sample_weight, validation_split
             )
-        dataset = as_dataset(x, y, sample_weight, batch_size, class_weight)
+        source = source_of(
+            x, y, sample_weight, batch_size, steps_per_epoch, shuffle is not False,
+            class_weight,
+        )  # fmt: skip
         validation = None
         if validation_data is not None:
-            validation = validation_batches(
-                validation_data, validation_batch_size or batch_size, validation_steps
-            )
+            val_x, val_y, val_sample_weight = unpack(validation_data)
+            validation = source_of(
+                val_x, val_y, val_sample_weight, validation_batch_size or batch_size,
+                validation_steps,
+            )  # fmt: skip
         if not _is_chief(self):
             # In a cluster the chief alone reports and writes; every worker trains.
             verbose, log_dir, profile_steps = 0, None, None
         log = TrainingLog(self, log_dir, profile_steps)  # checks them first
         if not self.model.variables:
             # Build a lazily built model first, so a checkpoint's shapes can be checked.
-            self.prepare(*unpack(next(iter(dataset))))
+            self.prepare(*unpack(source.sample()))
         checkpoint = TrainingCheckpoint(
             self,
             checkpoint_dir,
@@ -216,159 +249,144 @@ class Trainer(abc.ABC):
             writes=_is_chief(self),
             epoch_metrics=[self.loss_tracker, *self.metrics],
         )
-        batches_of = self._epoch_batches(
-            dataset, (x, y, sample_weight, batch_size, class_weight), shuffle,
-            steps_per_epoch, checkpoint,
-        )  # fmt: skip
-        first = checkpoint.saved("epoch")
-        first = initial_epoch if first is None else first
-        iterator = position_iterator(batches_of(first), checkpoint_dir)
-        start_epoch, start_step, positioned = checkpoint.restore(iterator)
-        if (start_epoch, start_step) == (0, 0):
-            start_epoch = initial_epoch
+        if source.seeded:
+            source.seed = shuffle_seed(shuffle, checkpoint, self.workers)
+        batches = Epochs(source, steps_per_epoch)
+        start_epoch, start_step = resume(self, checkpoint, batches, initial_epoch)
         history = History()
-        callback_list = keras.callbacks.CallbackList(
-            [*(callbacks or []), history],
-            model=self.model,
-            epochs=epochs,
-            steps=steps_per_epoch,
-            verbose=0,
+        steps = batches.steps
+        callback_list = make_callbacks(
+            self, [*callbacks, history], verbose, epochs, steps
         )
-        run = Run(
-            self,
-            batches_of(first),
-            epochs,
-            steps_per_epoch,
-            verbose,
-            callback_list,
-            checkpoint,
-            checkpoint_every,
-            log,
-        )
+        run = FitRun(
+            callback_list, checkpoint, checkpoint_every, log, batches,
+            Preemption(self.workers, checkpoint_dir is not None),
+        )  # fmt: skip
         self.model.stop_training = False
         callback_list.on_train_begin()
-        run.preemption = Preemption(self.workers, checkpoint_dir is not None)
+        restored = restored_epoch(self.model)
+        if restored:  # keras.callbacks.BackupAndRestore restored the model
+            self.after_restore()
+            start_epoch, start_step = restored, 0
+        logs = None
         try:
             with run.preemption:
                 for epoch in range(start_epoch, epochs):
-                    callback_list.on_epoch_begin(epoch)
-                    done = start_step if epoch == start_epoch else 0
-                    if iterator is None:
-                        epoch_batches = iter(batches_of(epoch))
-                    else:
-                        epoch_batches = iterator
-                    if not positioned:
-                        for _ in range(done):  # no saved position: skip them
-                            next(epoch_batches, None)
-                    logs = train_epoch(run, epoch, done, epoch_batches)
-                    # An epoch ends with its last accumulate_steps window applied.
-                    self.apply_accumulated()
-                    if iterator is not None:
-                        # The next epoch's iterator, made now: the checkpoint below
-                        # saves it (its position, and a pipeline's shuffle seeds).
-                        iterator = iter(batches_of(epoch + 1))
-                        checkpoint.follow(iterator)
-                    checkpoint.save(epoch + 1, 0)
+                    first = start_step if epoch == start_epoch else 0
+                    logs = fit_epoch(self, run, epoch, first)
                     if validation is not None and should_validate(
                         epoch, validation_freq
                     ):
-                        logs.update(validate(run, validation))
-                    if verbose == 2:  # one line per epoch, validation included
-                        print(Progress.summary(*run.last_epoch, logs), flush=True)
+                        results = evaluate_loop(
+                            self, Epochs(validation, validation_steps), callback_list
+                        )
+                        logs.update({f"val_{k}": v for k, v in results.items()})
                     log.after_epoch(logs)
                     callback_list.on_epoch_end(epoch, logs)
                     if self.model.stop_training:
                         break
         finally:
             log.close()
-        callback_list.on_train_end()
+            restored_epoch(self.model, forget=True)
+        if logs is not None:  # as Keras' fit: no epoch run, no on_train_end
+            callback_list.on_train_end(logs)
         return history
-
-    def _epoch_batches(self, dataset, arrays, shuffle, steps, checkpoint):
-        """``epoch -> that epoch's batches``: ``dataset`` every epoch, or for
-        arrays fit shuffles, each epoch's own order (``shuffle_seed``)."""
-        if shuffle is False or isinstance(arrays[0], tf.data.Dataset):
-            fixed = dataset.take(steps) if steps else dataset
-            return lambda epoch: fixed
-        seed = shuffle_seed(shuffle, checkpoint, self.workers)
-        # Converted once: every epoch's dataset gathers from the same tensors.
-        x, y, sample_weight, batch_size, class_weight = arrays
-        x, y, sample_weight = [
-            None if a is None else tf.nest.map_structure(tf.convert_to_tensor, a)
-            for a in (x, y, sample_weight)
-        ]
-
-        def batches_of(epoch: int) -> tf.data.Dataset:
-            data = as_dataset(
-                x, y, sample_weight, batch_size, class_weight, (seed, epoch)
-            )
-            return data.take(steps) if steps else data
-
-        return batches_of
 
     def evaluate(
         self,
         x: Any = None,
         y: Any = None,
         batch_size: int | None = None,
-        verbose: int = 0,
+        verbose: int | str = "auto",
         sample_weight: Any = None,
-    ) -> dict[str, float]:
-        """The loss and metrics over all of the data, computed by the towers.
+        steps: int | None = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:
+        """The loss and metrics over the data, computed by the towers, as
+        Keras' ``evaluate`` (its arguments, order, defaults and return).
 
         Args:
-          x, y, batch_size, sample_weight: the data, as :meth:`fit` takes it
-            (arrays in batches of ``batch_size``, default 32).
-          verbose: 1 for a progress bar.
+          x, y, batch_size, sample_weight: the data, in any form :meth:`fit`
+            takes (arrays in batches of ``batch_size``, default 32).
+          verbose: ``"auto"`` or 1: Keras' progress bar; 0: silence.
+          steps: evaluate this many batches; default, all of the data.
+          callbacks: Keras callbacks; their ``on_test_*`` hooks are called,
+            and ``model.stop_evaluating = True`` ends the evaluation.
+          return_dict: return ``{name: value}`` rather than a list.
 
         Returns:
-          ``{"loss": mean loss over every example, metric name: value}``.
+          As Keras: the loss alone for a model without metrics, else ``[loss,
+          metric, ...]`` in the model's metric order; ``{"loss": ..., name:
+          ...}`` with ``return_dict=True``.
 
         Example:
           >>> eng = make_engine(metrics=["mae"])
           >>> x, y = np.zeros((10, 3), "float32"), np.full((10, 1), 3.0, "float32")
-          >>> eng.evaluate(x, y, batch_size=4)  # bias 0: predicts 0
+          >>> eng.evaluate(x, y, batch_size=4, verbose=0)  # bias 0: predicts 0
+          [9.0, 3.0]
+          >>> eng.evaluate(x, y, verbose=0, return_dict=True)
           {'loss': 9.0, 'mae': 3.0}
         """
-        dataset = as_dataset(x, y, sample_weight, batch_size)
-        verbose = verbose if _is_chief(self) else 0
-        self.reset_metrics()
-        bar = Progress(known_length(dataset)) if verbose else None
-        for step, batch in enumerate(dataset, 1):
-            self.evaluate_step(*unpack(batch))
-            if bar is not None:
-                bar.update(step, self.get_metrics_result())
-        return self.get_metrics_result()
+        verbose = check_verbose(verbose) if _is_chief(self) else 0
+        if steps is not None:
+            check_positive("steps", steps)
+        source = source_of(x, y, sample_weight, batch_size, steps)
+        if not self.model.variables:
+            self.prepare(*unpack(source.sample()))
+        batches = Epochs(source, steps)
+        logs = evaluate_loop(
+            self, batches, make_callbacks(self, callbacks, verbose, 1, batches.steps)
+        )
+        if return_dict:
+            return logs
+        results = list(logs.values())  # in the model's metric order, as Keras'
+        return results[0] if len(results) == 1 else results
 
-    def predict(self, x: Any, batch_size: int | None = None, verbose: int = 0) -> Any:
-        """The model's outputs on every example of ``x``, in order, as NumPy.
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    ) -> Any:
+        """The model's outputs on the examples of ``x``, in order, as NumPy, as
+        Keras' ``predict`` (its arguments, order and defaults).
 
         Each batch is split over the towers, each tower predicts its shard in
         inference mode, and the outputs are concatenated in order.
 
         Args:
-          x: inputs (arrays cut into batches of ``batch_size``), or a dataset
-            of batches (of ``x``, or of ``(x, y[, sample_weight])``: the inputs
-            are taken).
+          x: inputs, in any form :meth:`fit` takes (with targets, they are
+            left out).
           batch_size: for array input (default 32, as Keras').
-          verbose: 1 for a progress bar.
+          verbose: ``"auto"`` or 1: Keras' progress bar; 0: silence.
+          steps: predict this many batches; default, all of the data.
+          callbacks: Keras callbacks; their ``on_predict_*`` hooks are called
+            (``on_predict_batch_end`` with ``{"outputs": ...}``), and
+            ``model.stop_predicting = True`` ends the prediction.
 
         Example:
-          >>> make_engine().predict(np.zeros((5, 3), "f4"), batch_size=2).shape
+          >>> make_engine().predict(np.zeros((5, 3), "f4"), batch_size=2,
+          ...                       verbose=0).shape
           (5, 1)
         """
-        if isinstance(x, tf.data.Dataset):
-            dataset = as_dataset(x)
-        else:
-            dataset = tf.data.Dataset.from_tensor_slices(x).batch(
-                check_batch_size(batch_size)
-            )
-        bar = Progress(known_length(dataset)) if verbose else None
+        verbose = check_verbose(verbose) if _is_chief(self) else 0
+        if steps is not None:
+            check_positive("steps", steps)
+        batches = Epochs(source_of(x, None, None, batch_size, steps), steps)
+        callbacks = make_callbacks(self, callbacks, verbose, 1, batches.steps)
+        self.model.stop_predicting = False
+        callbacks.on_predict_begin()
         outputs = []
-        for step, batch in enumerate(dataset, 1):
+        for step, batch in batches.epoch():
+            callbacks.on_predict_batch_begin(step)
             outputs.append(self.predict_step(unpack(batch)[0]))
-            if bar is not None:
-                bar.update(step, {})
+            callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+            if self.model.stop_predicting:
+                break
+        callbacks.on_predict_end()
         return tf.nest.map_structure(
             lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs
         )

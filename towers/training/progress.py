@@ -1,13 +1,14 @@
-"""What ``fit`` shows and returns: a progress line per epoch, and the History."""
+"""What ``fit``, ``evaluate`` and ``predict`` show and return: Keras' progress
+bar, and the History."""
 
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Mapping
 from typing import Any
 
 import keras
+
+from towers._keras import set_in_place
 
 
 class History(keras.callbacks.History):
@@ -42,40 +43,27 @@ class History(keras.callbacks.History):
         return self.history.values()
 
 
-class Progress:
-    """One epoch's progress line: counts and rates as whole numbers with
-    thousands separators, losses and metrics to four decimals.
+class ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar (``verbose=1``), in place on a terminal only: into a
+    file (a job's log, ``make demo > log``) each epoch is one line, as Keras'
+    ``verbose=2`` writes it, not a line of ``\\r`` updates.
 
-    >>> Progress.format("examples/s", 12345.6), Progress.format("loss", 0.123456)
-    ('examples/s: 12,346', 'loss: 0.1235')
+    >>> import io
+    >>> bar = ProgbarLogger()
+    >>> bar.set_params({"verbose": 1, "epochs": 1, "steps": 2})
+    >>> bar._maybe_init_progbar()  # what on_epoch_begin does
+    >>> bar.progbar.verbose  # stdout is not a terminal under doctest
+    2
     """
 
-    def __init__(self, total: int | None, out: Any = None):
-        self.total = total
-        self.out = out if out is not None else sys.stdout
-        self.started = time.perf_counter()
+    def _maybe_init_progbar(self) -> None:
+        fresh = self.progbar is None
+        super()._maybe_init_progbar()
+        if fresh and self.verbose == 1 and not _is_terminal(sys.stdout):
+            set_in_place(self.progbar, False)
+            self.progbar.verbose = 2  # its line at the end, none before
 
-    def update(self, step: int, values: Mapping[str, float], done: bool = False):
-        where = f"{step}/{self.total}" if self.total else f"{step}"
-        seconds = time.perf_counter() - self.started
-        parts = [where, f"{seconds:.1f} s"]
-        parts += [self.format(name, value) for name, value in values.items()]
-        end = "\n" if done or step == self.total else ""
-        self.out.write("\r" + " - ".join(parts) + end)
-        self.out.flush()
 
-    @classmethod
-    def summary(cls, steps: int, seconds: float, values: Mapping[str, float]) -> str:
-        """An epoch's one line (``verbose=2``): its steps, time and results.
-
-        >>> Progress.summary(4, 0.25, {"loss": 0.5, "val_loss": 0.75})
-        '4/4 - 0.2 s - loss: 0.5000 - val_loss: 0.7500'
-        """
-        parts = [f"{steps}/{steps}", f"{seconds:.1f} s"]
-        return " - ".join(parts + [cls.format(k, v) for k, v in values.items()])
-
-    @staticmethod
-    def format(name: str, value: float) -> str:
-        if name.endswith("/s") or float(value).is_integer() and abs(value) >= 1:
-            return f"{name}: {round(value):,}"
-        return f"{name}: {value:.4f}"
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())

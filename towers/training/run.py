@@ -1,0 +1,163 @@
+"""One ``fit``'s run, for ``towers/training/loop.py``: its resume, its epochs and
+batches with their callbacks and checkpoints, the evaluate loop that fit's
+validation shares, and Keras' callback list."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers._keras import pythonify_logs
+from towers.training.checkpoint import (
+    TrainingCheckpoint,
+    data_position_saveable,
+    unsaveable_warning,
+)
+from towers.training.epochs import Epochs
+from towers.training.inputs import unpack
+from towers.training.preemption import Preemption
+from towers.training.progress import ProgbarLogger
+from towers.training.summaries import TrainingLog
+
+
+@dataclasses.dataclass
+class FitRun:
+    """What the steps of one ``fit`` share."""
+
+    callbacks: keras.callbacks.CallbackList
+    checkpoint: TrainingCheckpoint
+    checkpoint_every: int | None
+    log: TrainingLog
+    batches: Epochs
+    preemption: Preemption
+    trained: bool = False  # any step yet in this fit
+
+
+def resume(
+    engine: Any, checkpoint: TrainingCheckpoint, batches: Epochs, initial_epoch: int
+) -> tuple[int, int]:
+    """Restores ``checkpoint``'s newest save, if any, and stands ``batches``
+    where it stopped; returns the epoch to start at and its steps done."""
+    source = batches.source
+    if checkpoint.directory is None:
+        return initial_epoch, 0
+    saved_epoch = checkpoint.saved("epoch")
+    # Checkpoints before the data's position was saved: a pass an epoch.
+    number = checkpoint.saved("data_pass")
+    number = (saved_epoch or 0) if number is None else number
+    iterator = None
+    if source.positioning == "iterator":
+        # The pass to resume (or the first), its position tried on it.
+        iterator = batches.open(number)
+        source.why_replay = data_position_saveable(iterator)
+        if source.why_replay is None:
+            batches.on_new_pass = checkpoint.follow
+        else:
+            source.positioning, iterator = "replay", None
+    if source.positioning == "replay":
+        unsaveable_warning(source.why_replay)
+    if saved_epoch is None:
+        # A fresh run's first pass is resumed by reading it again: the
+        # first iterator a process makes comes in the same order in every
+        # process, while restoring it would move a reshuffling pipeline's
+        # seeds on by one draw (TensorFlow 2.21), so every later pass would
+        # come in another order than the uninterrupted run's
+        # (tests/training/test_resume.py). Every later pass is followed.
+        checkpoint.restore()  # a damaged directory with none: its warning
+        return initial_epoch, 0
+    epoch, step, positioned = checkpoint.restore(iterator)
+    read = checkpoint.saved("data_read")
+    batches.resume(number, step if read is None else read, positioned)
+    return epoch, step
+
+
+def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, float]:
+    """One epoch from its step ``first`` on; returns its loss and metrics."""
+    if first == 0:  # else the checkpoint restored the epoch's metrics so far
+        engine.reset_metrics()
+    run.callbacks.on_epoch_begin(epoch)
+    step = first
+    for step, batch in run.batches.epoch(first):
+        fit_batch(engine, run, epoch, step, batch)
+        if engine.model.stop_training:
+            break
+    else:
+        if step == first and first == 0 and not run.trained:
+            raise ValueError(
+                f"epoch {epoch + 1} got no batches: the data is empty or ran "
+                "out (with steps_per_epoch, repeat() the dataset)"
+            )
+    # An epoch ends with its last accumulate_steps window applied.
+    engine.apply_accumulated()
+    run.checkpoint.save(epoch + 1, 0, run.batches.position)
+    return engine.get_metrics_result()
+
+
+def fit_batch(engine: Any, run: FitRun, epoch: int, step: int, batch: Any) -> None:
+    """One training step, its callbacks, and the checkpoint after it."""
+    x, y, sample_weight = unpack(batch)
+    size = int(tf.nest.flatten(x)[0].shape[0])
+    run.callbacks.on_train_batch_begin(step)
+    run.log.before_step()
+    run.preemption.before_step()
+    started = time.perf_counter()
+    logs = engine.train_step(x, y, sample_weight)
+    # Reading the loss back waits for the step, so the time is the step's.
+    logs = {name: float(np.asarray(value)) for name, value in logs.items()}
+    run.log.after_step(logs, time.perf_counter() - started, size)
+    run.trained = True
+    run.callbacks.on_train_batch_end(step, logs)
+    done = step + 1
+    # The epoch's last step is saved by the epoch-end checkpoint just after.
+    every = run.checkpoint_every
+    saved = bool(every) and done % every == 0 and done != run.batches.steps
+    if saved:
+        run.checkpoint.save(epoch, done, run.batches.position)
+    if run.preemption.stop_now():
+        if not saved:
+            run.checkpoint.save(epoch, done, run.batches.position)
+        where = f"epoch {epoch + 1} step {done}"
+        run.preemption.exit(where, run.checkpoint.directory)
+
+
+def evaluate_loop(
+    engine: Any, batches: Epochs, callbacks: keras.callbacks.CallbackList
+) -> dict[str, float]:
+    """Keras' evaluate loop over one epoch of ``batches``."""
+    engine.model.stop_evaluating = False
+    callbacks.on_test_begin()
+    engine.reset_metrics()
+    for step, batch in batches.epoch():
+        callbacks.on_test_batch_begin(step)
+        logs = engine.evaluate_step(*unpack(batch))
+        callbacks.on_test_batch_end(step, pythonify_logs(logs))
+        if engine.model.stop_evaluating:
+            break
+    logs = engine.get_metrics_result()
+    callbacks.on_test_end(logs)
+    return logs
+
+
+def make_callbacks(
+    engine: Any,
+    callbacks: Sequence[keras.callbacks.Callback] | None,
+    verbose: int | str,
+    epochs: int,
+    steps: int | None,
+) -> keras.callbacks.CallbackList:
+    """Keras' ``CallbackList``, with towers' progress bar (``verbose``)
+    unless the callbacks hold a progress bar of their own."""
+    callbacks = list(callbacks or [])
+    if verbose and not any(
+        isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks
+    ):
+        callbacks.append(ProgbarLogger())
+    return keras.callbacks.CallbackList(
+        callbacks, model=engine.model, verbose=verbose, epochs=epochs, steps=steps
+    )
