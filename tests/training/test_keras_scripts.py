@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from tests.test_equivalence import devices
-from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from tests.training.test_fit_arguments import arrays, assert_close, assert_same_weights
 from towers import Towers
 
 
@@ -35,21 +35,6 @@ def pair(metrics=None):
     model.set_weights(engine.model.get_weights())
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=metrics)
     return engine, model
-
-
-def arrays(examples=40, seed=1):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((examples, 5)).astype("float32")
-    return x, (x @ rng.standard_normal((5, 3))).astype("float32")
-
-
-def assert_close(got, want):
-    np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
-
-
-def assert_same_weights(engine, model):
-    for got, want in zip(engine.model.get_weights(), model.get_weights()):
-        assert_close(got, want)
 
 
 def batches(count=7, size=6, seed=1):
