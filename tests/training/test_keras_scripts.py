@@ -169,20 +169,22 @@ def test_predict_with_steps_and_callbacks():
     assert_close(np.concatenate(outputs), np.concatenate(keras_outputs))
 
 
-def test_callbacks_see_the_hooks_and_params_keras_fit_calls():
+def test_callbacks_see_the_hooks_and_params_keras_fit_and_evaluate_call():
     x, y = arrays()
     runs = []
     for runner in pair():
-        hooks = Hooks()
+        hooks, evaluated = Hooks(), Hooks()
         history = runner.fit(
             x, y, batch_size=16, epochs=2, validation_data=arrays(12, seed=2),
             validation_freq=2, shuffle=False, verbose=0, callbacks=[hooks],
         )  # fmt: skip
-        runs.append((hooks.calls, history.params, history.history))
-    (calls, params, history), (keras_calls, keras_params, keras_history) = runs
-    assert calls == keras_calls
-    assert params == keras_params
-    assert list(history) == list(keras_history)
+        runner.evaluate(x, y, batch_size=32, verbose=0, callbacks=[evaluated])
+        runs.append((hooks.calls, history.params, history.history, evaluated.calls))
+    (calls, params, history, evaluated), keras_run = runs
+    assert calls == keras_run[0]
+    assert params == keras_run[1]
+    assert list(history) == list(keras_run[2])
+    assert evaluated == keras_run[3]
 
 
 @pytest.mark.parametrize("save_freq", ["epoch", 2])
