@@ -58,6 +58,9 @@ class Towers(Trainer):
       jit_compile: each tower's forward and backward as XLA computations on its
         device: True, False, or ``"auto"`` (Keras' rule); None: the compiled
         model's, else ``"auto"`` (``towers/step/xla.py``).
+      coupled_losses: a model loss term that couples the batch's examples (a
+        mixture of experts' load balancing) is refused (``"refuse"``) or taken
+        per tower with a warning (``"per_tower"``; ``towers/step/coupled.py``).
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
@@ -66,7 +69,8 @@ class Towers(Trainer):
 
     Raises:
       ValueError: unknown or repeated devices, not a Keras model, variables off
-        their placement, or options the placement or cluster cannot serve yet.
+        their placement, options the placement or cluster cannot serve yet, or
+        a coupled loss term under ``coupled_losses="refuse"``.
 
     Example:
       >>> import keras, numpy as np, towers
@@ -78,9 +82,9 @@ class Towers(Trainer):
       >>> sorted(logs), int(eng.optimizer.iterations.numpy())
       (['loss'], 1)
 
-      ``fit``, ``evaluate`` and the metrics' ``reset_metrics`` and
-      ``get_metrics_result`` come from :class:`towers.training.loop.Trainer`. The other
-      examples use ``make_engine(**options)``: this engine, with ``options``.
+      ``fit``, ``evaluate``, ``predict`` and the metrics' come from
+      :class:`towers.training.loop.Trainer`; the other examples use
+      ``make_engine(**options)``: this engine, with ``options``.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class Towers(Trainer):
         loss_weights: Any = None,
         weighted_metrics: Sequence[Any] | None = None,
         jit_compile: JitCompile = None,
+        coupled_losses: Literal["refuse", "per_tower"] = "refuse",
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -110,15 +115,12 @@ class Towers(Trainer):
         self.variable_device = canonical_device(variable_device)
         self.reducer = get_reducer(reducer)
         options = dict(
-            metrics=metrics,
-            weighted_metrics=weighted_metrics,
-            loss_weights=loss_weights,
-            moving_statistics=moving_statistics,
-            batch_statistics=batch_statistics,
-            on_nonfinite=on_nonfinite,
-            accumulate_steps=accumulate_steps,
-            jit_compile=jit_compile,
-        )
+            metrics=metrics, weighted_metrics=weighted_metrics,
+            loss_weights=loss_weights, moving_statistics=moving_statistics,
+            batch_statistics=batch_statistics, on_nonfinite=on_nonfinite,
+            accumulate_steps=accumulate_steps, jit_compile=jit_compile,
+            coupled_losses=coupled_losses,
+        )  # fmt: skip
         where = (self.devices, self.variable_device, self.reducer, placement)
         self.step = make_step(model, loss, optimizer, *where, self.cluster, options)
         self.placement, self.update = self.step.placement, self.step.update

@@ -23,6 +23,7 @@ from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
 from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
+from towers.step.coupled import check_coupled
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.step import Step
@@ -93,7 +94,7 @@ def make_step(
 ) -> Step:
     """The step of an engine; ``options``: ``metrics``, ``weighted_metrics``,
     ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
-    ``accumulate_steps``, ``jit_compile``."""
+    ``accumulate_steps``, ``jit_compile``, ``coupled_losses``."""
     compiled = _compile_config(model)
     built = isinstance(model, keras.Model)  # else a builder: asked once it ran
     if built:
@@ -113,6 +114,9 @@ def make_step(
     if not built:
         compiled = _compile_config(where.model)
         own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
+    workers_count = cluster.num_workers if cluster is not None else 1
+    policy = options.get("coupled_losses", "refuse")
+    check_coupled(where.model, len(devices) * workers_count, policy)
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
