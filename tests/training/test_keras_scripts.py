@@ -334,3 +334,20 @@ def test_model_checkpoint_best_only_then_load_model_predicts_the_same(tmp_path):
     assert history.history["loss"][1] < history.history["loss"][0]  # saved last
     loaded = keras.models.load_model(path)
     assert_close(loaded.predict(x, verbose=0), engine.predict(x, verbose=0))
+
+
+def test_a_generator_with_checkpoints_is_warned_of_and_resumed_by_replay(tmp_path):
+    def generator():
+        yield from batches(4)
+
+    kwargs = dict(steps_per_epoch=4, verbose=0, checkpoint_dir=str(tmp_path))
+    engine, model = pair()
+    with pytest.warns(UserWarning, match="a Python generator's position cannot"):
+        engine.fit(generator(), epochs=1, **kwargs)
+    engine, _ = pair()
+    with pytest.warns(UserWarning, match="reads the batches already trained again"):
+        engine.fit(generator(), epochs=2, **kwargs)  # epoch 2 only
+    # As one uninterrupted fit: epoch 2 finds the generator run out (warned).
+    model.fit(generator(), steps_per_epoch=4, epochs=2, verbose=0)
+    assert engine.steps_done == 4
+    assert_same_weights(engine, model)

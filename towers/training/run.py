@@ -82,13 +82,12 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, flo
     if first == 0:  # else the checkpoint restored the epoch's metrics so far
         engine.reset_metrics()
     run.callbacks.on_epoch_begin(epoch)
-    step = first
     for step, batch in run.batches.epoch(first):
         fit_batch(engine, run, epoch, step, batch)
         if engine.model.stop_training:
             break
     else:
-        if step == first and first == 0 and not run.trained:
+        if not run.trained and engine.steps_done == 0:  # data that ran out: warned
             raise ValueError(
                 f"epoch {epoch + 1} got no batches: the data is empty or ran "
                 "out (with steps_per_epoch, repeat() the dataset)"
