@@ -85,16 +85,22 @@ class Outputs(keras.callbacks.Callback):
         self.seen.append(np.asarray(logs["outputs"]))
 
 
-def test_a_python_generator_with_steps_per_epoch():
-    def generator():
+def test_a_python_generator_with_steps_per_epoch_and_as_validation_data():
+    def generator(seed=1):
         while True:
-            yield from batches(3)
+            yield from batches(3, seed=seed)
 
     engine, model = pair()
-    got = engine.fit(generator(), steps_per_epoch=4, epochs=2, verbose=0)
-    want = model.fit(generator(), steps_per_epoch=4, epochs=2, verbose=0)
+    runs = [
+        runner.fit(
+            generator(), steps_per_epoch=4, epochs=2, verbose=0,
+            validation_data=generator(seed=2), validation_steps=2,
+        )
+        for runner in (engine, model)
+    ]  # fmt: skip
     assert engine.steps_done == 8
-    assert_close(got.history["loss"], want.history["loss"])
+    for name in ("loss", "val_loss"):
+        assert_close(runs[0].history[name], runs[1].history[name])
     assert_same_weights(engine, model)
 
 
