@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Eight jobs have no public call.
+Nine jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -57,6 +57,12 @@ runs on a POSIX system, a log file included (``"posix" in sys.modules``);
 towers' progress bar is Keras' own with in-place updates only on a terminal
 (``towers/training/progress.py``).
 
+Each layer's own loss terms. ``model.losses`` mixes the layers' ``add_loss``
+terms with the weights' regularisers and does not say which layer added
+which; ``Layer._get_own_losses`` gives a layer's own terms from its last call
+(in a ``keras.StatelessScope`` too), so towers can name the layer whose term
+couples the batch's examples (``towers/step/coupled.py``).
+
 "accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
 binary, sparse categorical or categorical accuracy by the shapes of the targets
 and predictions; towers uses the same rule (``towers/step/metrics.py``).
@@ -99,6 +105,7 @@ __all__ = [
     "layers_of",
     "LossFunctionWrapper",
     "overrides",
+    "own_losses",
     "ReadScope",
     "state_variables",
     "squeeze_or_expand_to_same_rank",
@@ -157,6 +164,12 @@ def compute_loss(
     return model._compute_loss(
         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
     )
+
+
+def own_losses(layer: keras.layers.Layer) -> list[Any]:
+    """The ``add_loss`` terms ``layer`` itself added in its last call (its
+    sublayers' not included, nor weight regularisers)."""
+    return layer._get_own_losses()
 
 
 def layers_of(model: keras.Model) -> list[keras.layers.Layer]:

@@ -58,9 +58,9 @@ class Towers(Trainer):
       jit_compile: each tower's forward and backward as XLA computations on its
         device: True, False, or ``"auto"`` (Keras' rule); None: the compiled
         model's, else ``"auto"`` (``towers/step/xla.py``).
-      coupled_losses: a model loss term that couples the batch's examples (a
-        mixture of experts' load balancing) is refused (``"refuse"``) or taken
-        per tower with a warning (``"per_tower"``; ``towers/step/coupled.py``).
+      coupled_losses: a loss term coupling the batch's examples is made exact
+        (``"exact"``: a mixture of experts'; others refused by name), taken per
+        tower with a warning (``"per_tower"``), or refused (``"refuse"``).
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
@@ -69,8 +69,7 @@ class Towers(Trainer):
 
     Raises:
       ValueError: unknown or repeated devices, not a Keras model, variables off
-        their placement, options the placement or cluster cannot serve yet, or
-        a coupled loss term under ``coupled_losses="refuse"``.
+        their placement, options it cannot serve yet, a coupled loss refused.
 
     Example:
       >>> import keras, numpy as np, towers
@@ -107,7 +106,7 @@ class Towers(Trainer):
         loss_weights: Any = None,
         weighted_metrics: Sequence[Any] | None = None,
         jit_compile: JitCompile = None,
-        coupled_losses: Literal["refuse", "per_tower"] = "refuse",
+        coupled_losses: Literal["exact", "per_tower", "refuse"] = "exact",
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -183,8 +182,9 @@ class Towers(Trainer):
           ``{"loss": the batch's loss before the update, metric: running value}``.
 
         Raises:
-          ValueError: x, y and sample_weight disagree on B, B == 0, or the loss
-            does not return one value per example. Nothing is updated then.
+          ValueError: x, y and sample_weight disagree on B, B == 0, the loss
+            does not return one value per example, or a loss term couples the
+            examples (``towers/step/probe.py``). Nothing is updated then.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 
@@ -197,6 +197,7 @@ class Towers(Trainer):
           (1, 1)
         """
         batch = self.prepare(x, y, sample_weight)
+        self.step.probe(*batch)
         out = self._run("train", *batch)
         self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
         if "stop" in out:

@@ -1,31 +1,60 @@
-"""Loss terms that couple a batch's examples, found before the first step.
+"""Loss terms that couple a batch's examples: computed from the whole batch, or
+refused by name.
 
 Each tower adds the model's own loss terms (``add_loss``, regularisers) weighted
 by its share of the step's examples (``towers/step/tower.py``): one device's
 term whenever the term is a mean over the examples, or does not depend on them.
 A term that couples the examples is not. keras_hub's mixture-of-experts blocks
 add a router load-balancing loss ``E · Σ_e f_e · P_e``, with ``f_e`` the share
-of the tokens routed to expert ``e`` and ``P_e`` its mean router probability,
-both means over the whole batch: a product of two batch means, which the
-towers' shares of it do not add up to, however weighted.
+of the (unmasked) tokens routed to expert ``e`` and ``P_e`` its mean router
+probability, both means over the whole batch: a product of two batch means,
+which the towers' shares of it do not add up to, however weighted.
 
-Such a term is refused by name before the first step, unless the engine is
-told to take it per tower (``coupled_losses="per_tower"``), as MirroredStrategy
-and Horovod compute it: the update is then not one device's on the whole batch,
-and a warning says so once. With one tower on one worker nothing is split, and
-nothing is refused. A block whose coefficient is 0 adds nothing, and is exact.
+``coupled_losses`` says what towers does with such a term:
 
-The blocks are found by their class names, as keras-hub 0.32.0 names them.
+- ``"exact"`` (default): the towers are traced in lockstep
+  (``towers/step/lockstep.py``) and every block computes ``f_e`` and ``P_e``
+  from the whole batch: each tower's token counts, router probability sums and
+  unmasked tokens summed over the towers (and the workers), one exchange per
+  block, as global batch statistics sum BatchNormalization's moments. Every
+  tower then holds one device's term, and adds it weighted by its share of the
+  examples, so the shares add up to it once; on the way back, the upstream
+  gradients of the probability sums are summed over the towers, and each
+  tower's router takes one device's gradient. Checked on the keras-hub versions
+  in :data:`CHECKED_KERAS_HUB`, whose blocks call their module's
+  ``compute_load_balancing_loss``; with another version the term is refused.
+- ``"per_tower"``: each tower computes the term on its own shard, as
+  MirroredStrategy and Horovod do; the update is then not one device's, and a
+  warning says so once.
+- ``"refuse"``: any coupled term is refused.
+
+With one tower on one worker nothing is split, and nothing changes. A block
+whose coefficient is 0 adds nothing, and is exact.
+
+Any other term is probed on the first training batch of two or more
+examples, once (``towers/step/probe.py``): one that is not a mean over the
+examples is refused by name under ``"exact"`` and ``"refuse"``, before any
+update, and warned of once under ``"per_tower"``. The exact load-balancing
+loss itself is ``towers/step/balancing.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import keras
 
 from towers._keras import layers_of
+from towers.split import batch_size_of
+from towers.step import lockstep
+from towers.step.balancing import load_balancing_over_towers
+from towers.step.probe import Measured, probe_terms
 
 # keras_hub's mixture-of-experts blocks, and the attribute of their
 # load-balancing loss's coefficient.
@@ -35,12 +64,34 @@ COUPLED = {
     "Qwen3SparseMoeBlock": "router_aux_loss_coefficient",
     "Qwen3_5MoeSparseMoeBlock": "router_aux_loss_coefficient",
 }
-POLICIES = ("refuse", "per_tower")
+# The keras-hub versions whose load-balancing losses "exact" was checked on
+# against Keras' own fit (tests/step/test_coupled.py).
+CHECKED_KERAS_HUB = ("0.32.0",)
+POLICIES = ("exact", "per_tower", "refuse")
+# The function each block's module defines and its call() calls.
+FUNCTION = "compute_load_balancing_loss"
 
 
-def coupled_terms(model: keras.Model) -> list[str]:
-    """Each loss term of ``model`` that couples a batch's examples, named by
-    its layer.
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """A loss term that couples a batch's examples: the layer that adds it,
+    and the module whose ``compute_load_balancing_loss`` it calls."""
+
+    layer: str
+    block: str
+    attribute: str
+    coefficient: float
+    module: str
+
+    def __str__(self) -> str:
+        return (
+            f"layer {self.layer} ({self.block}) adds a router load-balancing "
+            f"loss ({self.attribute}={self.coefficient:g})"
+        )
+
+
+def coupled_terms(model: keras.Model) -> list[Term]:
+    """Each loss term of ``model`` that couples a batch's examples.
 
     >>> coupled_terms(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
     []
@@ -48,47 +99,200 @@ def coupled_terms(model: keras.Model) -> list[str]:
     found = []
     for layer in layers_of(model):
         attribute = COUPLED.get(type(layer).__name__)
-        if attribute is None or not type(layer).__module__.startswith("keras_hub"):
+        module = type(layer).__module__
+        if attribute is None or not module.startswith("keras_hub"):
             continue
         coefficient = float(getattr(layer, attribute, 0.0) or 0.0)
         if coefficient:
             found.append(
-                f"layer {layer.path} ({type(layer).__name__}) adds a router "
-                f"load-balancing loss ({attribute}={coefficient:g})"
+                Term(layer.path, type(layer).__name__, attribute, coefficient, module)
             )
     return found
 
 
-def check_coupled(model: keras.Model, towers: int, policy: Any) -> None:
-    """Refuses (or, with ``policy="per_tower"``, warns of) a loss term of
-    ``model`` that couples the batch's examples, when the batch is split over
-    ``towers`` towers (every worker's counted).
+class CoupledLosses:
+    """What the engine does with the coupled loss terms of its model.
+
+    Args:
+      model: the engine's model (tower 0's); None with one tower.
+      towers: the towers the batch is split over, every worker's counted.
+      policy: one of :data:`POLICIES` (the module docstring).
+      accumulate_steps: micro-batches per update: a term of the whole batch
+        cannot be made exact over micro-batches taken one at a time.
+
+    Attributes:
+      terms: the coupled terms found (none on one tower).
+      exact: whether the towers compute them from the whole batch, in
+        lockstep.
 
     Raises:
       ValueError: ``policy`` is not one of :data:`POLICIES`; or a coupled term
-        under ``"refuse"``, named with its layer and the ways on.
+        that ``policy`` refuses or ``"exact"`` cannot serve (another keras-hub
+        version, micro-batches), named with its layer and the ways on.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      >>> CoupledLosses(model, towers=2).exact
+      False
     """
-    if policy not in POLICIES:
-        raise ValueError(
-            f"coupled_losses must be one of {list(POLICIES)}; received {policy!r}"
+
+    def __init__(
+        self,
+        model: keras.Model | None,
+        towers: int,
+        policy: Any = "exact",
+        accumulate_steps: int = 1,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(
+                f"coupled_losses must be one of {list(POLICIES)}; received {policy!r}"
+            )
+        self.policy, self.towers = policy, towers
+        self.terms = coupled_terms(model) if towers > 1 else []
+        self.exact = False
+        self.probed: list[Measured] | None = None if towers > 1 else []
+        self._lock, self._users, self._saved = threading.Lock(), 0, {}
+        if not self.terms:
+            return
+        named = "; ".join(str(term) for term in self.terms)
+        if policy == "per_tower":
+            warnings.warn(
+                f"coupled_losses='per_tower': each of the {towers} towers computes "
+                f"these terms on its own shard, as MirroredStrategy and Horovod do, "
+                f"so the update is not one device's on the whole batch: {named}",
+                stacklevel=5,
+            )
+            return
+        if policy == "refuse":
+            why = "coupled_losses='refuse' refuses them"
+        else:
+            why = _why_not_exact(self.terms, accumulate_steps)
+        if why:
+            raise ValueError(
+                f"the model has loss terms that couple the batch's examples (a "
+                f"product of means over the whole batch): {named}. {towers} towers "
+                f"cannot compute them as one device does here: {why}. Pass "
+                "coupled_losses='per_tower' to take each tower's term on its own "
+                "shard (as MirroredStrategy and Horovod do: the update then "
+                "differs from one device's), set the coefficient to 0, or train "
+                "on one device."
+            )
+        self.exact = True
+
+    def describe(self) -> list[str]:
+        """One line per coupled term: where it is and how it is computed (a
+        term found by the probe: once the first step has run)."""
+        per_tower = "per tower, on each tower's shard (coupled_losses='per_tower')"
+        how = per_tower
+        if self.exact:
+            how = (
+                "f_e and P_e from the whole batch: token counts and router "
+                "probability sums summed over the towers (and workers), one "
+                "exchange per block; the gradient as one device's"
+            )
+        return [f"{term}: {how}" for term in self.terms] + [
+            f"{term}: {per_tower}" for term in self.probed or []
+        ]
+
+    def probe(
+        self,
+        model: keras.Model,
+        batch: tuple[Any, Any, Any],
+        own_loss: bool,
+        device: str,
+    ) -> None:
+        """Probes the model's other loss terms on ``batch`` (x, y,
+        sample_weight), once, on the first batch of two or more examples
+        (the module docstring): a coupled one is refused by name, or, with
+        ``coupled_losses="per_tower"``, warned of once.
+
+        Raises:
+          ValueError: a term is not a mean over the examples, and the policy
+            is ``"exact"`` or ``"refuse"``. Nothing was updated.
+        """
+        if self.probed is not None or batch_size_of(batch[0]) < 2:
+            return
+        found = probe_terms(model, batch, own_loss, device)
+        named = "; ".join(str(term) for term in found)
+        if found and self.policy != "per_tower":
+            raise ValueError(
+                f"the model has loss terms that are not a mean over the batch's "
+                f"examples, so {self.towers} towers' shares of them do not add up "
+                f"to one device's: {named}. A term that couples the examples (a "
+                "contrastive loss, a normaliser over the batch) or sums them "
+                "cannot be made exact across towers. Pass "
+                "coupled_losses='per_tower' to take each tower's term on its own "
+                "shard (as MirroredStrategy and Horovod do: the update then "
+                "differs from one device's), make the term a mean over the "
+                "examples, or train on one device."
+            )
+        if found:
+            warnings.warn(
+                f"coupled_losses='per_tower': each of the {self.towers} towers "
+                f"computes these terms on its own shard, so the update is not one "
+                f"device's on the whole batch: {named}",
+                stacklevel=4,
+            )
+        self.probed = found
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Within, the blocks' load-balancing losses traced in lockstep take the
+        whole batch's ``f_e`` and ``P_e`` (outside a lockstep trace, on one
+        tower, they are the blocks' own). Towers traced in lockstep enter it
+        each, in their own threads: the first patches, the last restores."""
+        if not self.exact:
+            yield
+            return
+        with self._lock:
+            if not self._users:
+                for name in {term.module for term in self.terms}:
+                    module = sys.modules[name]
+                    own = getattr(module, FUNCTION)
+                    self._saved[name] = own
+                    setattr(module, FUNCTION, _over_the_batch(own))
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    for name, own in self._saved.items():
+                        setattr(sys.modules[name], FUNCTION, own)
+                    self._saved.clear()
+
+
+def _why_not_exact(terms: list[Term], accumulate_steps: int) -> str:
+    """Why ``"exact"`` cannot serve ``terms`` ('' when it can)."""
+    version = getattr(sys.modules.get("keras_hub"), "__version__", "unknown")
+    if version not in CHECKED_KERAS_HUB:
+        return (
+            f"their exact form was checked on keras-hub {list(CHECKED_KERAS_HUB)}; "
+            f"received keras-hub {version}"
         )
-    found = coupled_terms(model) if towers > 1 else []
-    if not found:
-        return
-    terms = "; ".join(found)
-    if policy == "per_tower":
-        warnings.warn(
-            f"coupled_losses='per_tower': each of the {towers} towers computes "
-            f"these terms on its own shard, as MirroredStrategy and Horovod do, so "
-            f"the update is not one device's on the whole batch: {terms}",
-            stacklevel=4,
+    missing = [t.module for t in terms if not hasattr(sys.modules[t.module], FUNCTION)]
+    if missing:
+        return f"{missing} define no {FUNCTION}"
+    if accumulate_steps > 1:
+        return (
+            f"accumulate_steps={accumulate_steps} takes the batch in micro-batches, "
+            "one at a time, and the term is a product of means over all of them"
         )
-        return
-    raise ValueError(
-        f"the model has loss terms that couple the batch's examples (a product "
-        f"of means over the whole batch), which {towers} towers cannot yet "
-        f"compute as one device does: {terms}. Pass "
-        "coupled_losses='per_tower' to take each tower's term on its own shard "
-        "(as MirroredStrategy and Horovod do: the update then differs from one "
-        "device's), set the coefficient to 0, or train on one device."
-    )
+    return ""
+
+
+def _over_the_batch(own: Any) -> Any:
+    """``own`` (a block module's ``compute_load_balancing_loss``), but in a
+    tower traced in lockstep, computed from every tower's tokens."""
+
+    def compute_load_balancing_loss(
+        router_logits, num_experts, top_k, attention_mask=None
+    ):
+        if lockstep.current() is None:
+            return own(router_logits, num_experts, top_k, attention_mask)
+        return load_balancing_over_towers(
+            router_logits, num_experts, top_k, attention_mask
+        )
+
+    return compute_load_balancing_loss

@@ -23,7 +23,7 @@ from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
 from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
-from towers.step.coupled import check_coupled
+from towers.step.coupled import CoupledLosses
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.step import Step
@@ -115,8 +115,12 @@ def make_step(
         compiled = _compile_config(where.model)
         own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
     workers_count = cluster.num_workers if cluster is not None else 1
-    policy = options.get("coupled_losses", "refuse")
-    check_coupled(where.model, len(devices) * workers_count, policy)
+    coupled = CoupledLosses(
+        where.model,
+        len(devices) * workers_count,
+        options.get("coupled_losses", "exact"),
+        options["accumulate_steps"],
+    )
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
@@ -148,7 +152,7 @@ def make_step(
         step_loss.output_names_with_losses(),
     )
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
-    tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit)
+    tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
     return Step(where, tower, update, metrics, moving, workers)
 
 

@@ -152,6 +152,17 @@ class Step:
         if self.workers is not None:
             self.workers.start_together(self.placement.model.variables)
 
+    def probe(self, x: Any, y: Any, sample_weight: Any = None) -> None:
+        """Before the first training step: the model's loss terms that are not
+        a mean over the examples refused by name or warned of
+        (``towers/step/coupled.py``); a no-op after."""
+        self.tower.coupled.probe(
+            self.placement.model,
+            (x, y, sample_weight),
+            self.tower.own_loss,
+            self.device,
+        )
+
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch and puts it on the host as tensors.
 
@@ -220,14 +231,15 @@ class Step:
         return results
 
     def _in_lockstep(self, working: list[int]) -> bool:
-        """Whether the towers meet at every BatchNormalization layer (global
-        batch statistics, and more than one tower with examples or a cluster)."""
+        """Whether the towers meet inside their passes: at every
+        BatchNormalization layer (global batch statistics) or every coupled
+        loss term computed from the whole batch (``towers/step/coupled.py``),
+        with more than one tower with examples or a cluster."""
         statistics = self.moving_statistics
-        return (
-            statistics.statistics == "global"
-            and (len(working) > 1 or self.workers is not None)
-            and bool(statistics.layers)
-        )
+        meets = (
+            statistics.statistics == "global" and bool(statistics.layers)
+        ) or self.tower.coupled.exact
+        return meets and (len(working) > 1 or self.workers is not None)
 
     def sum_losses(self, towers: list[TowerResult]) -> tf.Tensor:
         """The step's loss: the towers' shares, summed on the variable device."""

@@ -32,6 +32,7 @@ from towers._keras import ReadScope, compute_loss, state_variables
 from towers.split import batch_size_of
 from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
+from towers.step.coupled import CoupledLosses
 from towers.step.losses import StepLoss, Term, over
 
 
@@ -127,6 +128,9 @@ class Tower:
       jit: whether each tower's pass is one XLA computation
         (``towers/step/xla.py``): evaluation and prediction here, training in
         ``towers/step/once.py``.
+      coupled: the model's loss terms that couple the batch's examples, and
+        whether the towers compute them from the whole batch
+        (``towers/step/coupled.py``): the step then traces them in lockstep.
 
     Example:
       >>> import keras, numpy as np
@@ -146,12 +150,14 @@ class Tower:
         loss_scale: Callable[[], Any],
         own_loss: bool = False,
         jit: xla.Jit = xla.OFF,
+        coupled: CoupledLosses | None = None,
     ):
         self.loss = loss
         self.moving_statistics = moving_statistics
         self.loss_scale = loss_scale
         self.own_loss = own_loss
         self.jit = jit
+        self.coupled = coupled or CoupledLosses(None, towers=1)
 
     def forward(
         self,
@@ -180,7 +186,11 @@ class Tower:
         tape = tf.GradientTape()
         with weights_here(model, states, weights) as scope:
             sources = [scope.get_current_value(v) for v in variables]
-            with tape, self.moving_statistics.recording() as moments:
+            with (
+                tape,
+                self.moving_statistics.recording() as moments,
+                self.coupled.computing(),
+            ):
                 tape.watch(sources)
                 tower_pass = self._pass(model, x, y, sample_weight, examples, True)
             if states is not None:

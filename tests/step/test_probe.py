@@ -1,0 +1,194 @@
+"""A loss term that is not a mean over the batch's examples is found on the
+first batch and refused by name, or warned of with ``coupled_losses=
+"per_tower"`` (``towers/step/coupled.py``). Terms that are means, or do not
+depend on the examples, train as Keras' own ``fit`` on one device."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from tests.test_equivalence import devices
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from towers import Towers
+
+EXAMPLES = 10
+
+
+class Contrastive(keras.Model):
+    """The compiled loss plus an InfoNCE term between each example's outputs
+    and its targets: each example's term is a softmax over the whole batch."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        logits = keras.ops.matmul(y_pred, keras.ops.transpose(y)) / 0.5
+        labels = keras.ops.arange(keras.ops.shape(y_pred)[0])
+        term = keras.losses.sparse_categorical_crossentropy(
+            labels, logits, from_logits=True
+        )
+        return loss + keras.ops.mean(term)
+
+
+class BatchSpread(keras.layers.Layer):
+    """Adds the variance of its inputs over the batch: a term of the batch."""
+
+    def call(self, inputs):
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.var(inputs, axis=0)))
+        return inputs
+
+
+class MeanPenalty(keras.layers.Layer):
+    """Adds a mean over the examples: exact on towers."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def contrastive():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = Contrastive(inputs, keras.layers.Dense(4)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def with_layer(layer):
+    def build():
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(
+                    8,
+                    activation="tanh",
+                    kernel_regularizer=keras.regularizers.L2(0.01),
+                    activity_regularizer=keras.regularizers.L2(0.001),
+                ),
+                layer(name="term"),
+                keras.layers.Dense(4),
+            ],
+            name="sequential",
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    return build
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((EXAMPLES, 6)).astype("float32")
+    return x, rng.standard_normal((EXAMPLES, 4)).astype("float32")
+
+
+def updates(model, before):
+    return [w - b for w, b in zip(model.get_weights(), before)]
+
+
+def fit_both(build, num_towers, **options):
+    """towers' and Keras' fit from the same weights: their updates."""
+    x, y = data()
+    engine = Towers(build(), devices=devices(num_towers), **options)
+    reference = build()
+    reference.set_weights(engine.model.get_weights())
+    before = reference.get_weights()
+    engine.fit(x, y, batch_size=EXAMPLES, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=EXAMPLES, shuffle=False, verbose=0)
+    return updates(engine.model, before), updates(reference, before)
+
+
+@pytest.mark.parametrize("policy", ["exact", "refuse"])
+def test_a_contrastive_compute_loss_is_refused_by_name_before_any_update(policy):
+    x, y = data()
+    engine = Towers(contrastive(), devices=devices(2), coupled_losses=policy)
+    before = engine.model.get_weights()
+
+    with pytest.raises(ValueError) as refused:
+        engine.fit(x, y, batch_size=EXAMPLES, verbose=0)
+
+    message = str(refused.value)
+    assert "Contrastive.compute_loss is" in message
+    assert "% apart" in message and "coupled_losses='per_tower'" in message
+    assert int(engine.optimizer.iterations) == 0
+    for got, was in zip(engine.model.get_weights(), before):
+        np.testing.assert_array_equal(got, was)
+
+
+def test_a_contrastive_compute_loss_trains_per_tower_when_asked_and_says_so():
+    with pytest.warns(UserWarning, match=r"Contrastive.compute_loss is .*% apart"):
+        got, want = fit_both(contrastive, 2, coupled_losses="per_tower")
+
+    # What the warning says: each tower's softmax runs over its own shard, so
+    # the update is not one device's.
+    last = np.abs(got[-2] - want[-2]).max() / np.abs(want[-2]).max()
+    assert last > 0.05, last
+
+
+def test_a_contrastive_compute_loss_on_one_tower_is_keras_fit():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got, want = fit_both(contrastive, 1)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
+
+
+def test_an_add_loss_term_of_the_batch_is_refused_naming_its_layer():
+    x, y = data()
+    engine = Towers(with_layer(BatchSpread)(), devices=devices(3))
+    with pytest.raises(
+        ValueError, match=r"layer sequential/term's add_loss term is .*apart"
+    ):
+        engine.fit(x, y, batch_size=EXAMPLES, verbose=0)
+    assert int(engine.optimizer.iterations) == 0
+
+
+def test_mean_terms_and_regularisers_pass_the_probe_and_train_as_keras_fit():
+    """A mean add_loss term, a weight and an activity regulariser: no warning,
+    no refusal, Keras' update."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got, want = fit_both(with_layer(MeanPenalty), 3)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
+
+
+def siglip():
+    import keras_hub
+
+    vision = keras_hub.models.SigLIPVisionEncoder(
+        patch_size=4,
+        hidden_dim=16,
+        num_layers=1,
+        num_heads=2,
+        intermediate_dim=32,
+        image_shape=(8, 8, 3),
+    )
+    text = keras_hub.models.SigLIPTextEncoder(
+        vocabulary_size=20,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=1,
+        num_heads=2,
+        intermediate_dim=32,
+        max_sequence_length=6,
+    )
+    model = keras_hub.models.SigLIPBackbone(vision, text)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_keras_hubs_siglip_sigmoid_loss_is_refused_by_name():
+    """A real model's contrastive loss: SigLIP's compute_loss scores every
+    image against every text of the batch."""
+    rng = np.random.default_rng(0)
+    x = {
+        "images": rng.standard_normal((6, 8, 8, 3)).astype("float32"),
+        "token_ids": rng.integers(0, 20, (6, 6)),
+    }
+    engine = Towers(siglip(), devices=devices(2))
+    with pytest.raises(ValueError, match=r"SigLIPBackbone.compute_loss is .*apart"):
+        engine.fit(x, batch_size=6, verbose=0)
+    assert int(engine.optimizer.iterations) == 0

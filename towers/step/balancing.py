@@ -1,0 +1,93 @@
+"""keras_hub's mixture-of-experts load-balancing loss of the whole batch, in
+towers traced in lockstep (``towers/step/coupled.py`` puts it in place of
+each block module's own).
+
+A block routes each token to its ``k`` most probable of ``E`` experts and
+adds ``E · Σ_e f_e · P_e``, ``f_e`` the share of the unmasked tokens routed to
+expert ``e`` and ``P_e`` its mean router probability, both over the whole
+batch. Each tower counts its own tokens; the counts and probability sums are
+summed over the towers (and workers) in one exchange
+(``towers/step/lockstep.py``), and every tower computes the whole batch's
+term from the sums.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from towers.step import lockstep
+
+
+def load_balancing_over_towers(
+    router_logits: tf.Tensor,
+    num_experts: int,
+    top_k: int,
+    attention_mask: tf.Tensor | None = None,
+) -> tf.Tensor:
+    """keras_hub's ``compute_load_balancing_loss`` of the whole batch, in a
+    tower traced in lockstep: ``E · Σ_e f_e · P_e`` with
+
+    - ``f_e``: the share of the unmasked tokens routed to expert ``e`` (over
+      the ``top_k`` choices), counted over every tower;
+    - ``P_e``: expert ``e``'s router probability, summed over every tower's
+      unmasked tokens, over their number.
+
+    A token is unmasked where ``attention_mask`` says so, as each block reads
+    it: a ``[B, S]`` padding mask (Mixtral), or a ``[B, S, S]`` attention mask
+    whose row has any key (Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE). The counts take
+    no gradient (a token's experts are chosen by ``top_k``); the probability
+    sums' upstream gradients are summed over the towers on the way back, the
+    gradient one device's backward pass takes through the whole batch's
+    ``P_e``. Computed in float32 (float64 for a float64 model), as the blocks'
+    float32 masks and one-hots promote it.
+    """
+    probabilities = tf.nn.softmax(router_logits, axis=-1)
+    _, chosen = tf.math.top_k(probabilities, k=top_k)
+    dtype = tf.float64 if probabilities.dtype == tf.float64 else tf.float32
+    probabilities = tf.cast(probabilities, dtype)
+    tokens = tf.shape(router_logits)[0]
+    mask = _token_mask(attention_mask, tokens, dtype)[:, None]
+    routed = tf.reduce_mean(tf.one_hot(chosen, num_experts, dtype=dtype), axis=1)
+    counts = tf.concat(
+        [tf.reduce_sum(routed * mask, 0), tf.reduce_sum(mask, 0)], axis=0
+    )  # per expert its routed tokens, then the unmasked tokens
+    sums, counts = _summed(tf.reduce_sum(probabilities * mask, 0), counts)
+    unmasked = tf.maximum(counts[-1], tf.constant(1e-9, dtype))
+    share, mean_probability = counts[:-1] / unmasked, sums / unmasked
+    return tf.reduce_sum(share * mean_probability) * num_experts
+
+
+def _token_mask(attention_mask: Any, tokens: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """Per token of the flattened ``[B * S]``, 1 where it counts, as the blocks
+    read their mask (every token without one)."""
+    if attention_mask is None:
+        return tf.ones([tokens], dtype)
+    mask = tf.convert_to_tensor(attention_mask)
+    if mask.shape.rank == 3:
+        mask = tf.reduce_any(tf.cast(mask, tf.bool), axis=-1)
+    else:  # Mixtral's padding mask, its rows cut to the logits' (as it does)
+        mask = mask[: tokens // tf.shape(mask)[1]]
+    return tf.reshape(tf.cast(mask, dtype), [-1])
+
+
+def _summed(sums: tf.Tensor, counts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``sums`` and ``counts`` summed over the towers in lockstep, in one
+    exchange; on the way back, ``sums``' upstream gradients summed over the
+    towers (every tower's term depends on every tower's sums). ``counts``
+    take no gradient."""
+    size = tf.shape(sums)[0]
+    counts = tf.stop_gradient(counts)
+
+    @tf.custom_gradient
+    def summed(local: tf.Tensor):
+        both = lockstep.total(tf.concat([local, counts], 0))
+
+        def gradient(upstream: Any, _: Any) -> tf.Tensor:
+            upstream = tf.zeros_like(local) if upstream is None else upstream
+            return lockstep.total(upstream, backward=True)
+
+        return (both[:size], both[size:]), gradient
+
+    return summed(sums)

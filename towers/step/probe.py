@@ -1,0 +1,121 @@
+"""A probe for loss terms that are not a mean over the batch's examples.
+
+Each tower adds the model's own loss terms weighted by its share of the
+step's examples (``towers/step/tower.py``), which adds up to one device's term
+whenever the term is a mean over the examples, or does not depend on them.
+On the first training batch of two or more examples, towers computes each
+``add_loss`` term a layer adds, and a ``compute_loss`` override's value, on
+its first two examples together and on each alone. A mean over the examples
+(Keras' losses, activity regularisers) takes the same value both ways; a
+weight regulariser does not depend on the examples. A term whose values
+differ by more than :data:`PROBE_RTOL` couples the examples (a contrastive
+loss, a normaliser over the batch) or sums them: ``towers/step/coupled.py``
+refuses it by name or, with ``coupled_losses="per_tower"``, warns once.
+
+The probe runs in inference mode, in a ``keras.StatelessScope`` (nothing it
+computes is assigned: no metric, statistic or seed moves), so it does not see
+a term a layer adds only in training; keras_hub's mixture-of-experts blocks,
+which do, are known by their class (``towers/step/coupled.py``). In a
+cluster each worker probes its own first batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers._keras import compute_loss, layers_of, own_losses
+
+# How far apart a term's value on two examples and the mean of its values on
+# each may be before the probe calls it coupled: a thousandth, far above the
+# rounding between a batch of 1 and of 2 (TF32 matmuls on a GPU included),
+# far below what a contrastive term or a sum shows.
+PROBE_RTOL = 1e-3
+PROBE_ATOL = 1e-7
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A loss term the probe found not to be a mean over the examples: its
+    value on two examples together, and the mean of its values on each."""
+
+    name: str
+    together: float
+    each: float
+
+    def __str__(self) -> str:
+        apart = abs(self.together - self.each) / max(
+            abs(self.together), abs(self.each), PROBE_ATOL
+        )
+        return (
+            f"{self.name} is {self.together:.6g} on the first two examples of the "
+            f"first batch together and {self.each:.6g} as the mean of its values "
+            f"on each alone ({apart:.1%} apart)"
+        )
+
+
+def probe_terms(
+    model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool, device: str
+) -> list[Measured]:
+    """The model's loss terms that are not a mean over the examples, found on
+    the first two examples of ``batch`` (x, y, sample_weight): every layer's
+    ``add_loss`` terms and, with ``own_loss``, the model's ``compute_loss``,
+    in inference mode, on ``device``, nothing assigned.
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
+    []
+    """
+    with tf.device(device):
+        together = _term_values(model, _examples(batch, 0, 2), own_loss)
+        first = _term_values(model, _examples(batch, 0, 1), own_loss)
+        second = _term_values(model, _examples(batch, 1, 2), own_loss)
+    found = []
+    for name, value in together.items():
+        if name not in first or name not in second:
+            continue  # a term added for one batch size only: not comparable
+        each = (first[name] + second[name]) / 2
+        if abs(value - each) > PROBE_RTOL * max(abs(value), abs(each)) + PROBE_ATOL:
+            found.append(Measured(name, value, each))
+    return found
+
+
+def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
+    return tuple(
+        None if part is None else tf.nest.map_structure(lambda a: a[start:stop], part)
+        for part in batch
+    )
+
+
+def _term_values(
+    model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool
+) -> dict[str, float]:
+    """Each loss term's value on ``batch``, by name, in inference mode. In a
+    ``keras.StatelessScope``: what the call assigns (a metric's total, a
+    statistic, a seed) stays in the scope."""
+    x, y, sample_weight = batch
+    values = {}
+    # Every variable mapped to its value: a weight regulariser reads its
+    # variable through the scope.
+    mapping = [(v, v.value) for v in model.variables]
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+        y_pred = model(x, training=False)
+        for layer in layers_of(model):
+            terms = own_losses(layer)
+            for i, term in enumerate(terms):
+                which = (
+                    f"'s add_loss term {i}" if len(terms) > 1 else "'s add_loss term"
+                )
+                values[f"layer {layer.path}{which}"] = _number(term)
+        if own_loss:
+            loss = compute_loss(model, x, y, y_pred, sample_weight, False)
+            values[f"{type(model).__name__}.compute_loss"] = _number(loss)
+    return values
+
+
+def _number(value: Any) -> float:
+    return float(np.asarray(tf.reduce_sum(tf.cast(value, tf.float64))))
