@@ -29,10 +29,12 @@ def run(args, env=None, timeout=180):
     )
 
 
-def reference(out, *args):
-    """One process with four towers on the whole batches."""
+def reference(out, *args, towers=4):
+    """One process with four towers (or ``towers``) on the whole batches."""
     out.mkdir()
-    done = run([sys.executable, SCRIPT, "--out", str(out), "--towers", "4", *args])
+    done = run(
+        [sys.executable, SCRIPT, "--out", str(out), "--towers", str(towers), *args]
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 

@@ -21,7 +21,10 @@ The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
 (with --nan-in K: the last example of global batch K is NaN, which is in the
 last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 --model bn puts a BatchNormalization layer in, with --batch-statistics global
-(and --jit-compile, each tower's pass in XLA computations).
+(and --jit-compile, each tower's pass in XLA computations). --model moe puts
+keras_hub's Mixtral mixture-of-experts block in, whose load-balancing loss
+couples the batch's examples (computed from the whole batch: the default
+coupled_losses="exact").
 """
 
 import argparse
@@ -97,6 +100,15 @@ def build():
                 keras.layers.Dense(width),
             ]
         )
+    if args.model == "moe":
+        from keras_hub.src.models.mixtral.mixtral_decoder import MixtralSparseMoeBlock
+
+        inputs = keras.Input((6,))
+        tokens = keras.layers.Reshape((2, 4))(keras.layers.Dense(8)(inputs))
+        block = MixtralSparseMoeBlock(4, 8, num_experts=4, router_aux_loss_coef=0.5)
+        mixed, _ = block(tokens)
+        outputs = keras.layers.Dense(width)(keras.layers.Flatten()(mixed))
+        return keras.Model(inputs, outputs)
     return keras.Sequential(
         [
             keras.Input((6,)),
