@@ -1,4 +1,5 @@
 import json
+import re
 
 import keras
 import numpy as np
@@ -217,3 +218,40 @@ def test_explain_shows_each_towers_phases_under_global_statistics_and_xla():
         assert {c.device for c in mine} == {f"/device:CPU:{t}"}
         line = f"{f'tower {t} XLA':<18} on /device:CPU:{t}: 7 phases, the towers' sums"
         assert line in str(report)
+
+
+def test_explain_names_each_coupled_loss_term_and_how_it_is_computed():
+    from tests.step.test_coupled import mixtral_block
+
+    keras.utils.set_random_seed(0)
+    engine = towers.Towers(mixtral_block, "mse", "sgd", devices=CPU[:2])
+    batch = {"token_ids": np.ones((3, 4), "int32"), "padding_mask": np.ones((3, 4))}
+
+    text = str(engine.explain(batch, np.zeros((3, 4, 16), "float32")))
+
+    lines = text.split("loss terms that couple the batch's examples:\n")[1]
+    assert re.match(
+        r"  layer transformer_layer_0/mixtral_sparse_moe_block(_\d+)? "
+        r"\(MixtralSparseMoeBlock\) adds a router load-balancing loss "
+        r"\(router_aux_loss_coef=0.02\): f_e and P_e from the whole batch",
+        lines,
+    )
+    plain = make_engine(CPU[:2]).explain(*regression_batch(np.random.default_rng(0), 4))
+    assert "loss terms that couple" not in str(plain)
+
+
+def test_explain_probes_loss_terms_as_the_first_step_does():
+    from tests.step.test_probe import contrastive, data
+
+    x, y = data()
+    refused = towers.Towers(contrastive(), devices=CPU[:2])
+    with pytest.raises(ValueError, match=r"Contrastive.compute_loss is .*apart"):
+        refused.explain(x, y)
+
+    with pytest.warns(UserWarning, match="Contrastive.compute_loss"):
+        engine = towers.Towers(
+            contrastive(), devices=CPU[:2], coupled_losses="per_tower"
+        )
+        text = str(engine.explain(x, y))
+    lines = text.split("loss terms that couple the batch's examples:\n")[1]
+    assert re.match(r"  Contrastive.compute_loss is .* apart\): per tower", lines)

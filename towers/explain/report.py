@@ -37,6 +37,9 @@ def render(explanation: Any) -> str:
             f"workers:         {e.workers}; this is one worker's step, the others' "
             "are the same"
         )
+    if e.coupled:
+        lines.append("loss terms that couple the batch's examples:")
+        lines += [f"  {term}" for term in e.coupled]
     lines += ["", *_variables(e), "", summary(e)]
     return "\n".join(lines)
 

@@ -52,6 +52,9 @@ class Explanation:
     unknown_bytes: int = 0  # sent tensors whose size was not static
     workers: int = 1
     xla: list[XlaCall] = field(default_factory=list)  # with jit_compile
+    # the model's loss terms that couple the batch's examples, and how each is
+    # computed (towers/step/coupled.py)
+    coupled: list[str] = field(default_factory=list)
 
     def ran_on(self, stage: str) -> list[str]:
         """The devices that ran ops of ``stage`` (e.g. ``"apply"``), most first."""
@@ -103,8 +106,14 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
 
     Returns:
       The :class:`Explanation` of that step.
+
+    Raises:
+      ValueError: the model has a loss term that training would refuse: it
+        is probed first, as fit's first step probes it
+        (``towers/step/probe.py``).
     """
     x, y, sample_weight = engine.prepare(x, y)
+    engine.step.probe(x, y, sample_weight)
     concrete = traced(engine.step.train).get_concrete_function(x, y, sample_weight)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
@@ -132,6 +141,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         unknown_bytes=crossed.unknown,
         workers=1 if engine.cluster is None else engine.cluster.num_workers,
         xla=xla_calls(concrete.graph),
+        coupled=engine.step.tower.coupled.describe(),
     )
 
 
