@@ -1,6 +1,7 @@
 """Real models nobody on the project wrote, against Keras' own ``fit`` on one
-device: ``keras.applications`` (``weights=None``, 32×32 inputs) and a keras_hub
-model built from a config (nothing is downloaded).
+device: ``keras.applications`` (``weights=None``, 32×32 inputs) and keras_hub
+models built from tiny configs (GPT-2, Llama, Gemma3, ViT; nothing is
+downloaded).
 
 Deep models amplify rounding, so they run in float64, where a mismatch is the
 engine's, not noise; and each variable's update (after − before) is compared,
@@ -15,7 +16,11 @@ import numpy as np
 import pytest
 
 from tests.test_equivalence import devices
-from tests.tolerances import FLOAT64_UPDATE_ATOL, FLOAT64_UPDATE_RTOL
+from tests.tolerances import (
+    FLOAT32_SOFTMAX_UPDATE_ATOL,
+    FLOAT64_UPDATE_ATOL,
+    FLOAT64_UPDATE_RTOL,
+)
 from towers import Towers
 
 EXAMPLES, BATCH = 14, 7
@@ -38,7 +43,7 @@ def float64():
     keras.config.set_dtype_policy(policy)
 
 
-def assert_same_updates(engine_model, reference, before):
+def assert_same_updates(engine_model, reference, before, atol=FLOAT64_UPDATE_ATOL):
     """Every variable's update equal to Keras', relative to itself, with an
     absolute floor at the model's largest update (an update that is 0 on one
     device, a bias before BatchNormalization, is rounding there)."""
@@ -51,7 +56,7 @@ def assert_same_updates(engine_model, reference, before):
             g,
             w,
             rtol=FLOAT64_UPDATE_RTOL,
-            atol=FLOAT64_UPDATE_ATOL * largest,
+            atol=atol * largest,
             err_msg=var.path,
         )
 
@@ -107,17 +112,53 @@ def trains_as_keras_fit(name, jit_compile, examples=EXAMPLES, batch=BATCH):
     assert_same_updates(engine.model, reference, before)
 
 
-def gpt2(jit_compile=False):
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=64,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=8,
-        dropout=0.0,  # Keras and the towers would draw different masks
-    )
-    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+# keras_hub causal LMs from tiny configs: vocabulary 64, 2 layers, hidden 16.
+# Dropout stays 0 (Keras and the towers would draw different masks).
+CAUSAL_LMS = {
+    "GPT2": lambda: keras_hub.models.GPT2CausalLM(
+        backbone=keras_hub.models.GPT2Backbone(
+            vocabulary_size=64,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            max_sequence_length=8,
+            dropout=0.0,
+        ),
+        preprocessor=None,
+    ),
+    # Grouped-query attention, rotary embeddings, RMS norms.
+    "Llama": lambda: keras_hub.models.LlamaCausalLM(
+        backbone=keras_hub.models.LlamaBackbone(
+            vocabulary_size=64,
+            num_layers=2,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=16,
+            intermediate_dim=32,
+        ),
+        preprocessor=None,
+    ),
+    # Query-key norm; text only (no vision encoder). Its attention softmax is
+    # float32 (FLOAT32_SOFTMAX_UPDATE_ATOL).
+    "Gemma3": lambda: keras_hub.models.Gemma3CausalLM(
+        backbone=keras_hub.models.Gemma3Backbone(
+            vocabulary_size=64,
+            image_size=16,
+            num_layers=2,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=16,
+            intermediate_dim=32,
+            head_dim=8,
+        ),
+        preprocessor=None,
+    ),
+}
+
+
+def causal_lm(name="GPT2", jit_compile=False):
+    model = CAUSAL_LMS[name]()
     model.compile(
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -128,8 +169,11 @@ def gpt2(jit_compile=False):
     return model
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64, jit_compile, request):
+@pytest.mark.parametrize(
+    "name, jit_compile",
+    [("GPT2", False), ("GPT2", True), ("Llama", False), ("Gemma3", False)],
+)
+def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64, name, jit_compile, request):
     """Dict inputs, a padding mask, and per-token sample weights (padding weighs
     0); with XLA, each tower's pass one XLA computation against Keras' own XLA
     fit (op determinism, on in this suite, makes Keras refuse XLA: off here)."""
@@ -141,9 +185,9 @@ def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64, jit_compile, request
     mask = np.arange(8)[None, :] < lengths[:, None]
     x = {"token_ids": tokens[:, :-1] * mask, "padding_mask": mask}
     y, weights = tokens[:, 1:] * mask, mask.astype("float64")
-    engine = Towers(gpt2(jit_compile), devices=devices(2))
+    engine = Towers(causal_lm(name, jit_compile), devices=devices(2))
     assert engine.step.tower.jit.enabled is jit_compile
-    reference = gpt2(jit_compile)
+    reference = causal_lm(name, jit_compile)
     reference.set_weights(engine.model.get_weights())
     before = reference.get_weights()
 
@@ -154,8 +198,44 @@ def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64, jit_compile, request
         x, y, batch_size=BATCH, sample_weight=weights, shuffle=False, verbose=0
     )
 
-    assert_same_updates(engine.model, reference, before)
+    atol = FLOAT32_SOFTMAX_UPDATE_ATOL if name == "Gemma3" else FLOAT64_UPDATE_ATOL
+    assert_same_updates(engine.model, reference, before, atol)
     np.testing.assert_allclose(
         history.history["sparse_categorical_accuracy"],
         expected.history["sparse_categorical_accuracy"],
     )
+
+
+def vit():
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3),
+        patch_size=4,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+    )
+    model = keras_hub.models.ViTImageClassifier(
+        backbone=backbone, num_classes=5, preprocessor=None
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def test_a_keras_hub_vit_classifier_trains_as_keras_fit(float64):
+    """Patches, a class token, position embeddings, layer norms."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((EXAMPLES, 8, 8, 3))
+    y = rng.integers(0, 5, EXAMPLES)
+    engine = Towers(vit(), devices=devices(2))
+    reference = vit()
+    reference.set_weights(engine.model.get_weights())
+    before = reference.get_weights()
+
+    engine.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
