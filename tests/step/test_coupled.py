@@ -70,6 +70,14 @@ FAMILIES = {
         ),  # fmt: skip
         preprocessor=None,
     ),
+    # GPT-OSS routes its tokens with no load-balancing loss (keras-hub 0.32.0):
+    # nothing couples its examples, and towers finds nothing to make exact.
+    "gpt_oss": lambda coefficient: keras_hub.models.GptOssCausalLM(
+        keras_hub.models.GptOssBackbone(
+            **TINY, intermediate_dim=16, head_dim=8
+        ),  # fmt: skip
+        preprocessor=None,
+    ),
 }
 
 
@@ -151,6 +159,15 @@ def test_a_moe_causal_lm_trains_as_keras_fit(family, num_towers, jit_compile):
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=1e-5
     )
+
+
+def test_gpt_oss_adds_no_load_balancing_loss_and_trains_as_keras_fit():
+    build = causal_lm("gpt_oss")
+    want, _ = keras_fit(build)
+    engine = Towers(build, devices=devices(2))
+    assert engine.step.tower.coupled.terms == []
+    got, _ = updates(engine.model, fit_once(engine.fit))
+    assert_updates_close(got, want, engine.model.trainable_variables)
 
 
 def test_per_tower_warns_and_trains_to_other_weights():
