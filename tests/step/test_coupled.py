@@ -12,6 +12,7 @@ each variable's update must be within 2e-3 of its largest entry (per tower,
 the gate's update is off by 9 % on 2 towers and 226 % on 4).
 """
 
+import re
 import warnings
 
 import keras
@@ -174,9 +175,17 @@ def test_per_tower_warns_and_trains_to_other_weights():
     # What the exact form fixes: the peers' per-replica term, measured.
     build = causal_lm("mixtral")
     want, _ = keras_fit(build)
-    with pytest.warns(UserWarning, match="each of the 2 towers computes these"):
-        engine = Towers(build, devices=devices(2), coupled_losses="per_tower")
-    got, _ = updates(engine.model, fit_once(engine.fit))
+    engine = Towers(build, devices=devices(2), coupled_losses="per_tower")
+    with pytest.warns(UserWarning, match="each of the 2 towers computes these") as w:
+        got, _ = updates(engine.model, fit_once(engine.fit))
+    # The warning measures what it changes: the terms on the first batch on
+    # one device and as the towers' shares.
+    whole, shares, apart = re.search(
+        r"add up to (\S+) on one device and (\S+) as the 2 towers' shares "
+        r"\((\S+)% apart\)",
+        str(w[0].message),
+    ).groups()
+    assert float(apart) > 0.5 and float(whole) != float(shares)  # measured 1.1 %
     for g, w, variable in zip(got, want, engine.model.trainable_variables):
         if variable.path.endswith("sparse_feedforward_gate_dense/kernel"):
             assert np.abs(g - w).max() > 0.05 * np.abs(w).max(), variable.path

@@ -54,7 +54,7 @@ from towers._keras import layers_of
 from towers.split import batch_size_of
 from towers.step import lockstep
 from towers.step.balancing import load_balancing_over_towers
-from towers.step.probe import Measured, probe_terms
+from towers.step.probe import Measured, probe_terms, shares_of_terms
 
 # keras_hub's mixture-of-experts blocks, and the attribute of their
 # load-balancing loss's coefficient.
@@ -119,6 +119,7 @@ class CoupledLosses:
       policy: one of :data:`POLICIES` (the module docstring).
       accumulate_steps: micro-batches per update: a term of the whole batch
         cannot be made exact over micro-batches taken one at a time.
+      local_towers: this worker's towers (``towers``, outside a cluster).
 
     Attributes:
       terms: the coupled terms found (none on one tower).
@@ -142,12 +143,14 @@ class CoupledLosses:
         towers: int,
         policy: Any = "exact",
         accumulate_steps: int = 1,
+        local_towers: int | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(
                 f"coupled_losses must be one of {list(POLICIES)}; received {policy!r}"
             )
         self.policy, self.towers = policy, towers
+        self.local_towers = local_towers or towers
         self.terms = coupled_terms(model) if towers > 1 else []
         self.exact = False
         self.probed: list[Measured] | None = None if towers > 1 else []
@@ -156,13 +159,7 @@ class CoupledLosses:
             return
         named = "; ".join(str(term) for term in self.terms)
         if policy == "per_tower":
-            warnings.warn(
-                f"coupled_losses='per_tower': each of the {towers} towers computes "
-                f"these terms on its own shard, as MirroredStrategy and Horovod do, "
-                f"so the update is not one device's on the whole batch: {named}",
-                stacklevel=5,
-            )
-            return
+            return  # warned of at the first step, with what it changes
         if policy == "refuse":
             why = "coupled_losses='refuse' refuses them"
         else:
@@ -212,6 +209,8 @@ class CoupledLosses:
         """
         if self.probed is not None or batch_size_of(batch[0]) < 2:
             return
+        if self.terms and not self.exact:
+            self._warn_per_tower(model, batch[0], device)
         found = probe_terms(model, batch, own_loss, device)
         named = "; ".join(str(term) for term in found)
         if found and self.policy != "per_tower":
@@ -234,6 +233,22 @@ class CoupledLosses:
                 stacklevel=4,
             )
         self.probed = found
+
+    def _warn_per_tower(self, model: keras.Model, x: Any, device: str) -> None:
+        """The warning for keras_hub's terms taken per tower, with their value
+        on the first batch and the towers' shares of it."""
+        whole, shares = shares_of_terms(model, x, self.local_towers, device)
+        apart = abs(whole - shares) / max(abs(whole), abs(shares), 1e-12)
+        named = "; ".join(str(term) for term in self.terms)
+        warnings.warn(
+            f"coupled_losses='per_tower': each of the {self.towers} towers "
+            f"computes these terms on its own shard, as MirroredStrategy and "
+            f"Horovod do, so the update is not one device's on the whole batch: "
+            f"{named}. On the first batch (in training mode) they add up to "
+            f"{whole:.6g} on one device and {shares:.6g} as the "
+            f"{self.local_towers} towers' shares ({apart:.1%} apart)",
+            stacklevel=4,
+        )
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:

@@ -120,6 +120,7 @@ def make_step(
         len(devices) * workers_count,
         options.get("coupled_losses", "exact"),
         options["accumulate_steps"],
+        len(devices),
     )
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]

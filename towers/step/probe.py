@@ -15,8 +15,11 @@ refuses it by name or, with ``coupled_losses="per_tower"``, warns once.
 The probe runs in inference mode, in a ``keras.StatelessScope`` (nothing it
 computes is assigned: no metric, statistic or seed moves), so it does not see
 a term a layer adds only in training; keras_hub's mixture-of-experts blocks,
-which do, are known by their class (``towers/step/coupled.py``). In a
-cluster each worker probes its own first batch.
+which do, are known by their class (``towers/step/coupled.py``). Taken per
+tower, their warning says what that changes on the first batch
+(:func:`shares_of_terms`: the terms on one device and as the towers' shares,
+in training mode, nothing assigned). In a cluster each worker probes its own
+first batch.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import compute_loss, layers_of, own_losses
+from towers.split import batch_size_of, split_sizes
 
 # How far apart a term's value on two examples and the mean of its values on
 # each may be before the probe calls it coupled: a thousandth, far above the
@@ -119,3 +123,28 @@ def _term_values(
 
 def _number(value: Any) -> float:
     return float(np.asarray(tf.reduce_sum(tf.cast(value, tf.float64))))
+
+
+def shares_of_terms(
+    model: keras.Model, x: Any, towers: int, device: str
+) -> tuple[float, float]:
+    """The model's ``add_loss`` terms summed, in training mode, on ``x`` and
+    as ``towers`` towers add them up (each shard's weighted by its share of
+    the examples), nothing assigned: what taking them per tower changes."""
+    size = int(batch_size_of(x))
+    with tf.device(device):
+        whole = _training_terms(model, x)
+        shares, start = 0.0, 0
+        for n in split_sizes(size, towers):
+            if n:
+                part = _examples((x, None, None), start, start + n)[0]
+                shares += n / size * _training_terms(model, part)
+            start += n
+    return whole, shares
+
+
+def _training_terms(model: keras.Model, x: Any) -> float:
+    mapping = [(v, v.value) for v in model.variables]
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+        model(x, training=True)
+        return sum(_number(t) for layer in layers_of(model) for t in own_losses(layer))
