@@ -162,6 +162,23 @@ def test_a_moe_causal_lm_trains_as_keras_fit(family, num_towers, jit_compile):
     )
 
 
+def test_an_empty_shard_adds_nothing_to_the_sums():
+    """Batches of 6 and 3 on 4 towers: 2 + 2 + 1 + 1, then 1 + 1 + 1 + 0."""
+    build = causal_lm("mixtral")
+    x, y, weights = sequences()
+
+    def two_steps(fit):
+        return lambda model: fit(
+            x, y, sample_weight=weights, batch_size=6, shuffle=False, verbose=0
+        )
+
+    reference = build()
+    want, _ = updates(reference, two_steps(reference.fit))
+    engine = Towers(build, devices=devices(4))
+    got, _ = updates(engine.model, two_steps(engine.fit))
+    assert_updates_close(got, want, engine.model.trainable_variables)
+
+
 def test_gpt_oss_adds_no_load_balancing_loss_and_trains_as_keras_fit():
     build = causal_lm("gpt_oss")
     want, _ = keras_fit(build)
