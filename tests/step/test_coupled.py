@@ -139,6 +139,7 @@ def assert_updates_close(got, want, variables):
 @pytest.mark.parametrize(
     "family, num_towers, jit_compile",
     [
+        ("mixtral", 2, False),
         ("mixtral", 4, False),
         ("mixtral", 3, True),
         ("qwen3_moe", 2, False),
@@ -146,7 +147,7 @@ def assert_updates_close(got, want, variables):
         ("qwen_moe", 2, False),
         ("qwen3_5_moe", 2, False),
     ],
-    ids=["mixtral-4", "mixtral-3-xla", "qwen3-2", "qwen3-4", "qwen-2",
+    ids=["mixtral-2", "mixtral-4", "mixtral-3-xla", "qwen3-2", "qwen3-4", "qwen-2",
          "qwen3.5-2"],
 )  # fmt: skip
 def test_a_moe_causal_lm_trains_as_keras_fit(family, num_towers, jit_compile):
