@@ -1,11 +1,13 @@
 """The non-public parts of TensorFlow towers uses, in one place.
 
-Four jobs have no public call: starting the collective runtime in this process
-(``start``), reading the graphs TensorFlow actually placed on devices
-(``placed_graphs``, for ``towers explain``), finding the traced graph of a
-function a step calls (``called_graph``: a tower traced once is a call, whose
-ops the placed graphs name ``tower_1/StatefulPartitionedCall/...``), and asking
-whether op determinism is on (``op_determinism``, for ``jit_compile="auto"``).
+Five jobs have no public call: starting the collective runtime in this process
+(``start``), aborting its pending collectives when a peer is lost
+(``abort_collectives``, as MultiWorkerMirroredStrategy's health check does),
+reading the graphs TensorFlow actually placed on devices (``placed_graphs``,
+for ``towers explain``), finding the traced graph of a function a step calls
+(``called_graph``: a tower traced once is a call, whose ops the placed graphs
+name ``tower_1/StatefulPartitionedCall/...``), and asking whether op
+determinism is on (``op_determinism``, for ``jit_compile="auto"``).
 
 Starting TensorFlow's collective runtime:
 
@@ -109,6 +111,19 @@ def start(addresses: Sequence[str], index: int) -> None:
             f"(its TF_CONFIG address): {error.message}. Is the port in use by "
             "another process?"
         ) from None
+
+
+def abort_collectives(message: str) -> None:
+    """Ends this process's pending collectives with ``message`` (an
+    ``UnavailableError`` saying "Collective ops is aborted by: ..."), as
+    MultiWorkerMirroredStrategy's health check ends them when a peer is lost.
+    Each collective is aborted from its own thread and reports once; a
+    collective's own ``timeout_seconds`` instead reports from a timer while
+    its ring may still run, and in TensorFlow 2.21 that crashes the process
+    now and then (SIGSEGV; issue 35). Later collectives fail too: the job must
+    restart."""
+    ctx, _ = _context()
+    ctx.abort_collective_ops(tf.errors.UNAVAILABLE, message)
 
 
 @contextlib.contextmanager

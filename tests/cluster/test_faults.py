@@ -9,6 +9,7 @@ import grpc
 import pytest
 import tensorflow as tf
 
+from towers.cluster import faults
 from towers.cluster.cluster import Cluster
 from towers.cluster.faults import (
     WorkerLostError,
@@ -105,3 +106,45 @@ def test_a_missing_peer_becomes_worker_lost_error(error):
 def test_other_errors_are_left_alone():
     cluster = Cluster(["127.0.0.1:1", "127.0.0.1:2"], index=0)
     raise_if_lost(cluster, tf.errors.InvalidArgumentError(None, None, "shape"), 0.1)
+
+
+def test_a_step_past_its_timeout_aborts_its_collectives_when_a_peer_is_silent(
+    monkeypatch,
+):
+    """The probe, not TensorFlow's own collective timeout, ends a step that
+    waits for a stopped peer (issue 35: that timeout crashed the process)."""
+    aborted = []
+    monkeypatch.setattr(faults._runtime, "abort_collectives", aborted.append)
+    server, live = grpc_server()
+    try:
+        with socket.socket() as mute:
+            mute.bind(("127.0.0.1", 0))
+            mute.listen()
+            quiet = f"127.0.0.1:{mute.getsockname()[1]}"
+            cluster = Cluster(
+                ["127.0.0.1:1", live, quiet], index=0, timeout_seconds=0.5
+            )
+            with faults.aborting_if_lost(cluster, every=0.2):
+                time.sleep(0.3)  # a step that ends in time: nothing probed
+            assert aborted == []
+            with faults.aborting_if_lost(cluster, every=0.2):
+                deadline = time.monotonic() + 10
+                while not aborted and time.monotonic() < deadline:
+                    time.sleep(0.1)  # a step stuck in its collectives
+    finally:
+        server.stop(None)
+    assert aborted == ["towers: worker(s) 2 stopped answering after 0.5 s "
+                       "(timeout_seconds)"]  # fmt: skip
+
+
+def test_a_slow_step_whose_peers_answer_is_not_aborted(monkeypatch):
+    aborted = []
+    monkeypatch.setattr(faults._runtime, "abort_collectives", aborted.append)
+    server, live = grpc_server()
+    try:
+        cluster = Cluster(["127.0.0.1:1", live], index=0, timeout_seconds=0.3)
+        with faults.aborting_if_lost(cluster, every=0.2):
+            time.sleep(1.5)  # past its timeout, probed several times
+    finally:
+        server.stop(None)
+    assert aborted == []

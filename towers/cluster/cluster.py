@@ -41,8 +41,10 @@ class Cluster:
     Args:
       workers: every worker's ``"host:port"``, in rank order (worker 0 is the chief).
       index: this process's rank in ``workers``.
-      timeout_seconds: how long a collective waits for the other workers during
-        training before this worker gives up with ``towers.WorkerLostError``.
+      timeout_seconds: how long a step waits for the other workers during
+        training before probing them every second: one that does not answer
+        ends the step with ``towers.WorkerLostError`` naming it; a collective
+        waits at most twice this long (``towers/cluster/faults.py``).
       startup_timeout_seconds: the same for the first collectives, which wait for
         every worker to start (import TensorFlow, build the model): a worker
         says within seconds, then every 15 s, which peers it is waiting for,

@@ -1,7 +1,13 @@
 """A worker that stops answering: named, not waited on forever.
 
-Every collective across workers carries a timeout (``Cluster.timeout_seconds``).
-When one fails for want of a peer, the survivors raise :class:`WorkerLostError`
+A step that has run ``Cluster.timeout_seconds`` probes the other workers every
+second (:func:`aborting_if_lost`); when one no longer answers, this worker
+aborts its collectives, as MultiWorkerMirroredStrategy's health check does.
+Each collective also carries a timeout of its own, twice as long: the
+backstop for a peer that answers but never joins (TensorFlow 2.21's own
+timeout crashed the process about one time in five on a busy machine; issue
+35). When a collective fails for want of a peer, the survivors raise
+:class:`WorkerLostError`
 naming the workers that no longer accept connections (dead), those that accept
 them but whose gRPC server does not answer (stopped, e.g. SIGSTOP, or hung), or
 saying that every one answers (slow). TensorFlow's collective runtime cannot
@@ -25,6 +31,7 @@ from typing import NamedTuple, TextIO
 import grpc
 import tensorflow as tf
 
+from towers import _runtime
 from towers.cluster.cluster import Cluster
 from towers.cluster.tf_config import split_address
 
@@ -162,6 +169,37 @@ def waiting_notices(
             wait = every
 
     threading.Thread(target=notice, name="towers-startup-notices", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+@contextlib.contextmanager
+def aborting_if_lost(cluster: Cluster, every: float = 1.0) -> Iterator[None]:
+    """Within (a step), once ``cluster.timeout_seconds`` have passed, the other
+    workers are probed every ``every`` seconds (:func:`unreachable`); when one
+    is lost, this worker's pending collectives are aborted, and the step
+    raises at once (``raise_if_lost`` names the worker). A step that ends in
+    time stops the probes; a slow step whose peers all answer goes on."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(cluster.timeout_seconds):
+            return
+        while not done.is_set():
+            lost = unreachable(cluster)
+            if lost and not done.is_set():
+                ranks = ", ".join(str(p.rank) for p in lost)
+                _runtime.abort_collectives(
+                    f"towers: worker(s) {ranks} stopped answering after "
+                    f"{cluster.timeout_seconds:g} s (timeout_seconds)"
+                )
+                return
+            done.wait(every)
+
+    watcher = threading.Thread(target=watch, name="towers-lost-workers", daemon=True)
+    watcher.start()
     try:
         yield
     finally:

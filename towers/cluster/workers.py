@@ -16,7 +16,6 @@ collective runtime (``towers/placement/collective.py``):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,7 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.cluster.cluster import Cluster
-from towers.cluster.faults import raise_if_lost, waiting_notices
+from towers.cluster.faults import aborting_if_lost, raise_if_lost, waiting_notices
 from towers.options import refuse_unsupported
 from towers.placement.base import Placement
 from towers.placement.collective import AllReduce
@@ -113,15 +112,17 @@ class Workers:
             "/device:CPU:0", "per_tensor", cluster.startup_timeout_seconds
         )
         self._start = group(device, "packed", cluster.startup_timeout_seconds)
-        self._agree = group(device, "per_tensor", cluster.timeout_seconds)
+        # A lost peer is found by probing (faults.aborting_if_lost) after
+        # timeout_seconds; the collectives' own timeout is the backstop.
+        backstop = 2 * cluster.timeout_seconds
+        self._agree = group(device, "per_tensor", backstop)
         # Training and evaluation steps send different tensors: a group each, so
         # their instance keys never meet.
         self._groups = {
-            kind: group(device, reducer, cluster.timeout_seconds)
-            for kind in ("train", "eval")
+            kind: group(device, reducer, backstop) for kind in ("train", "eval")
         }
         # BatchNormalization's global statistics: one gather per exchange.
-        self._statistics = group(device, "per_tensor", cluster.timeout_seconds)
+        self._statistics = group(device, "per_tensor", backstop)
         # 1.0 once this worker was asked to stop (request_stop); rides in every
         # step's sum, so all workers learn of it after the same step.
         with tf.device(device):
@@ -265,7 +266,9 @@ class Workers:
         the workers wait for each other to start: while they wait, this worker
         says which peers it is waiting for (``faults.waiting_notices``)."""
         started = time.monotonic()
-        notices = waiting_notices(self.cluster) if startup else contextlib.nullcontext()
+        notices = (
+            waiting_notices(self.cluster) if startup else aborting_if_lost(self.cluster)
+        )
         try:
             with notices:
                 return step(*args)
