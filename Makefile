@@ -27,8 +27,12 @@ $(INSTALLED): setup.cfg pyproject.toml Makefile | $(BIN)/python
 demo: $(INSTALLED)
 	$(BIN)/towers demo
 
+# The suite in one process per core, at most two (pytest-xdist; each process
+# sets its own logical CPUs in conftest.py, cluster tests take free ports), then
+# the cases marked `alone` (they time other processes' answers) by themselves.
 test: $(INSTALLED)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=2 -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 bench: $(INSTALLED)
 	$(BIN)/python -m pytest benchmarks -q -o python_files='bench_*.py' \
