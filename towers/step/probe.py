@@ -76,6 +76,8 @@ def probe_terms(
     """
     with tf.device(device):
         together = _term_values(model, _examples(batch, 0, 2), own_loss)
+        if not together:
+            return []  # no add_loss term, no compute_loss: one call was enough
         first = _term_values(model, _examples(batch, 0, 1), own_loss)
         second = _term_values(model, _examples(batch, 1, 2), own_loss)
     found = []
