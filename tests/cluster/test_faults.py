@@ -124,10 +124,12 @@ def test_a_step_past_its_timeout_aborts_its_collectives_when_a_peer_is_silent(
             cluster = Cluster(
                 ["127.0.0.1:1", live, quiet], index=0, timeout_seconds=0.5
             )
-            with faults.aborting_if_lost(cluster, every=0.2):
+            watch = faults.LostWorkerWatch(cluster, every=0.2)
+            with watch.step():
                 time.sleep(0.3)  # a step that ends in time: nothing probed
+            time.sleep(0.6)  # between steps: nothing probed either
             assert aborted == []
-            with faults.aborting_if_lost(cluster, every=0.2):
+            with watch.step():
                 deadline = time.monotonic() + 10
                 while not aborted and time.monotonic() < deadline:
                     time.sleep(0.1)  # a step stuck in its collectives
@@ -143,7 +145,7 @@ def test_a_slow_step_whose_peers_answer_is_not_aborted(monkeypatch):
     server, live = grpc_server()
     try:
         cluster = Cluster(["127.0.0.1:1", live], index=0, timeout_seconds=0.3)
-        with faults.aborting_if_lost(cluster, every=0.2):
+        with faults.LostWorkerWatch(cluster, every=0.2).step():
             time.sleep(1.5)  # past its timeout, probed several times
     finally:
         server.stop(None)

@@ -1,7 +1,7 @@
 """A worker that stops answering: named, not waited on forever.
 
 A step that has run ``Cluster.timeout_seconds`` probes the other workers every
-second (:func:`aborting_if_lost`); when one no longer answers, this worker
+second (:class:`LostWorkerWatch`); when one no longer answers, this worker
 aborts its collectives, as MultiWorkerMirroredStrategy's health check does.
 Each collective also carries a timeout of its own, twice as long: the
 backstop for a peer that answers but never joins (TensorFlow 2.21's own
@@ -175,35 +175,48 @@ def waiting_notices(
         done.set()
 
 
-@contextlib.contextmanager
-def aborting_if_lost(cluster: Cluster, every: float = 1.0) -> Iterator[None]:
-    """Within (a step), once ``cluster.timeout_seconds`` have passed, the other
-    workers are probed every ``every`` seconds (:func:`unreachable`); when one
-    is lost, this worker's pending collectives are aborted, and the step
-    raises at once (``raise_if_lost`` names the worker). A step that ends in
-    time stops the probes; a slow step whose peers all answer goes on."""
-    done = threading.Event()
+class LostWorkerWatch:
+    """Aborts a step that has run ``cluster.timeout_seconds`` once a peer is
+    lost: one thread per worker, started with the first step, looks every
+    ``every`` seconds; past the timeout it probes the other workers
+    (:func:`unreachable`), and when one is lost it aborts this worker's
+    pending collectives, so the step raises at once (``raise_if_lost`` names
+    the worker). A step that ends in time is never probed; a slow step whose
+    peers all answer goes on. A step costs two attribute writes."""
 
-    def watch() -> None:
-        if done.wait(cluster.timeout_seconds):
-            return
-        while not done.is_set():
-            lost = unreachable(cluster)
-            if lost and not done.is_set():
+    def __init__(self, cluster: Cluster, every: float = 1.0):
+        self.cluster, self.every = cluster, every
+        self._since: float | None = None  # when the running step started
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Within: one step, watched."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name="towers-lost-workers", daemon=True
+            )
+            self._thread.start()
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.every)
+            since = self._since
+            if since is None or time.monotonic() - since < self.cluster.timeout_seconds:
+                continue
+            lost = unreachable(self.cluster)
+            if lost and self._since == since:  # the same step, still running
                 ranks = ", ".join(str(p.rank) for p in lost)
                 _runtime.abort_collectives(
                     f"towers: worker(s) {ranks} stopped answering after "
-                    f"{cluster.timeout_seconds:g} s (timeout_seconds)"
+                    f"{self.cluster.timeout_seconds:g} s (timeout_seconds)"
                 )
                 return
-            done.wait(every)
-
-    watcher = threading.Thread(target=watch, name="towers-lost-workers", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
 
 
 def waiting_message(cluster: Cluster, waited: float) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.cluster.cluster import Cluster
-from towers.cluster.faults import aborting_if_lost, raise_if_lost, waiting_notices
+from towers.cluster.faults import LostWorkerWatch, raise_if_lost, waiting_notices
 from towers.options import refuse_unsupported
 from towers.placement.base import Placement
 from towers.placement.collective import AllReduce
@@ -112,9 +112,10 @@ class Workers:
             "/device:CPU:0", "per_tensor", cluster.startup_timeout_seconds
         )
         self._start = group(device, "packed", cluster.startup_timeout_seconds)
-        # A lost peer is found by probing (faults.aborting_if_lost) after
+        # A lost peer is found by probing (faults.LostWorkerWatch) after
         # timeout_seconds; the collectives' own timeout is the backstop.
         backstop = 2 * cluster.timeout_seconds
+        self._watch = LostWorkerWatch(cluster)
         self._agree = group(device, "per_tensor", backstop)
         # Training and evaluation steps send different tensors: a group each, so
         # their instance keys never meet.
@@ -266,9 +267,7 @@ class Workers:
         the workers wait for each other to start: while they wait, this worker
         says which peers it is waiting for (``faults.waiting_notices``)."""
         started = time.monotonic()
-        notices = (
-            waiting_notices(self.cluster) if startup else aborting_if_lost(self.cluster)
-        )
+        notices = waiting_notices(self.cluster) if startup else self._watch.step()
         try:
             with notices:
                 return step(*args)
