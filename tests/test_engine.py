@@ -250,7 +250,10 @@ def test_loss_that_ignores_the_model_raises():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"model": "resnet"}, r"model must be a Keras model .*received 'resnet'"),
+        (
+            {"model": "resnet"},
+            r"model must be a keras.Model, or a zero-argument .*received str 'resnet'",
+        ),
         ({"loss": 3}, r"loss must be a keras.losses.Loss.*received 3"),
         (
             {"optimizer": "nesterov"},

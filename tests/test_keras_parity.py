@@ -199,8 +199,11 @@ def test_a_compiled_model_brings_its_loss_optimizer_and_metrics():
         reference.train_on_batch(x, y)
 
     assert engine.optimizer is model.optimizer
-    assert [m.name for m in engine.metrics] == ["sparse_categorical_accuracy"]
+    # The model's own metric objects, listed as Keras lists them.
+    assert engine.metrics == model.metrics
+    assert model.metrics_names == ["loss", "compile_metrics"]
     assert "sparse_categorical_accuracy" in logs
+    assert "sparse_categorical_accuracy" in model.get_metrics_result()
     assert_same_weights(engine, reference)
 
 
@@ -217,13 +220,25 @@ def test_explicit_arguments_win_over_the_compiled_ones():
     assert float(engine.train_step(x, y)["loss"]) == pytest.approx(expected, rel=1e-6)
 
 
-def test_an_uncompiled_model_without_a_loss_is_refused_with_the_fix():
-    with pytest.raises(ValueError) as error:
-        Towers(classifier(), devices=devices(2))
-    assert str(error.value) == (
-        "Towers needs a loss: pass loss=..., or a model compiled with one "
-        "(model.compile(loss=...)); received a model that was not compiled"
+def test_an_uncompiled_model_predicts_and_fit_asks_for_a_compile():
+    model = classifier()
+    engine = Towers(model, devices=devices(2))
+    x, y, _ = next(data(7))
+
+    # As Keras: predict needs no compile; fit and evaluate need a loss.
+    np.testing.assert_allclose(
+        engine.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
     )
+    for call in (engine.fit, engine.evaluate):
+        with pytest.raises(ValueError) as error:
+            call(x, y, verbose=0)
+        assert str(error.value) == (
+            f"Towers.{call.__name__} needs a loss and an optimizer; received a "
+            "model that was not compiled and neither. Call model.compile("
+            "optimizer=..., loss=...) before Towers, or pass loss= and optimizer= "
+            "to Towers (predict needs neither)."
+        )
+    assert not model.compiled
 
 
 def test_fit_takes_arrays_returns_a_history_and_predict_keeps_the_order():
@@ -272,16 +287,11 @@ def test_bad_sample_weights_are_refused_and_nothing_is_applied(kwargs, message):
 
 
 def test_a_loss_dict_naming_an_output_the_model_lacks_is_refused():
-    engine = Towers(
-        two_outputs, {"label": "mse", "score": "mae"}, OPTIMIZERS["sgd"], devices(2)
-    )
-    x, y, _ = next(data(12))
-
+    # Known from the model's output names before any batch.
     with pytest.raises(ValueError, match=r"received \['score'\], the model's outputs"):
-        engine.train_step(
-            x, {"label": np.zeros((len(x), 3)), "value": np.zeros(len(x))}
+        Towers(
+            two_outputs, {"label": "mse", "score": "mae"}, OPTIMIZERS["sgd"], devices(2)
         )
-    assert int(engine.optimizer.iterations.numpy()) == 0
 
 
 def test_loss_none_with_a_model_that_adds_no_loss_is_refused():

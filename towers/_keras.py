@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Nine jobs have no public call.
+Ten jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -65,7 +65,17 @@ couples the batch's examples (``towers/step/coupled.py``).
 
 "accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
 binary, sparse categorical or categorical accuracy by the shapes of the targets
-and predictions; towers uses the same rule (``towers/step/metrics.py``).
+and predictions; towers uses the same rule for its loss names
+(``towers/step/losses.py``).
+
+The model's own metrics. A compiled model owns its loss tracker
+(``Trainer._loss_tracker``), its compiled metrics (``_compile_metrics``, built
+from the first batch's shapes), a loss tracker per output (``_compile_loss``'s
+metrics) and what ``model.compile`` was given (``_compile_config``, the objects
+as passed). towers updates these objects (``towers/step/metrics.py``) and builds
+them as Keras' fit does under a distribution strategy
+(``Trainer._symbolic_build``); ``evaluate`` lists its results in Keras' order
+(``Trainer._flatten_metrics_in_order``).
 """
 
 from __future__ import annotations
@@ -76,7 +86,10 @@ import keras
 from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
-from keras.src.trainers.compile_utils import is_binary_or_sparse_categorical
+from keras.src.trainers.compile_utils import (
+    CompileMetrics,
+    is_binary_or_sparse_categorical,
+)
 from keras.src.trainers.data_adapters import get_data_adapter
 from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
 from keras.src.trainers.data_adapters.array_slicing import (
@@ -89,6 +102,13 @@ from keras.src.utils.python_utils import pythonify_logs
 
 __all__ = [
     "adapter_dataset",
+    "build_compiled_metrics",
+    "compile_arguments",
+    "compiled_metrics_unbuilt",
+    "leaf_metrics",
+    "loss_tracker",
+    "metrics_in_order",
+    "output_loss_trackers",
     "apply_mask",
     "array_tensors",
     "get_data_adapter",
@@ -236,3 +256,63 @@ def peeked_batch(adapter: Any) -> Any:
 def set_in_place(progbar: keras.utils.Progbar, in_place: bool) -> None:
     """Whether ``progbar`` rewrites its line (``\\r``) or writes new ones."""
     progbar._dynamic_display = in_place
+
+
+def compile_arguments(model: Any) -> dict[str, Any]:
+    """What ``model.compile`` was given, the objects as passed (its metrics
+    included, registered for serialization or not); {} for a model that was
+    not compiled.
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(loss="mse", metrics=["mae"])
+    >>> args = compile_arguments(model)
+    >>> args["loss"], args["metrics"]
+    ('mse', ['mae'])
+    """
+    if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
+        return {}
+    return dict(model._compile_config.config)
+
+
+def loss_tracker(model: keras.Model) -> Any:
+    """The compiled model's loss tracker (a ``Mean`` named ``"loss"``)."""
+    return model._loss_tracker
+
+
+def output_loss_trackers(model: keras.Model) -> list[Any]:
+    """The compiled model's loss tracker per output (``<output>_loss``), for
+    a model with several outputs that have a loss; built from a batch."""
+    compile_loss = model._compile_loss
+    return [] if compile_loss is None else list(compile_loss.metrics)
+
+
+def build_compiled_metrics(model: keras.Model, batch: tuple) -> None:
+    """Builds the compiled metrics and per-output loss trackers from the
+    shapes of ``batch`` ``(x, y, sample_weight)``, nothing updated, as Keras'
+    fit does under a distribution strategy (``Trainer._symbolic_build``); the
+    variables are made under the current device scope."""
+    model._symbolic_build(data_batch=batch)
+
+
+def compiled_metrics_unbuilt(model: keras.Model) -> bool:
+    """Whether the compiled metrics or loss still wait for a batch's shapes."""
+    parts = (model._compile_metrics, model._compile_loss)
+    return any(part is not None and not part.built for part in parts)
+
+
+def leaf_metrics(model: keras.Model) -> list[Any]:
+    """``model.metrics`` with the compiled metrics expanded into each one
+    (``CompileMetrics`` holds them), in Keras' order."""
+    leaves = []
+    for metric in model.metrics:
+        if isinstance(metric, CompileMetrics):
+            leaves.extend(metric.metrics)
+        else:
+            leaves.append(metric)
+    return leaves
+
+
+def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
+    """``evaluate``'s list: the results in the order of the model's metrics,
+    the loss alone when it is the only one (Keras' own rule)."""
+    return model._flatten_metrics_in_order(logs)

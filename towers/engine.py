@@ -17,7 +17,8 @@ from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.compiled import Compiled
-from towers.step.parts import FROM_COMPILE, join_cluster, make_step
+from towers.step.compiling import FROM_COMPILE
+from towers.step.parts import join_cluster, make_step
 from towers.step.xla import JitCompile
 from towers.training.loop import Trainer
 
@@ -26,45 +27,40 @@ class Towers(Trainer):
     """Data-parallel training with one tower per device and shared variables.
 
     Args:
-      model: a zero-arg function that builds a Keras model (called under
-        ``variable_device``), or a Keras model whose variables live there.
-      loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name, or a
-        function ``(y_true, y_pred) -> per-example losses``.
-      optimizer: a Keras optimizer, its name, or a zero-arg function that makes
-        one (made under ``variable_device``); its slots live with the variables.
-        Wrapped in a ``LossScaleOptimizer`` under ``mixed_float16``, as Keras'
-        ``compile`` does (``towers/placement/update.py``).
+      model: a Keras model, or a zero-arg function that builds one (called
+        under ``variable_device``, where the variables must live).
+      loss, optimizer: a ``keras.losses.Loss``, a loss name or a function
+        ``(y_true, y_pred) -> per-example losses``; a Keras optimizer, its
+        name, or a zero-arg function that makes one (its slots live with the
+        variables). Default: the model's compile's; a model given neither
+        only predicts (``towers/step/compiling.py``).
       devices: one device per tower; default every GPU, else the CPU.
       variable_device: where variables live, gradients are combined and applied.
-      metrics: Keras metrics (objects or names such as ``"mae"``), updated with
-        every tower's predictions: they equal the full-batch metric exactly.
-      moving_statistics: how BatchNormalization moves its statistics once per
-        step: ``"batch"``, ``"tower0"`` or ``"mean"`` (``towers/step/batchnorm.py``).
-      batch_statistics: what BatchNormalization normalises with in training:
-        each tower's shard (``"tower"``) or the whole batch (``"global"``: one
-        device's update, the towers traced in lockstep).
+      metrics, weighted_metrics, loss_weights: as ``model.compile`` takes them
+        (the model is compiled with them); metrics see every tower's
+        predictions, so they equal the full batch's.
+      moving_statistics: how BatchNormalization's moving statistics move once
+        a step: ``"batch"``, ``"tower0"``, ``"mean"`` (``step/batchnorm.py``).
+      batch_statistics: BatchNormalization normalises with each tower's shard
+        (``"tower"``) or the whole batch's statistics (``"global"``).
       on_nonfinite: a combined gradient with inf or NaN is applied (``"ignore"``,
         as Keras), or nothing is (``"skip"``; ``"raise"`` then names it).
       accumulate_steps: apply once every k steps the examples-weighted mean of
         their gradients: exactly one step on the k batches together.
-      reducer: how the towers' dense gradients are summed (``"per_tensor"``,
-        ``"packed"``, ``"sharded"``, ``"bf16+packed"``, ...; ``towers/reducers.py``).
+      reducer: how dense gradients are summed (``towers/reducers.py``).
       placement: ``"central"``, ``"balanced"``, ``"replicated"`` or
-        ``"independent"`` (a baseline); all but ``"central"`` take ``model`` as a
-        zero-arg function (``towers/placement/base.py``).
-      cluster: ``"auto"`` (join the cluster ``TF_CONFIG`` names, if set), a
-        :class:`towers.Cluster`, or None. W workers × T towers give one process's
-        update on the concatenated batch (feed them with :func:`towers.shard`).
-      jit_compile: each tower's forward and backward as XLA computations on its
-        device: True, False, or ``"auto"`` (Keras' rule); None: the compiled
-        model's, else ``"auto"`` (``towers/step/xla.py``).
+        ``"independent"`` (``towers/placement/base.py``).
+      cluster: ``"auto"`` (the cluster ``TF_CONFIG`` names), a
+        :class:`towers.Cluster`, or None (:func:`towers.shard` feeds it).
+      jit_compile: each tower's pass as XLA computations: True, False, or
+        ``"auto"``; None: the compiled model's (``towers/step/xla.py``).
       coupled_losses: a loss term coupling the batch's examples is made exact
-        (``"exact"``: a mixture of experts'; others refused by name), taken per
-        tower with a warning (``"per_tower"``), or refused (``"refuse"``).
+        (``"exact"``), taken per tower with a warning (``"per_tower"``), or
+        refused (``"refuse"``) (``towers/step/coupled.py``).
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
-        per tower); metrics, loss_tracker: the Keras metrics and the loss's mean.
+        per tower); ``metrics``: the model's own, as ``model.metrics``.
       placement, update, step, workers: the parts (``docs/architecture.md``).
 
     Raises:
@@ -81,9 +77,8 @@ class Towers(Trainer):
       >>> sorted(logs), int(eng.optimizer.iterations.numpy())
       (['loss'], 1)
 
-      ``fit``, ``evaluate``, ``predict`` and the metrics' come from
-      :class:`towers.training.loop.Trainer`; the other examples use
-      ``make_engine(**options)``: this engine, with ``options``.
+      ``fit``, ``evaluate``, ``predict`` come from :class:`Trainer`; other
+      examples use ``make_engine(**options)``: this engine, with ``options``.
     """
 
     def __init__(
@@ -126,13 +121,9 @@ class Towers(Trainer):
         self.workers = self.step.workers
         self.moving_statistics = self.step.moving_statistics
         self.model, self.optimizer = self.placement.model, self.placement.optimizer
-        # Keras callbacks (LearningRateScheduler...) find it there, as on compile.
-        self.model.optimizer = self.optimizer
-        self.metrics = self.step.metrics.metrics
-        self.loss_tracker = self.step.metrics.loss_tracker
         self._compiled = Compiled(self.step)
         if self.model.built and self.model.variables:
-            self.step.start()
+            self.step.start()  # else the first batch builds the model first
 
     @property
     def num_towers(self) -> int:
@@ -173,18 +164,16 @@ class Towers(Trainer):
         """Runs one training step on a global batch.
 
         Args:
-          x: inputs, a tensor/array or nest of them, B examples on the first axis.
-          y: targets, the same B (a list or dict for several outputs); None for a
-            model that adds its own loss.
-          sample_weight: None, or B weights (a list or dict for several outputs).
+          x, y, sample_weight: inputs, targets (None for a model that adds its
+            own loss) and weights (or None): B examples on the first axis.
 
         Returns:
           ``{"loss": the batch's loss before the update, metric: running value}``.
 
         Raises:
           ValueError: x, y and sample_weight disagree on B, B == 0, the loss
-            does not return one value per example, or a loss term couples the
-            examples (``towers/step/probe.py``). Nothing is updated then.
+            is not one value per example, or a term couples the examples
+            (``towers/step/probe.py``); nothing is updated.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 
@@ -196,7 +185,7 @@ class Towers(Trainer):
           >>> eng.steps_done, int(eng.optimizer.iterations)
           (1, 1)
         """
-        batch = self.prepare(x, y, sample_weight)
+        batch = self._training_batch("train_step", x, y, sample_weight)
         self.step.probe(*batch)
         out = self._run("train", *batch)
         self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
@@ -219,7 +208,9 @@ class Towers(Trainer):
           >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
           (2.0, 1.0)
         """
-        return self._run("evaluate", *self.prepare(x, y, sample_weight))
+        return self._run(
+            "evaluate", *self._training_batch("evaluate_step", x, y, sample_weight)
+        )
 
     def predict_step(self, x: Any) -> Any:
         """The model's outputs on one batch: each tower predicts its shard; the
@@ -246,20 +237,15 @@ class Towers(Trainer):
         self.update.flush()
 
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
-        """What a step does before its compiled part: checks the batch, puts it on
-        the host as tensors, and builds a lazily built model from it.
+        """Checks a batch, puts it on the host as tensors, builds a model
+        not built yet from it (``Step.prepare``).
 
         >>> x, y, sw = make_engine().prepare(np.ones((2, 3)), np.ones((2, 1)))
         >>> x.device, tuple(y.shape), sw
         ('/job:localhost/replica:0/task:0/device:CPU:0', (2, 1), None)
         """
         batch = self.step.prepare(x, y, sample_weight)
-        if not self.model.variables:
-            sample = tf.nest.map_structure(lambda a: a[:1], batch[0])
-            self.placement.build_from(sample)
-            self.model = self.placement.model  # a balanced placement builds anew
-            self.model.optimizer = self.optimizer
-            self.step.start()
+        self.model = self.placement.model  # a balanced placement builds anew
         return batch
 
     def explain(self, x: Any, y: Any) -> Explanation:
@@ -274,6 +260,7 @@ class Towers(Trainer):
         >>> int(eng.optimizer.iterations.numpy())  # explaining did not train
         0
         """
+        self._training_batch("explain", x, y)
         return explain(self, x, y)
 
     def training_state(self) -> dict[str, Any]:

@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+# Leaves whose rows are examples but which are not dense tensors.
+COMPOSITES = (tf.SparseTensor, tf.RaggedTensor)
+
 
 def split_sizes(batch_size: int, num_towers: int) -> list[int]:
     """Returns how many examples each tower gets.
@@ -60,7 +63,7 @@ def batch_size_of(batch: Any) -> int | tf.Tensor:
         raise ValueError(f"a batch needs at least one tensor; received {batch!r}")
     static = []
     for leaf in leaves:
-        shape = tf.TensorShape(np.shape(leaf) if _is_array(leaf) else leaf.shape)
+        shape = tf.TensorShape(np.shape(leaf) if _is_array(leaf) else _shape(leaf))
         if shape.rank == 0:
             raise ValueError(
                 "every tensor in a batch needs a batch (first) dimension; received "
@@ -75,7 +78,41 @@ def batch_size_of(batch: Any) -> int | tf.Tensor:
         )
     if len(known) == 1 and None not in static:
         return known.pop()
-    return tf.shape(leaves[0], out_type=tf.int32)[0]
+    return _rows(leaves[0])
+
+
+def _shape(leaf: Any) -> tf.TensorShape:
+    shape = getattr(leaf, "shape", None)
+    return tf.TensorShape(np.shape(leaf) if shape is None else shape)
+
+
+def _rows(leaf: Any) -> tf.Tensor:
+    """A leaf's examples, known when the step runs (an int32 scalar)."""
+    if isinstance(leaf, tf.SparseTensor):
+        return tf.cast(leaf.dense_shape[0], tf.int32)
+    if isinstance(leaf, tf.RaggedTensor):
+        return tf.cast(leaf.nrows(), tf.int32)
+    return tf.shape(leaf, out_type=tf.int32)[0]
+
+
+def take_rows(leaf: Any, start: Any, stop: Any) -> Any:
+    """Examples ``[start, stop)`` of a leaf: an array, a tensor, or a sparse
+    or ragged tensor (its rows), keeping its kind.
+
+    >>> sparse = tf.sparse.from_dense([[0, 1], [2, 0], [0, 3]])
+    >>> tf.sparse.to_dense(take_rows(sparse, 1, 3)).numpy().tolist()
+    [[2, 0], [0, 3]]
+    """
+    if isinstance(leaf, tf.SparseTensor):
+        first, last = tf.cast(start, tf.int64), tf.cast(stop, tf.int64)
+        rest = leaf.dense_shape[1:]
+        begin = tf.concat([[first], tf.zeros_like(rest)], 0)
+        part = tf.sparse.slice(leaf, begin, tf.concat([[last - first], rest], 0))
+        # The static shape Keras' layers read: the rows', the rest the leaf's.
+        rows = stop - start if isinstance(start + stop, int) else None
+        part.set_shape([rows, *leaf.shape[1:]])
+        return part
+    return leaf[start:stop]
 
 
 def split_batch(batch: Any, num_towers: int) -> list[Any]:
@@ -177,6 +214,13 @@ def _split_leaf(leaf: Any, sizes: Any, num_towers: int) -> list[Any]:
         bounds = np.cumsum([0, *sizes])
         leaf = np.asarray(leaf)
         return [leaf[bounds[t] : bounds[t + 1]] for t in range(num_towers)]
+    if isinstance(leaf, COMPOSITES):
+        bounds = (
+            [int(b) for b in np.cumsum([0, *sizes])]
+            if isinstance(sizes, list)
+            else tf.concat([[0], tf.cumsum(sizes)], 0)
+        )
+        return [take_rows(leaf, bounds[t], bounds[t + 1]) for t in range(num_towers)]
     return tf.split(leaf, sizes, num=num_towers, axis=0)
 
 

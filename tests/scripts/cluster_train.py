@@ -211,8 +211,8 @@ if args.mode == "steps":
     result["iterations"] = int(engine.optimizer.iterations.numpy())
     if hasattr(engine.optimizer, "dynamic_scale"):
         result["scale"] = float(engine.optimizer.dynamic_scale.numpy())
-    if engine.metrics:
-        result["acc"] = float(engine.metrics[0].result())
+    if "acc" in engine.get_metrics_result():
+        result["acc"] = engine.get_metrics_result()["acc"]
     parts = (x, targets(slice(None)))
     if args.weighted:
         parts = (*parts, sample_weight)

@@ -1,6 +1,7 @@
-"""The loss tracker and metrics, from every tower's predictions
+"""The model's own metrics, from every tower's predictions
 (towers/step/metrics.py)."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,46 +9,79 @@ import tensorflow as tf
 from towers.step.metrics import Metrics
 
 
+def compiled(metrics):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+    model.compile(loss="sparse_categorical_crossentropy", metrics=metrics)
+    return model
+
+
+def built(model, y, logits):
+    metrics = Metrics(lambda: model, "/cpu:0")
+    metrics.build(np.zeros((len(y), 3), "float32"), y)
+    return metrics
+
+
 def test_metrics_of_the_towers_predictions_equal_the_whole_batchs():
     rng = np.random.default_rng(0)
     y = rng.integers(0, 3, 9)
     logits = rng.standard_normal((9, 3)).astype("float32")
-    metrics = Metrics(["sparse_categorical_accuracy"], "/cpu:0")
+    model = compiled(["sparse_categorical_accuracy"])
+    metrics = built(model, y, logits)
 
     # Three towers' predictions in tower order, uneven.
-    metrics.update(y, [logits[:4], logits[4:7], logits[7:]])
+    metrics.update(None, y, [logits[:4], logits[4:7], logits[7:]])
 
     # Check equivalence with the whole batch, computed by hand.
     accuracy = np.mean(np.argmax(logits, axis=1) == y)
-    assert float(metrics.metrics[0].result()) == pytest.approx(accuracy)
-    assert set(metrics.results()) == {"sparse_categorical_accuracy"}
+    results = metrics.results()
+    assert float(results["sparse_categorical_accuracy"]) == pytest.approx(accuracy)
+    assert list(results) == ["loss", "sparse_categorical_accuracy"]
+    # The model's own objects: Keras' get_metrics_result says the same.
+    assert float(model.get_metrics_result()["sparse_categorical_accuracy"]) == float(
+        results["sparse_categorical_accuracy"]
+    )
 
 
 def test_the_loss_is_a_mean_weighted_by_each_batchs_examples():
-    metrics = Metrics([], "/cpu:0")
-    metrics.track_loss(tf.constant(1.0), 3)
-    metrics.track_loss(tf.constant(3.0), 1)
+    model = compiled(None)
+    metrics = Metrics(lambda: model, "/cpu:0")
+    metrics.track(tf.constant(1.0), 3, outputs={})
+    metrics.track(tf.constant(3.0), 1, outputs={})
     # (1 * 3 + 3 * 1) / 4 examples, as Keras' fit reports an epoch's loss.
     assert float(metrics.loss_tracker.result()) == pytest.approx(1.5)
+    assert metrics.loss_tracker is model.metrics[0]
 
 
 def test_changes_summed_from_two_workers_equal_one_update_on_both_shares():
     y = np.array([0, 1, 2, 1])
     logits = np.eye(3, dtype="float32")[[0, 1, 0, 0]]  # right, right, wrong, wrong
-    mine, theirs = (Metrics(["sparse_categorical_accuracy"], "/cpu:0") for _ in "ab")
+    models = [compiled(["sparse_categorical_accuracy"]) for _ in "ab"]
+    mine, theirs = (built(model, y, logits) for model in models)
 
     # Each worker updates with its own half; the deltas are what a cluster sums.
-    changes = mine.update_changes(y[:2], [logits[:2]])
-    their_changes = theirs.update_changes(y[2:], [logits[2:]])
+    before, their_before = mine.snapshot(), theirs.snapshot()
+    mine.update(None, y[:2], [logits[:2]])
+    theirs.update(None, y[2:], [logits[2:]])
+    changes = mine.changes_since(before)
+    their_changes = theirs.changes_since(their_before)
     summed = [a + b for a, b in zip(changes.deltas, their_changes.deltas)]
     mine.set_changes(changes, summed)
 
     # Check equivalence with one update on the whole batch.
-    whole = Metrics(["sparse_categorical_accuracy"], "/cpu:0")
-    whole.update(y, [logits])
-    assert float(mine.metrics[0].result()) == float(whole.metrics[0].result()) == 0.5
+    whole = built(compiled(["sparse_categorical_accuracy"]), y, logits)
+    whole.update(None, y, [logits])
+    name = "sparse_categorical_accuracy"
+    assert float(mine.results()[name]) == float(whole.results()[name]) == 0.5
 
 
-def test_unknown_metric_is_refused_with_what_was_received():
-    with pytest.raises(ValueError, match="received 3"):
-        Metrics([3], "/cpu:0")
+def test_a_metric_keras_cannot_read_is_refused_before_any_update():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=[3])
+    import towers
+
+    engine = towers.Towers(model, devices=["/cpu:0", "/cpu:1"])
+    before = [w.numpy() for w in model.weights]
+    with pytest.raises(ValueError, match="3"):
+        engine.fit(np.ones((4, 3), "f4"), np.ones((4, 1), "f4"), verbose=0)
+    for got, want in zip(model.weights, before):
+        np.testing.assert_array_equal(got.numpy(), want)

@@ -78,6 +78,8 @@ class Summed:
       extras: the summed extras (metric changes), in the order sent.
       stop: float32[], how many workers asked to stop after this step (a
         preemption notice): every worker sees the same count at the same step.
+      means: the cluster's value of each of ``means`` sent (per-output
+        losses), combined as the loss is.
     """
 
     grads: list[Any]
@@ -85,6 +87,7 @@ class Summed:
     examples: tf.Tensor
     extras: list[tf.Tensor]
     stop: tf.Tensor
+    means: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Workers:
@@ -171,15 +174,16 @@ class Workers:
         extras: Sequence[tf.Tensor],
         weight: Any,
         kind: str = "train",
+        means: Sequence[tf.Tensor] = (),
     ) -> Summed:
         """The whole cluster's gradients, loss and examples of one step.
 
         Each worker's ``grads`` and ``loss`` are over its own ``examples``: means
         (``weight``: the worker's examples) or sums (``weight`` None). Means are
         weighted before the sum and divided by the total weight after, so uneven
-        shares give the global batch's mean. ``extras`` (metric changes) are
-        summed as they are. IndexedSlices are sent dense. One collective per
-        bucket carries it all.
+        shares give the global batch's mean; so are ``means`` (scalars, like
+        the loss). ``extras`` (metric changes) are summed as they are.
+        IndexedSlices are sent dense. One collective per bucket carries it all.
         """
         count = tf.cast(examples, tf.float32)
         scale = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
@@ -194,6 +198,7 @@ class Workers:
                 tf.reshape(count, [1]),
                 tf.reshape(scale, [1]),
                 tf.reshape(self._stop.read_value(), [1]),
+                *[tf.reshape(tf.cast(m, tf.float32) * scale, [1]) for m in means],
                 *extras,
             ],
             kind,
@@ -203,8 +208,14 @@ class Workers:
         norm = tf.constant(1.0) if weight is None else norm
         out = iter(g / tf.cast(norm, g.dtype) for g in summed[:n])
         combined = [None if g is None else next(out) for g in grads]
+        first = n + 4 + len(means)
         return Summed(
-            combined, loss_sum / norm, tf.cast(total, tf.int32), summed[n + 4 :], stop
+            combined,
+            loss_sum / norm,
+            tf.cast(total, tf.int32),
+            summed[first:],
+            stop,
+            [m[0] / norm for m in summed[n + 4 : first]],
         )
 
     def check_same(self, description: Sequence[tuple[str, str, str]]) -> None:

@@ -92,7 +92,8 @@ class Explainable(Protocol):
     variable_device: str
     placement: Any  # a towers.placement.base.Placement: name, models, optimizers
     cluster: Any  # a towers.Cluster, or None
-    step: Any  # a towers.step.step.Step: the train step, metrics, update
+    step: Any  # a towers.step.step.Step: the train step, update
+    metrics: list  # the model's Keras metrics, the loss tracker's included
 
     def prepare(self, x: Any, y: Any) -> tuple[Any, Any, Any]: ...
 
@@ -148,12 +149,10 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
 def _owners(engine: Explainable) -> dict[int, tuple[str, str]]:
     """tf.Variable id -> (owner, Keras path) for the engine's Keras objects, in
     the order the report lists them."""
-    metrics = engine.step.metrics
-    trackers = [metrics.loss_tracker, *metrics.metrics]
     groups: list[tuple[str, list]] = [
         *[("model", m.variables) for m in engine.placement.models],
         *[("optimizer", o.variables) for o in engine.placement.optimizers],
-        ("metrics", [v for m in trackers for v in m.variables]),
+        ("metrics", [v for m in engine.metrics for v in m.variables]),
     ]
     owners: dict[int, tuple[str, str]] = {}
     for owner, variables in groups:

@@ -168,7 +168,10 @@ def check_on(var: Any, owner: str, expected: str, where: str) -> None:
 
 def slot_variables(optimizer: keras.optimizers.Optimizer) -> list:
     """The optimizer's variables except the scalars Keras made with it (its
-    iteration count and learning rate, which live where it was made)."""
+    iteration count and learning rate, which live where it was made); none for
+    an engine that only predicts (None)."""
+    if optimizer is None:
+        return []
     optimizers = [optimizer, getattr(optimizer, "inner_optimizer", None)]
     own = {
         id(v)

@@ -49,16 +49,16 @@ class Copies(Placement):
     def build_slots(self) -> None:
         """Creates every copy's slots, then makes every copy equal to copy 0."""
         for model, optimizer, device in zip(self.models, self.optimizers, self.devices):
-            if not optimizer.built:
+            if optimizer is not None and not optimizer.built:
                 with tf.device(device):
                     optimizer.build(trainable_capable(model))
         self.sync()
 
     def sync(self) -> None:
         """Copies copy 0's variables and optimizer state to every other copy."""
-        first = self.models[0].variables + self.optimizers[0].variables
+        first = self.models[0].variables + _variables(self.optimizers[0])
         for model, optimizer in zip(self.models[1:], self.optimizers[1:]):
-            for source, target in zip(first, model.variables + optimizer.variables):
+            for source, target in zip(first, model.variables + _variables(optimizer)):
                 target.assign(source)
 
     def after_restore(self) -> None:
@@ -188,3 +188,8 @@ def _optimizer_for(optimizer: Any, t: int, device: str) -> keras.optimizers.Opti
         with tf.device(device):
             return type(optimizer).from_config(optimizer.get_config())
     return make_optimizer(optimizer, device)
+
+
+def _variables(optimizer: keras.optimizers.Optimizer | None) -> list:
+    """An optimizer's variables; none for an engine that only predicts."""
+    return [] if optimizer is None else optimizer.variables

@@ -33,7 +33,7 @@ class SharedVariables(Placement):
     """One set of variables, combined and applied once per step."""
 
     def build_slots(self) -> None:
-        if not self.optimizer.built:
+        if self.optimizer is not None and not self.optimizer.built:
             with tf.device(self.variable_device):
                 # Every variable a layer can train: one unfrozen later has slots.
                 self.optimizer.build(trainable_capable(self.model))

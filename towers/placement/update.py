@@ -40,13 +40,14 @@ def needs_loss_scaling(model: keras.Model) -> bool:
 
 def make_optimizer(
     optimizer: Any, device: str, loss_scaling: bool = False
-) -> keras.optimizers.Optimizer:
-    """The optimizer an engine applies with.
+) -> keras.optimizers.Optimizer | None:
+    """The optimizer an engine applies with (None: an engine that only
+    predicts, its model not compiled).
 
     Args:
       optimizer: a Keras optimizer, its name (``"adam"``, with Keras' defaults),
         or a zero-arg function that makes one (made under ``device``, so the
-        scalars Keras makes with it live there).
+        scalars Keras makes with it live there); or None.
       device: the device the optimizer is made on.
       loss_scaling: wrap it in a ``LossScaleOptimizer`` unless it is one already
         (for a ``mixed_float16`` model: float16 gradients underflow without it).
@@ -69,6 +70,8 @@ def make_optimizer(
     elif not isinstance(optimizer, keras.optimizers.Optimizer) and callable(optimizer):
         with tf.device(device):
             optimizer = optimizer()
+    if optimizer is None and not isinstance(given, str):
+        return None  # none given (an uncompiled model's): nothing to train
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
             "optimizer must be a keras.optimizers.Optimizer, a Keras optimizer "

@@ -105,6 +105,10 @@ class StepLoss:
         self.output_names = list(output_names) if output_names else None
         self.losses = outputs.map_spec(_as_loss, loss)
         self.loss_weights = outputs.check_weights(loss_weights, self.losses)
+        if self.output_names and len(self.output_names) > 1:
+            # Known before any batch: a loss for an output the model lacks.
+            outputs.check_keys(self.losses, self.output_names, "loss")
+            outputs.check_keys(self.loss_weights, self.output_names, "loss_weights")
 
     def output_names_with_losses(self) -> list[str]:
         """The outputs with a loss of their own, known before any batch: for a
@@ -120,6 +124,20 @@ class StepLoss:
         if isinstance(self.losses, (list, tuple)):
             return [n for n, loss in zip(names, self.losses) if loss is not None]
         return list(names) if self.losses is not None and len(names) > 1 else []
+
+    def needs_targets(self) -> str | None:
+        """The name of the first loss that compares predictions with
+        targets, or None when there is none (a model that adds its own).
+
+        >>> StepLoss("mse").needs_targets(), StepLoss(None).needs_targets()
+        ('mse', None)
+        """
+        losses = self.losses
+        if isinstance(losses, Mapping):
+            losses = list(losses.values())
+        elif not isinstance(losses, (list, tuple)):
+            losses = [losses]
+        return next((loss.name for loss in losses if loss is not None), None)
 
     def terms(self, y_true: Any, y_pred: Any, sample_weight: Any) -> list[Term]:
         """This shard's terms, one per output that has a loss."""

@@ -9,12 +9,12 @@ its own loss, loss weights, optimizer and metrics; what is passed explicitly win
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
 from typing import Any
 
 import keras
 
-from towers._keras import overrides
+from towers._keras import compile_arguments, overrides
 from towers.cluster.cluster import Cluster, resolve_cluster
 from towers.cluster.workers import join_workers
 from towers.placement.base import Placement
@@ -23,6 +23,7 @@ from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
 from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
+from towers.step.compiling import FROM_COMPILE, compile_model, given, option
 from towers.step.coupled import CoupledLosses
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
@@ -39,17 +40,6 @@ STEP_HOOKS = {
     "predict_step": "predict step",
     "compute_metrics": "metrics update",
 }
-
-
-class FromCompile:
-    """The default of ``Towers``' loss and optimizer: what ``model.compile``
-    said (a model that was not compiled must be given them)."""
-
-    def __repr__(self) -> str:
-        return "<from model.compile>"
-
-
-FROM_COMPILE = FromCompile()
 
 
 def join_cluster(cluster: Any, model: Any, optimizer: Any) -> Cluster | None:
@@ -94,16 +84,15 @@ def make_step(
 ) -> Step:
     """The step of an engine; ``options``: ``metrics``, ``weighted_metrics``,
     ``loss_weights``, ``moving_statistics``, ``batch_statistics``, ``on_nonfinite``,
-    ``accumulate_steps``, ``jit_compile``, ``coupled_losses``."""
-    compiled = _compile_config(model)
+    ``accumulate_steps``, ``jit_compile``, ``coupled_losses``,
+    ``steps_per_execution``."""
+    check_model(model)
     built = isinstance(model, keras.Model)  # else a builder: asked once it ran
-    if built:
-        own_loss, loss = _loss_of(model, loss, compiled, options["loss_weights"])
     if not built and optimizer is FROM_COMPILE:
         # A builder's model brings the optimizer its compile made, once built.
         optimizer = _compiled_optimizer(lambda: where.models[-1])
-    else:
-        optimizer = _given(optimizer, compiled, "optimizer")
+    elif optimizer is FROM_COMPILE:
+        optimizer = compile_arguments(model).get("optimizer")
     if placement not in PLACEMENTS:
         raise ValueError(
             f"unknown placement; received {placement!r}, expected one of "
@@ -111,9 +100,12 @@ def make_step(
         )
     where = PLACEMENTS[placement](devices, variable_device, reducer)
     where.build(model, optimizer)
-    if not built:
-        compiled = _compile_config(where.model)
-        own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
+    compiled = compile_arguments(where.model)
+    own_loss, loss = _loss_of(where.model, loss, compiled, options["loss_weights"])
+    trains = _trains(where, loss, own_loss)
+    # What the model is compiled with: its own loss, when it computes it itself.
+    compile_loss = compiled.get("loss") if own_loss else loss
+    loss = None if loss is FROM_COMPILE else loss
     workers_count = cluster.num_workers if cluster is not None else 1
     coupled = CoupledLosses(
         where.model,
@@ -127,7 +119,7 @@ def make_step(
     )
     step_loss = StepLoss(
         loss,
-        _option(options, compiled, "loss_weights"),
+        option(options, compiled, "loss_weights"),
         getattr(where.model, "output_names", None),
     )
     update = Update(
@@ -145,25 +137,76 @@ def make_step(
         )
     per_tower = batch_norm and moving.statistics == "tower"
     workers = join_workers(cluster, where, per_tower, variable_device)
-    metrics = Metrics(
-        _option(options, compiled, "metrics"),
-        variable_device,
-        _option(options, compiled, "weighted_metrics"),
-        getattr(where.model, "output_names", None),
-        step_loss.output_names_with_losses(),
-    )
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
+    if trains:
+        compile_model(
+            where.models,
+            where.optimizers,
+            compile_loss,
+            options,
+            jit.enabled,
+            variable_device,
+        )
+    metrics = Metrics(lambda: where.model, variable_device)
     tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
     return Step(where, tower, update, metrics, moving, workers)
+
+
+def check_model(model: Any) -> None:
+    """Refuses what is neither a Keras model nor a zero-arg function that
+    builds one, by name (a layer, a function of inputs)."""
+    if isinstance(model, keras.Model):
+        return
+    takes = None
+    if callable(model) and not isinstance(model, keras.layers.Layer):
+        try:
+            inspect.signature(model).bind()
+        except TypeError:
+            takes = "a function that takes arguments"
+        except ValueError:
+            return  # no signature to read (a builtin): called as a builder
+        else:
+            return
+    what = takes or (
+        f"a {type(model).__name__} layer"
+        if isinstance(model, keras.layers.Layer)
+        else f"{type(model).__name__} {model!r}"
+    )
+    raise ValueError(
+        "model must be a keras.Model, or a zero-argument function that builds "
+        f"one; received {what}. Wrap a layer in a model (keras.Sequential([...]) "
+        "or keras.Model(inputs, outputs)), or pass lambda: build(...)."
+    )
+
+
+def _trains(where: Placement, loss: Any, own_loss: bool) -> bool:
+    """Whether the engine can train: it has an optimizer and a loss (given,
+    compiled, or the model's own). A model that was not compiled, given
+    neither, only predicts (``fit`` and ``evaluate`` then ask for them).
+
+    Raises:
+      ValueError: one of the two without the other.
+    """
+    has_optimizer = where.optimizer is not None
+    has_loss = loss is not FROM_COMPILE or own_loss
+    if has_optimizer == has_loss:
+        return has_optimizer
+    name = "optimizer" if has_loss else "loss"
+    raise ValueError(
+        f"Towers needs a {name} to train: pass {name}=..., or a model compiled "
+        f"with one (model.compile({name}=...)); received a model that was not "
+        f"compiled and no {name}"
+    )
 
 
 def _loss_of(
     model: keras.Model, loss: Any, compiled: dict[str, Any], loss_weights: Any
 ) -> tuple[bool, Any]:
     """Whether the model computes its own loss, and the loss towers computes
-    for it otherwise (None then): the argument, else what compile said."""
+    for it otherwise (None then): the argument, else what compile said
+    (FROM_COMPILE when neither says)."""
     own = _own_loss(model, loss, loss_weights)
-    return own, None if own else _given(loss, compiled, "loss")
+    return own, None if own else given(loss, compiled, "loss")
 
 
 def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
@@ -201,49 +244,8 @@ def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
     return True
 
 
-def _compile_config(model: Any) -> dict[str, Any]:
-    """What ``model.compile`` said (objects as given), or {} if it was not."""
-    if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
-        return {}
-    config = model.get_compile_config() or {}
-    return {
-        "loss": model.loss,
-        "optimizer": model.optimizer,
-        "loss_weights": config.get("loss_weights"),
-        "metrics": _deserialize(config.get("metrics")),
-        "weighted_metrics": _deserialize(config.get("weighted_metrics")),
-    }
-
-
 def _compiled_optimizer(last_built: Any) -> Any:
     """A zero-arg function (the placement calls it after building each model)
-    that gives the optimizer the model just built was compiled with."""
-    return lambda: _given(FROM_COMPILE, _compile_config(last_built()), "optimizer")
-
-
-def _given(value: Any, compiled: dict[str, Any], name: str) -> Any:
-    if value is not FROM_COMPILE:
-        return value
-    if name in compiled:
-        return compiled[name]
-    raise ValueError(
-        f"Towers needs a {name}: pass {name}=..., or a model compiled with one "
-        f"(model.compile({name}=...)); received a model that was not compiled"
-    )
-
-
-def _option(options: dict[str, Any], compiled: dict[str, Any], name: str) -> Any:
-    """An explicit option, else the compiled model's."""
-    value = options.get(name)
-    return value if value is not None else compiled.get(name)
-
-
-def _deserialize(spec: Any) -> Any:
-    """Metrics from a compile config: names stay names; objects come back."""
-    if spec is None:
-        return None
-    if isinstance(spec, Sequence) and not isinstance(spec, str):
-        return [_deserialize(item) for item in spec]
-    if isinstance(spec, dict) and "class_name" in spec:
-        return keras.saving.deserialize_keras_object(spec)
-    return spec
+    that gives the optimizer the model just built was compiled with (None for
+    a model that was not compiled)."""
+    return lambda: compile_arguments(last_built()).get("optimizer")

@@ -26,15 +26,13 @@ from towers._keras import trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards, batch_size_of, split_for_towers
+from towers.split import Shards, split_for_towers
 from towers.step import lockstep, once, segments
+from towers.step.batches import HOST, check_sizes, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
 from towers.step.tower import Tower, TowerResult
-
-# Input arrives on the host and is split there, whatever the compute devices are.
-HOST = "/device:CPU:0"
 
 
 class Step:
@@ -65,46 +63,44 @@ class Step:
         self.moving_statistics = moving_statistics
         self.workers = workers
         self.device = placement.variable_device
+        self.started = False  # start() ran: the model's parts are ready
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
         metric: value}}``, ``"finite"`` (per applied gradient) when the update
         checks its gradients, and in a cluster ``"stop"``: how many workers asked
         to stop after this step."""
+        # In a cluster, the metrics as they were before any tower updated one.
+        before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
         towers = self.compute(shards)
         loss = self.sum_losses(towers)
         grads = self.combine([r.grads for r in towers])
         examples, weight = shards.size, self._weight(towers, shards)
-        output_losses = self._output_losses([r.output_losses for r in towers], examples)
-        if self.workers is None:
-            self._update_metrics(y, sample_weight, towers, output_losses)
-        else:
+        outputs = self._output_losses([r.output_losses for r in towers])
+        self._update_metrics(x, y, sample_weight, towers)
+        if self.workers is not None:
             summed = self._across_workers(
-                grads,
-                loss,
-                weight,
-                examples,
-                lambda: self._metric_changes(y, sample_weight, towers, output_losses),
-                "train",
+                before, grads, loss, weight, examples, outputs, "train"
             )
             grads, loss, examples = summed.grads, summed.loss, summed.examples
+            outputs = dict(zip(outputs, summed.means))
             weight = None if weight is None else tf.cast(examples, tf.float32)
-            stop = summed.stop
         # Every tower (and every check in it) has finished before any update.
         with tf.control_dependencies([loss]):
             variables = [r.variables for r in towers]
             finite = self.apply(grads, variables, [r.moments for r in towers], weight)
-        logs = {"loss": loss, **self._track(loss, examples)}
+        logs = {**self._track(loss, outputs, examples), "loss": loss}
         out = {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
         if self.workers is not None:
-            out["stop"] = stop  # workers that asked to stop after this step
+            out["stop"] = summed.stop  # workers that asked to stop after this step
         return out
 
     def evaluate(
         self, x: Any, y: Any, sample_weight: Any = None
     ) -> dict[str, tf.Tensor]:
         """Updates the loss and metrics with one batch; returns their results."""
+        before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
         passes = self._each_tower(shards, self.tower.evaluate)
         divisors = step_divisors([p.terms for p in passes])
@@ -112,23 +108,16 @@ class Step:
         with tf.device(self.device), tf.name_scope("combine"):
             loss = tf.add_n(towers)
         examples = shards.size
-        shares = [p.output_losses(divisors) for p in passes]
-        output_losses = self._output_losses(shares, examples)
-        if self.workers is None:
-            self._update_metrics(y, sample_weight, passes, output_losses)
-        else:
+        outputs = self._output_losses([p.output_losses(divisors) for p in passes])
+        self._update_metrics(x, y, sample_weight, passes)
+        if self.workers is not None:
             weight = self._weight(passes, shards)
             summed = self._across_workers(
-                [],
-                loss,
-                weight,
-                examples,
-                lambda: self._metric_changes(y, sample_weight, passes, output_losses),
-                "eval",
+                before, [], loss, weight, examples, outputs, "eval"
             )
             loss, examples = summed.loss, summed.examples
-        metrics = self._track(loss, examples)
-        return {"loss": self.metrics.loss_tracker.result(), **metrics}
+            outputs = dict(zip(outputs, summed.means))
+        return self._track(loss, outputs, examples)
 
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: each tower predicts its shard, and the
@@ -146,6 +135,9 @@ class Step:
         """Makes the parts ready once the model has its variables: the
         optimizers' slots, the update's counters, the placement's device checks,
         and in a cluster the chief's values on every worker."""
+        # Keras callbacks (LearningRateScheduler...) find it there, as on compile.
+        self.placement.model.optimizer = self.placement.optimizer
+        self.started = True
         self.placement.build_slots()
         self.update.build(trainable_capable(self.placement.model))
         self.placement.check_devices()
@@ -163,35 +155,47 @@ class Step:
             self.device,
         )
 
+    def build_metrics(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """What a training or evaluation batch needs before its first step:
+        its targets checked against the loss, and the model's compiled metrics
+        built from its shapes (tensors, or their ``tf.TensorSpec``), on the
+        variable device, as Keras' fit builds them; nothing is trained."""
+        self.check_targets(y)
+        self.metrics.build(x, y, sample_weight)
+
+    def check_targets(self, y: Any) -> None:
+        """Refuses a training or evaluation batch without targets when the
+        loss compares predictions with them, naming the loss.
+
+        Raises:
+          ValueError: ``y`` is None and the loss needs it.
+        """
+        name = None if y is not None else self.tower.loss.needs_targets()
+        if name is not None:
+            raise ValueError(
+                f"loss {name} compares predictions with targets; received a "
+                "batch without targets (y=None). Pass y, or loss=None for a "
+                "model that adds its own loss (add_loss)."
+            )
+
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
-        """Checks a batch and puts it on the host as tensors.
+        """Checks a batch, puts it on the host as tensors (``batches.py``), and
+        builds a model that is not built from it (then :meth:`start`).
 
         Raises:
           ValueError: x, y and sample_weight disagree on B, or B == 0 outside a
-            cluster (a worker's share of a small batch may be empty: it joins
-            with zeros).
+            cluster (a worker's share of a small batch may be empty).
         """
-        sizes = {
-            name: batch_size_of(part)
-            for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight))
-            if part is not None
-        }
-        if len(set(sizes.values())) > 1:
-            names = " and ".join(sizes)
-            counts = [f"{name} with {n}" for name, n in sizes.items()]
-            raise ValueError(
-                f"{names} must have the same batch size; received {counts[0]} "
-                f"examples and {' and '.join(counts[1:])}"
-            )
-        if sizes["x"] == 0 and self.workers is None:
-            raise ValueError("a batch needs at least one example; received 0")
-        if all(_is_tensor_or_none(part) for part in (x, y, sample_weight)):
-            return x, y, sample_weight  # what tf.data gives: nothing to convert
-        with tf.device(HOST):
-            return tf.nest.map_structure(
-                lambda a: None if a is None else tf.convert_to_tensor(a),
-                (x, y, sample_weight),
-            )
+        check_sizes(x, y, sample_weight, allow_empty=self.workers is not None)
+        x, y, sample_weight = on_host((x, y, sample_weight))
+        model = self.placement.model
+        if not model.built or not model.variables:
+            # Built from the first batch, as Keras' fit builds it, whatever
+            # variables it made already (a weight made in __init__).
+            self.placement.build_from(first_example(x))
+        if not self.started:
+            self.start()
+        return x, y, sample_weight
 
     # -- the phases ---------------------------------------------------------------
 
@@ -318,38 +322,40 @@ class Step:
             return None
         return tf.cast(shards.size, tf.float32)
 
-    def _update_metrics(self, y: Any, sample_weight: Any, towers: list, shares) -> None:
+    def _update_metrics(self, x, y, sample_weight, towers: list) -> None:
         with tf.device(self.device), tf.name_scope("metrics"):
             predictions = [r.predictions for r in towers]
-            self.metrics.update(y, predictions, sample_weight, shares)
+            self.metrics.update(x, y, predictions, sample_weight)
 
-    def _output_losses(self, shares: list[dict], examples: Any) -> Any:
-        """Each output's loss this step (the towers' shares summed), with the
-        step's examples: what the per-output loss trackers take."""
+    def _output_losses(self, shares: list[dict]) -> dict[str, tf.Tensor]:
+        """Each output's loss this step (the towers' shares summed), for a
+        model with several: what the per-output loss trackers take."""
         if not shares or not shares[0]:
-            return None
+            return {}
         with tf.device(self.device), tf.name_scope("metrics"):
-            values = {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
-        return values, examples
+            return {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
 
-    def _track(self, loss: tf.Tensor, examples: Any) -> dict[str, tf.Tensor]:
-        """Adds the loss to its tracker; returns the metrics' values."""
+    def _track(self, loss, outputs, examples) -> dict[str, tf.Tensor]:
+        """Adds the loss and each output's to their trackers; returns every
+        metric's value, the loss tracker's included."""
         with tf.device(self.device), tf.name_scope("metrics"):
-            self.metrics.track_loss(loss, examples)
+            self.metrics.track(loss, examples, outputs)
             return self.metrics.results()
 
-    def _metric_changes(self, y, sample_weight, towers, output_losses):
-        predictions = [r.predictions for r in towers]
-        return self.metrics.update_changes(y, predictions, sample_weight, output_losses)
-
-    def _across_workers(self, grads, loss, weight, examples, update_metrics, kind):
-        """This worker's gradients, loss and metric changes (``update_metrics``
-        makes them) summed with every other worker's (the metrics then hold the
-        cluster's); a ``Summed``."""
+    def _across_workers(self, before, grads, loss, weight, examples, outputs, kind):
+        """This worker's gradients, loss, output losses and metric changes
+        since ``before`` summed with every other worker's (the metrics then
+        hold the cluster's); a ``Summed``."""
         with tf.device(self.device), tf.name_scope("across_workers"):
-            changes = update_metrics()
+            changes = self.metrics.changes_since(before)
             summed = self.workers.step(
-                grads, loss, examples, changes.deltas, weight, kind
+                grads,
+                loss,
+                examples,
+                changes.deltas,
+                weight,
+                kind,
+                means=list(outputs.values()),
             )
             self.metrics.set_changes(changes, summed.extras)
         return summed
@@ -357,7 +363,3 @@ class Step:
 
 def _concat(parts: list[Any]) -> Any:
     return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
-
-
-def _is_tensor_or_none(part: Any) -> bool:
-    return part is None or isinstance(part, tf.Tensor)

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 
 from towers.training.checkpoint import TrainingCheckpoint
@@ -84,6 +85,26 @@ def check_fit_arguments(
         for value in freqs:
             check_positive("validation_freq", value)
     return verbose
+
+
+def check_fit_extras(
+    steps: dict[str, Any], callbacks: Sequence[Any], checkpoint_dir: str | None
+) -> None:
+    """Refuses a step count or batch size (``steps``, by name) that is not
+    a positive integer, and ``keras.callbacks.BackupAndRestore`` beside
+    ``checkpoint_dir``, which would each restore the run."""
+    for name, value in steps.items():
+        if value is not None:
+            check_positive(name, value)
+    if checkpoint_dir is not None and any(
+        isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks
+    ):
+        raise ValueError(
+            "fit was given both keras.callbacks.BackupAndRestore and "
+            f"checkpoint_dir={checkpoint_dir!r}; they would each restore the "
+            "run. Use checkpoint_dir alone (it also resumes inside an epoch, "
+            "at the position in the data) or BackupAndRestore alone."
+        )
 
 
 def check_verbose(verbose: Any) -> int | str:

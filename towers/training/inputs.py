@@ -57,6 +57,9 @@ class Source:
         ``"index"`` source starts a pass past batch 0.
       sample: one batch, to build a lazily built model from (read without
         moving any pass).
+      spec: the batches' ``tf.TensorSpec`` nest (a pass's element spec), to
+        build the compiled metrics from; nothing is read for it that a pass
+        would not read.
       why_replay: for a ``"replay"`` source, why it cannot be positioned.
       seeded: whether the passes are shuffled from ``seed``.
       seed: the shuffle seed of arrays and a ``PyDataset``, set before the
@@ -70,6 +73,7 @@ class Source:
     num_batches: int | None
     make_pass: Callable[[int, int], tf.data.Dataset]
     sample: Callable[[], Any]
+    spec: Callable[[], Any] = lambda: None
     why_replay: str | None = None
     seeded: bool = False
     seed: int | None = None
@@ -142,6 +146,7 @@ def source_of(
         adapter.num_batches,
         lambda number, first: dataset,
         sample,
+        lambda: dataset.element_spec,
         why_replay=why,
         epoch_begin=adapter.on_epoch_begin,
         epoch_end=adapter.on_epoch_end,
@@ -157,6 +162,7 @@ def _array_source(adapter: Any, shuffle: bool) -> Source:
             adapter.num_batches,
             lambda number, first: dataset,
             lambda: next(iter(dataset)),
+            lambda: dataset.element_spec,
         )
     # Converted once: every pass gathers from the same tensors.
     arrays = tf.nest.map_structure(tf.convert_to_tensor, array_tensors(adapter))
@@ -175,6 +181,9 @@ def _array_source(adapter: Any, shuffle: bool) -> Source:
 
     source.make_pass = make_pass
     source.sample = lambda: tf.nest.map_structure(lambda a: a[:1], arrays)
+    source.spec = lambda: tf.nest.map_structure(
+        lambda a: tf.TensorSpec([None, *a.shape[1:]], a.dtype), arrays
+    )
     return source
 
 
@@ -202,6 +211,7 @@ def _py_dataset_source(
         return adapter_dataset(adapter, like=first)
 
     source.make_pass = make_pass
+    source.spec = lambda: adapter_dataset(first, like=first).element_spec
     return source
 
 

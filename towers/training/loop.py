@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
-import numpy as np
-import tensorflow as tf
 
 from towers._keras import initial_epoch as restored_epoch
+from towers._keras import leaf_metrics, metrics_in_order
 from towers.training.arguments import (
     check_fit_arguments,
+    check_fit_extras,
     check_positive,
     check_verbose,
     should_validate,
@@ -29,6 +29,7 @@ from towers.training.arguments import (
 from towers.training.checkpoint import TrainingCheckpoint
 from towers.training.epochs import Epochs
 from towers.training.inputs import source_of, split_validation, unpack
+from towers.training.model_metrics import ModelMetrics
 from towers.training.preemption import Preemption
 from towers.training.progress import History
 from towers.training.run import (
@@ -36,18 +37,19 @@ from towers.training.run import (
     evaluate_loop,
     fit_epoch,
     make_callbacks,
+    predict_loop,
     resume,
 )
 from towers.training.summaries import TrainingLog
 
 
-class Trainer(abc.ABC):
+class Trainer(ModelMetrics, abc.ABC):
     """``fit``, ``evaluate`` and ``predict`` on top of an engine's steps, as
     Keras' ``Trainer`` gives them to a backend's ``train_step``. ``towers.Towers``
     is one.
 
-    Besides the methods below, ``fit`` reads ``model`` (callbacks see it),
-    ``loss_tracker`` and ``metrics`` (Keras metrics), ``cluster`` (None, or a
+    Besides the methods below, ``fit`` reads ``model`` (callbacks see it; its
+    own metrics are reported), ``loss_tracker``, ``cluster`` (None, or a
     ``towers.Cluster``: its chief alone reports and writes), ``workers`` (None,
     or its link to them: a preemption notice rides in its sums), and what checkpoints
     and logs need: ``variable_device``, ``optimizer``, ``steps_done``,
@@ -74,28 +76,6 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def apply_accumulated(self) -> None:
         """Applies a partly filled accumulation window."""
-
-    def reset_metrics(self) -> None:
-        """Starts the loss tracker and every metric afresh (each epoch does).
-
-        >>> eng = make_engine()
-        >>> _ = eng.evaluate_step(np.zeros((4, 3), "f4"), np.ones((4, 1), "f4"))
-        >>> eng.get_metrics_result()
-        {'loss': 1.0}
-        >>> eng.reset_metrics()
-        >>> eng.get_metrics_result()
-        {'loss': 0.0}
-        """
-        for metric in [self.loss_tracker, *self.metrics]:
-            metric.reset_state()
-
-    def get_metrics_result(self) -> dict[str, float]:
-        """The loss's and every metric's current value, as Keras' models give.
-
-        >>> make_engine(metrics=["mae"]).get_metrics_result()
-        {'loss': 0.0, 'mae': 0.0}
-        """
-        return {m.name: float(m.result()) for m in [self.loss_tracker, *self.metrics]}
 
     def fit(
         self,
@@ -200,26 +180,20 @@ class Trainer(abc.ABC):
           >>> history["loss"][-1] < history["loss"][0]
           True
         """
+        self.require_compiled("fit")
         check_fit_arguments(
             verbose, validation_split, initial_epoch, validation_freq, shuffle
         )
-        for name, value in (
-            ("steps_per_epoch", steps_per_epoch),
-            ("validation_steps", validation_steps),
-            ("validation_batch_size", validation_batch_size),
-        ):
-            if value is not None:
-                check_positive(name, value)
         callbacks = list(callbacks or [])
-        if checkpoint_dir is not None and any(
-            isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks
-        ):
-            raise ValueError(
-                "fit was given both keras.callbacks.BackupAndRestore and "
-                f"checkpoint_dir={checkpoint_dir!r}; they would each restore the "
-                "run. Use checkpoint_dir alone (it also resumes inside an epoch, "
-                "at the position in the data) or BackupAndRestore alone."
-            )
+        check_fit_extras(
+            {
+                "steps_per_epoch": steps_per_epoch,
+                "validation_steps": validation_steps,
+                "validation_batch_size": validation_batch_size,
+            },
+            callbacks,
+            checkpoint_dir,
+        )
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = split_validation(
                 x, y, sample_weight, validation_split
@@ -242,12 +216,15 @@ class Trainer(abc.ABC):
         if not self.model.variables:
             # Build a lazily built model first, so a checkpoint's shapes can be checked.
             self.prepare(*unpack(source.sample()))
+        # The compiled metrics too, which a checkpoint saves, from the
+        # batches' shapes (nothing read), as Keras' fit builds them.
+        self.build_metrics(*unpack(source.spec()))
         checkpoint = TrainingCheckpoint(
             self,
             checkpoint_dir,
             keep_checkpoints,
             writes=_is_chief(self),
-            epoch_metrics=[self.loss_tracker, *self.metrics],
+            epoch_metrics=leaf_metrics(self.model),
         )
         if source.seeded:
             source.seed = shuffle_seed(shuffle, checkpoint, self.workers)
@@ -328,20 +305,21 @@ class Trainer(abc.ABC):
           >>> eng.evaluate(x, y, verbose=0, return_dict=True)
           {'loss': 9.0, 'mae': 3.0}
         """
+        self.require_compiled("evaluate")
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)
         source = source_of(x, y, sample_weight, batch_size, steps)
         if not self.model.variables:
             self.prepare(*unpack(source.sample()))
+        self.build_metrics(*unpack(source.spec()))
         batches = Epochs(source, steps)
         logs = evaluate_loop(
             self, batches, make_callbacks(self, callbacks, verbose, 1, batches.steps)
         )
         if return_dict:
             return logs
-        results = list(logs.values())  # in the model's metric order, as Keras'
-        return results[0] if len(results) == 1 else results
+        return metrics_in_order(self.model, logs)
 
     def predict(
         self,
@@ -377,19 +355,7 @@ class Trainer(abc.ABC):
             check_positive("steps", steps)
         batches = Epochs(source_of(x, None, None, batch_size, steps), steps)
         callbacks = make_callbacks(self, callbacks, verbose, 1, batches.steps)
-        self.model.stop_predicting = False
-        callbacks.on_predict_begin()
-        outputs = []
-        for step, batch in batches.epoch():
-            callbacks.on_predict_batch_begin(step)
-            outputs.append(self.predict_step(unpack(batch)[0]))
-            callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
-            if self.model.stop_predicting:
-                break
-        callbacks.on_predict_end()
-        return tf.nest.map_structure(
-            lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs
-        )
+        return predict_loop(self, batches, callbacks)
 
 
 def _is_chief(engine: Trainer) -> bool:

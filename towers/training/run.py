@@ -77,8 +77,11 @@ def resume(
     return epoch, step
 
 
-def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, float]:
-    """One epoch from its step ``first`` on; returns its loss and metrics."""
+def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any]:
+    """One epoch from its step ``first`` on; returns its loss and metrics as
+    the model's ``get_metrics_result`` gives them: read when the callbacks
+    are called, after validation, as in Keras' fit (a metric whose result is
+    its variable then shows the validation's value, as there)."""
     if first == 0:  # else the checkpoint restored the epoch's metrics so far
         engine.reset_metrics()
     run.callbacks.on_epoch_begin(epoch)
@@ -95,7 +98,7 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, flo
     # An epoch ends with its last accumulate_steps window applied.
     engine.apply_accumulated()
     run.checkpoint.save(epoch + 1, 0, run.batches.position)
-    return engine.get_metrics_result()
+    return dict(engine.model.get_metrics_result())
 
 
 def fit_batch(engine: Any, run: FitRun, epoch: int, step: int, batch: Any) -> None:
@@ -108,10 +111,12 @@ def fit_batch(engine: Any, run: FitRun, epoch: int, step: int, batch: Any) -> No
     started = time.perf_counter()
     logs = engine.train_step(x, y, sample_weight)
     # Reading the loss back waits for the step, so the time is the step's.
-    logs = {name: float(np.asarray(value)) for name, value in logs.items()}
-    run.log.after_step(logs, time.perf_counter() - started, size)
+    float(np.asarray(logs["loss"]))
+    run.log.after_step(pythonify_logs(logs), time.perf_counter() - started, size)
     run.trained = True
-    run.callbacks.on_train_batch_end(step, logs)
+    # Keras' callbacks see every metric's running value, the loss's included.
+    running = {**logs, "loss": engine.loss_tracker.result()}
+    run.callbacks.on_train_batch_end(step, running)
     done = step + 1
     # The epoch's last step is saved by the epoch-end checkpoint just after.
     every = run.checkpoint_every
@@ -141,6 +146,26 @@ def evaluate_loop(
     logs = engine.get_metrics_result()
     callbacks.on_test_end(logs)
     return logs
+
+
+def predict_loop(
+    engine: Any, batches: Epochs, callbacks: keras.callbacks.CallbackList
+) -> Any:
+    """Keras' predict loop over one epoch of ``batches``: the outputs, in
+    order, as NumPy."""
+    engine.model.stop_predicting = False
+    callbacks.on_predict_begin()
+    outputs = []
+    for step, batch in batches.epoch():
+        callbacks.on_predict_batch_begin(step)
+        outputs.append(engine.predict_step(unpack(batch)[0]))
+        callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+        if engine.model.stop_predicting:
+            break
+    callbacks.on_predict_end()
+    return tf.nest.map_structure(
+        lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs
+    )
 
 
 def make_callbacks(

@@ -14,7 +14,7 @@ tab; ``pip install "towers[tensorboard]"``).
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 import keras
 import numpy as np
@@ -68,7 +68,7 @@ class TrainingLog:
             return
         # Keras evaluates a LearningRateSchedule at the current iteration: read it
         # before the step advances the count, so it is the rate this step uses.
-        self._rate = _scalar(self._engine.optimizer.learning_rate)
+        self._rate = float(np.asarray(self._engine.optimizer.learning_rate))
         if self._profile and self._next_step() == self._profile[0]:
             tf.profiler.experimental.start(self.log_dir)
             self._profiling = True
@@ -88,7 +88,8 @@ class TrainingLog:
             self.close_profile()
         with self._train.as_default(step=step):
             for name, value in logs.items():
-                tf.summary.scalar(name, _scalar(value))
+                for tag, number in _scalars(name, value):
+                    tf.summary.scalar(tag, number)
             tf.summary.scalar("step_time", seconds)
             tf.summary.scalar("examples_per_second", examples / max(seconds, 1e-9))
             tf.summary.scalar("learning_rate", self._rate)
@@ -103,7 +104,8 @@ class TrainingLog:
             writer = self._validation if validation else self._train
             tag = "epoch_" + (name[len("val_") :] if validation else name)
             with writer.as_default(step=step):
-                tf.summary.scalar(tag, value)
+                for each, number in _scalars(tag, value):
+                    tf.summary.scalar(each, number)
         self._train.flush()
         self._validation.flush()
 
@@ -123,8 +125,17 @@ class TrainingLog:
         return self._engine.steps_done + 1
 
 
-def _scalar(value) -> float:
-    return float(np.asarray(value))
+def _scalars(name: str, value: Any) -> list[tuple[str, float]]:
+    """A log's value as TensorBoard scalars: itself, or one per entry of a
+    metric with several values (``F1Score``'s per class: ``name/0``, ...).
+
+    >>> _scalars("f1", np.array([0.5, 1.0]))
+    [('f1/0', 0.5), ('f1/1', 1.0)]
+    """
+    array = np.asarray(value)
+    if array.ndim == 0:
+        return [(name, float(array))]
+    return [(f"{name}/{i}", float(v)) for i, v in enumerate(array.ravel())]
 
 
 def _check_profile_steps(profile_steps, log_dir):

@@ -1,0 +1,66 @@
+"""A step's batch on the host: its examples counted and checked, its parts
+converted to tensors, one example taken to build a model from.
+
+A batch is ``(x, y, sample_weight)``, each a tensor, an array or a nest of them
+(y and sample_weight may be None), B examples on the first axis of every leaf.
+A ``tf.SparseTensor`` or ``tf.RaggedTensor`` leaf counts its rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from towers.split import COMPOSITES, batch_size_of, take_rows
+
+# Input arrives on the host and is split there, whatever the compute devices are.
+HOST = "/device:CPU:0"
+
+
+def check_sizes(x: Any, y: Any, sample_weight: Any, allow_empty: bool) -> None:
+    """Refuses parts that disagree on B, and B == 0 unless ``allow_empty`` (a
+    worker's share of a small batch may be empty: it joins with zeros).
+
+    >>> check_sizes(np.zeros((3, 2)), np.zeros(2), None, allow_empty=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: x and y must have the same batch size; received x with 3 ...
+    """
+    sizes = {
+        name: batch_size_of(part)
+        for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight))
+        if part is not None
+    }
+    if len(set(sizes.values())) > 1:
+        names = " and ".join(sizes)
+        counts = [f"{name} with {n}" for name, n in sizes.items()]
+        raise ValueError(
+            f"{names} must have the same batch size; received {counts[0]} "
+            f"examples and {' and '.join(counts[1:])}"
+        )
+    if sizes["x"] == 0 and not allow_empty:
+        raise ValueError("a batch needs at least one example; received 0")
+
+
+def on_host(batch: tuple) -> tuple:
+    """The batch's leaves as tensors on the host (what tf.data gives, tensors,
+    sparse and ragged ones included, stays as it is).
+
+    >>> x, y, sw = on_host((np.ones((2, 3)), np.array([1, 2]), None))
+    >>> x.dtype.name, y.shape.as_list(), sw
+    ('float64', [2], None)
+    """
+
+    def tensor(leaf: Any) -> Any:
+        if leaf is None or isinstance(leaf, (tf.Tensor, *COMPOSITES)):
+            return leaf
+        return tf.convert_to_tensor(leaf)
+
+    with tf.device(HOST):
+        return tuple(tf.nest.map_structure(tensor, part) for part in batch)
+
+
+def first_example(x: Any) -> Any:
+    """``x``'s first example, as a batch of one (to build a model from)."""
+    return tf.nest.map_structure(lambda leaf: take_rows(leaf, 0, 1), x)

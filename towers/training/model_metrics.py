@@ -1,0 +1,94 @@
+"""What ``fit``, ``evaluate`` and callbacks read of the model's metrics.
+
+The compiled model owns them (``towers/step/metrics.py``): ``Trainer`` reads,
+resets and reports them as Keras' own trainer does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from towers._keras import loss_tracker, pythonify_logs
+from towers.step.compiling import require_compiled
+
+
+class ModelMetrics:
+    """The model's metrics, for a trainer with a ``model`` (a Keras model),
+    its ``step`` (``towers/step/step.py``) and ``prepare``."""
+
+    model: keras.Model
+    step: Any
+
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        """The model's own metrics, as ``model.metrics`` lists them.
+
+        >>> [m.name for m in make_engine(metrics=["mae"]).metrics]
+        ['loss', 'compile_metrics']
+        """
+        return self.model.metrics
+
+    @property
+    def loss_tracker(self) -> keras.metrics.Metric:
+        """The model's loss tracker: an epoch's loss so far.
+
+        >>> make_engine().loss_tracker.name
+        'loss'
+        """
+        return loss_tracker(self.model)
+
+    def require_compiled(self, method: str) -> None:
+        """Raises, as Keras' ``fit`` does, for a model not compiled (which
+        only predicts; ``towers/step/compiling.py``).
+
+        >>> make_engine().require_compiled("fit")  # compiled with its loss
+        """
+        require_compiled(self.model, f"Towers.{method}")
+
+    def reset_metrics(self) -> None:
+        """Starts every metric of the model afresh, the loss tracker's
+        included, as Keras' ``model.reset_metrics`` (each epoch does).
+
+        >>> eng = make_engine()
+        >>> _ = eng.evaluate_step(np.zeros((4, 3), "f4"), np.ones((4, 1), "f4"))
+        >>> eng.get_metrics_result()
+        {'loss': 1.0}
+        >>> eng.reset_metrics()
+        >>> eng.get_metrics_result()
+        {'loss': 0.0}
+        """
+        self.model.reset_metrics()
+
+    def get_metrics_result(self) -> dict[str, Any]:
+        """The loss's and every metric's current value, as Keras' callbacks
+        see them (Python numbers; a metric with one value per class, such
+        as ``F1Score``, as a NumPy array; in name order).
+
+        >>> eng = make_engine(metrics=["mae"])
+        >>> _ = eng.evaluate_step(np.zeros((4, 3), "f4"), np.ones((4, 1), "f4"))
+        >>> eng.get_metrics_result()
+        {'loss': 1.0, 'mae': 1.0}
+        """
+        return pythonify_logs(self.model.get_metrics_result())
+
+    def build_metrics(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """Before a first training or evaluation step: checks its targets
+        against the loss and builds the compiled metrics from its shapes
+        (``Step.build_metrics``); nothing is trained.
+
+        >>> eng = make_engine(metrics=["mae"])
+        >>> eng.build_metrics(np.ones((2, 3), "f4"), np.ones((2, 1), "f4"))
+        >>> eng.model.metrics_names
+        ['loss', 'compile_metrics']
+        """
+        self.step.build_metrics(x, y, sample_weight)
+
+    def _training_batch(self, method: str, *batch: Any) -> tuple:
+        """A training or evaluation batch, prepared (``prepare``), with the
+        model compiled and its metrics built."""
+        self.require_compiled(method)
+        batch = self.prepare(*batch)
+        self.build_metrics(*batch)
+        return batch
