@@ -44,7 +44,8 @@ Input as Keras' fit takes it. Keras picks a data adapter for what ``fit``,
 ``PyDataset``) and turns it into a tf.data pipeline; towers takes the same
 adapter (``towers/training/inputs.py``). Two things it needs have no public
 call: the adapter's converted arrays, which towers gathers in its own seeded
-order of each pass (so a resumed run rebuilds it), and a pass's
+order of each pass (so a resumed run rebuilds it), as Keras gathers them
+(sparse ones through Keras' wrapper of their rows), and a pass's
 ``PyDatasetAdapter`` handed the first one's element signature, so the batches
 Keras reads to find it are read once per fit, not once per pass. Keras' epoch
 rules (``EpochIterator``) come with its warning for data that runs out, and
@@ -83,6 +84,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
@@ -93,7 +95,9 @@ from keras.src.trainers.compile_utils import (
 from keras.src.trainers.data_adapters import get_data_adapter
 from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
 from keras.src.trainers.data_adapters.array_slicing import (
+    TensorflowSparseWrapper,
     convert_to_sliceable,
+    slice_tensorflow_sparse_wrapper,
     train_validation_split,
 )
 from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
@@ -105,6 +109,9 @@ __all__ = [
     "build_compiled_metrics",
     "compile_arguments",
     "compiled_metrics_unbuilt",
+    "examples_of",
+    "gather_rows",
+    "host_tensors",
     "leaf_metrics",
     "loss_tracker",
     "metrics_in_order",
@@ -221,6 +228,42 @@ def array_tensors(adapter: Any) -> Any:
     return keras.tree.lists_to_tuples(
         convert_to_sliceable(adapter._inputs, target_backend="tensorflow")
     )
+
+
+def gather_rows(data: Any, rows: Any) -> Any:
+    """Examples ``rows`` of an ``ArrayDataAdapter``'s data (as
+    :func:`array_tensors` gives it), as Keras' adapter takes each batch:
+    tensors gathered, sparse ones through Keras' wrapper of their rows."""
+
+    def grab(leaf: Any) -> Any:
+        if isinstance(leaf, TensorflowSparseWrapper):
+            return slice_tensorflow_sparse_wrapper(leaf, rows)
+        if isinstance(leaf, (list, tuple, dict)):
+            return None
+        if tf.is_tensor(leaf):
+            return tf.gather(leaf, rows, axis=0)
+        return leaf
+
+    return keras.tree.traverse(grab, data)
+
+
+def host_tensors(data: Any) -> Any:
+    """:func:`array_tensors`' data with its arrays as tensors (sparse and
+    ragged tensors, and Keras' wrappers of sparse ones, as they are)."""
+
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, (TensorflowSparseWrapper, list, tuple, dict)):
+            return None
+        if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
+            return leaf
+        return tf.convert_to_tensor(leaf)
+
+    return keras.tree.traverse(convert, data)
+
+
+def examples_of(adapter: Any) -> int:
+    """How many examples an ``ArrayDataAdapter`` holds."""
+    return int(adapter._num_samples)
 
 
 def adapter_dataset(adapter: PyDatasetAdapter, like: PyDatasetAdapter) -> Any:

@@ -122,7 +122,7 @@ def test_partial_window_is_applied_on_request_and_at_the_end_of_a_fit_epoch():
     fitted = make_engine("adam", 3, 3, loss="mse", build=build_mlp)
     whole = make_engine("adam", 3, 1, loss="mse", build=build_mlp)
 
-    fitted.fit((x, y), batch_size=6, epochs=1, verbose=0, shuffle=False)  # 3 + 2
+    fitted.fit(x, y, batch_size=6, epochs=1, verbose=0, shuffle=False)  # 3 + 2
     whole.train_step(*concat(batches[:3]))
     whole.train_step(*concat(batches[3:]))
 

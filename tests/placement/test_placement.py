@@ -190,10 +190,10 @@ def test_replicated_restore_brings_every_copy_to_the_checkpoint(tmp_path):
     rng = np.random.default_rng(4)
     x, y = regression_batch(rng, 12)
     trained = engine_with("replicated", num_towers=2)
-    trained.fit((x, y), batch_size=4, epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    trained.fit(x, y, batch_size=4, epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
 
     resumed = engine_with("replicated", num_towers=2)
-    resumed.fit((x, y), batch_size=4, epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    resumed.fit(x, y, batch_size=4, epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
 
     # The second fit found the run complete: every copy holds the saved weights.
     assert resumed.steps_done == 3

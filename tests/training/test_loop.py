@@ -51,7 +51,7 @@ def test_fit_equals_train_step_over_the_same_batches_including_the_last_partial(
     x, y = classification_data(50)  # batches of 16: 16, 16, 16, 2
     fitted, stepped = make_engine(), make_engine()
 
-    history = fitted.fit((x, y), batch_size=16, epochs=2, verbose=0, shuffle=False)
+    history = fitted.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     for _ in range(2):
         for start in range(0, 50, 16):
             stepped.train_step(x[start : start + 16], y[start : start + 16])
@@ -66,9 +66,9 @@ def test_fit_equals_train_step_over_the_same_batches_including_the_last_partial(
 def test_metrics_and_loss_over_all_towers_equal_the_whole_data():
     x, y = classification_data(37)
     engine = make_engine(4, metrics=["sparse_categorical_accuracy"])
-    engine.fit((x, y), batch_size=10, epochs=2, verbose=0)
+    engine.fit(x, y, batch_size=10, epochs=2, verbose=0)
 
-    results = engine.evaluate((x, y), batch_size=10, verbose=0, return_dict=True)
+    results = engine.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
 
     logits = engine.model.predict(x, verbose=0)
     expected_accuracy = np.mean(np.argmax(logits, axis=-1) == y)
@@ -90,7 +90,8 @@ def test_history_has_validation_results_and_callbacks_see_every_epoch():
     engine = make_engine(2, metrics=[keras.metrics.SparseCategoricalAccuracy()])
 
     history = engine.fit(
-        (x, y),
+        x,
+        y,
         batch_size=8,
         epochs=3,
         verbose=0,
@@ -118,7 +119,7 @@ def test_callback_can_stop_training():
             self.model.stop_training = True
 
     history = make_engine(2).fit(
-        (x, y), batch_size=8, epochs=5, verbose=0, callbacks=[StopAfterOne()]
+        x, y, batch_size=8, epochs=5, verbose=0, callbacks=[StopAfterOne()]
     )
 
     assert len(history["loss"]) == 1
@@ -140,9 +141,9 @@ def test_progress_is_keras_bar_in_place_on_a_terminal_one_line_an_epoch_in_a_fil
     x, y = classification_data(16)
     engine = make_engine(2)
 
-    engine.fit((x, y), batch_size=8, epochs=1, verbose=0)
+    engine.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert capsys.readouterr().out == ""
-    engine.fit((x, y), batch_size=4, epochs=2, verbose=1)  # stdout is not a tty
+    engine.fit(x, y, batch_size=4, epochs=2, verbose=1)  # stdout is not a tty
     out = capsys.readouterr().out
     assert "\r" not in out and "\b" not in out
     lines = out.splitlines()
@@ -154,20 +155,20 @@ def test_progress_is_keras_bar_in_place_on_a_terminal_one_line_an_epoch_in_a_fil
     ]
     assert all(re.search(r"loss: \d\.\d{4}$", line) for line in lines[1::2])
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
-    engine.fit((x, y), batch_size=4, epochs=1, verbose=1)
+    engine.fit(x, y, batch_size=4, epochs=1, verbose=1)
     assert "\r" in capsys.readouterr().out  # Keras' bar, updated in place
 
 
 def test_checkpoints_resume_where_the_last_fit_stopped(tmp_path):
     x, y = classification_data(24)
     straight = make_engine(2)
-    straight.fit((x, y), batch_size=8, epochs=4, verbose=0)
+    straight.fit(x, y, batch_size=8, epochs=4, verbose=0)
 
     first = make_engine(2)
-    first.fit((x, y), batch_size=8, epochs=2, verbose=0, checkpoint_dir=str(tmp_path))
+    first.fit(x, y, batch_size=8, epochs=2, verbose=0, checkpoint_dir=str(tmp_path))
     resumed = make_engine(2, seed=1)  # other initial weights: all come from disk
     history = resumed.fit(
-        (x, y), batch_size=8, epochs=4, verbose=0, checkpoint_dir=str(tmp_path)
+        x, y, batch_size=8, epochs=4, verbose=0, checkpoint_dir=str(tmp_path)
     )
 
     assert len(history["loss"]) == 2  # epochs 3 and 4 only
@@ -179,7 +180,7 @@ def test_checkpoints_resume_where_the_last_fit_stopped(tmp_path):
 def test_checkpoint_of_a_different_model_is_refused_and_left_intact(tmp_path):
     x, y = classification_data(16)
     make_engine(2).fit(
-        (x, y), batch_size=8, epochs=1, verbose=0, checkpoint_dir=str(tmp_path)
+        x, y, batch_size=8, epochs=1, verbose=0, checkpoint_dir=str(tmp_path)
     )
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     wider = make_engine(
@@ -197,9 +198,7 @@ def test_checkpoint_of_a_different_model_is_refused_and_left_intact(tmp_path):
     with pytest.raises(
         ValueError, match=r"written by a different model.*saved \[6, 8\]"
     ):
-        wider.fit(
-            (x, y), batch_size=8, epochs=2, verbose=0, checkpoint_dir=str(tmp_path)
-        )
+        wider.fit(x, y, batch_size=8, epochs=2, verbose=0, checkpoint_dir=str(tmp_path))
 
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
     for a, b in zip(wider.model.get_weights(), before):
@@ -299,6 +298,6 @@ def test_regression_fit_without_metrics():
         build_mlp, "mse", keras.optimizers.SGD, devices=["/cpu:0", "/cpu:1"]
     )
 
-    history = engine.fit((x, y), batch_size=6, epochs=2, verbose=0)
+    history = engine.fit(x, y, batch_size=6, epochs=2, verbose=0)
 
     assert list(history) == ["loss"] and len(history["loss"]) == 2

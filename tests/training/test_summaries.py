@@ -31,7 +31,8 @@ def test_fit_logs_every_step_and_epoch_scalar(tmp_path):
     engine = make_engine(metrics=["sparse_categorical_accuracy"])
     engine.optimizer.learning_rate = schedule
     history = engine.fit(
-        (x, y),
+        x,
+        y,
         batch_size=16,
         epochs=2,
         verbose=0,
@@ -71,7 +72,7 @@ def test_fit_logs_every_step_and_epoch_scalar(tmp_path):
 def test_fit_step_loss_in_the_log_is_the_batch_loss_before_the_update(tmp_path):
     x, y = classification_data(32)
     logged, stepped = make_engine(), make_engine()
-    logged.fit((x, y), batch_size=16, verbose=0, log_dir=str(tmp_path), shuffle=False)
+    logged.fit(x, y, batch_size=16, verbose=0, log_dir=str(tmp_path), shuffle=False)
     expected = [
         float(stepped.train_step(x[i : i + 16], y[i : i + 16])["loss"]) for i in (0, 16)
     ]
@@ -85,7 +86,7 @@ def test_fit_profiles_the_steps_asked_for(tmp_path):
 
     x, y = classification_data(64)
     make_engine().fit(
-        (x, y), batch_size=16, verbose=0, log_dir=str(tmp_path), profile_steps=(2, 3)
+        x, y, batch_size=16, verbose=0, log_dir=str(tmp_path), profile_steps=(2, 3)
     )
 
     traces = list((tmp_path / "plugins" / "profile").glob("*/*.xplane.pb"))
@@ -119,5 +120,5 @@ def test_profile_steps_need_a_log_dir():
 def test_fit_without_log_dir_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     x, y = classification_data(16)
-    make_engine().fit((x, y), batch_size=16, verbose=0)
+    make_engine().fit(x, y, batch_size=16, verbose=0)
     assert list(tmp_path.iterdir()) == []

@@ -141,6 +141,13 @@ class Placement(abc.ABC):
         """Brings the rest of the state to a restored checkpoint of :attr:`model`
         and :attr:`optimizer`."""
 
+    def finalize(self) -> None:
+        """As Keras' fit ends: each optimizer with ``use_ema=True`` writes its
+        moving average of the weights into its model's weights."""
+        for model, optimizer in zip(self.models, self.optimizers):
+            if optimizer is not None:
+                optimizer.finalize_variable_values(model.trainable_weights)
+
     @abc.abstractmethod
     def topology(self) -> str:
         """How the gradients travel, in words (for ``towers bench``)."""

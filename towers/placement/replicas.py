@@ -95,7 +95,8 @@ class Copies(Placement):
                     for g, v in zip(grads[t], tower_variables[t])
                     if g is not None
                 ]
-                self.optimizers[t].apply_gradients(pairs)
+                if pairs:  # none: a model without trainable variables
+                    self.optimizers[t].apply_gradients(pairs)
         also()
         return None
 

@@ -19,6 +19,7 @@ run together, or, when the policy says to skip, neither does.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -182,6 +183,14 @@ class Update:
           Per applied variable, whether its gradient was finite, or None when the
           policy does not check.
         """
+        if not variables:
+            # As Keras' step: nothing to apply, the optimizer's iterations stay.
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
+            self.applied = []
+            _returning_none(also)()
+            return None
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not pairs:
             raise ValueError(

@@ -151,9 +151,14 @@ class CoupledLosses:
             )
         self.policy, self.towers = policy, towers
         self.local_towers = local_towers or towers
+        self.accumulate_steps = accumulate_steps
+        # add_loss terms that sum over the examples, (layer path, index):
+        # each tower's is added unweighted (found by the probe).
+        self.sums: list[tuple[str, int]] = []
         self.terms = coupled_terms(model) if towers > 1 else []
         self.exact = False
-        self.probed: list[Measured] | None = None if towers > 1 else []
+        splits = towers > 1 or accumulate_steps > 1
+        self.probed: list[Measured] | None = None if splits else []
         self._lock, self._users, self._saved = threading.Lock(), 0, {}
         if not self.terms:
             return
@@ -211,7 +216,9 @@ class CoupledLosses:
             return
         if self.terms and not self.exact:
             self._warn_per_tower(model, batch[0], device)
-        found = probe_terms(model, batch, own_loss, device)
+        probed = probe_terms(model, batch, own_loss, device)
+        self._check_sums(probed.sums)
+        found = probed.coupled
         named = "; ".join(str(term) for term in found)
         if found and self.policy != "per_tower":
             raise ValueError(
@@ -232,7 +239,32 @@ class CoupledLosses:
                 f"device's on the whole batch: {named}",
                 stacklevel=4,
             )
-        self.probed = found
+        self.probed, self.sums = found, probed.sums
+
+    def _check_sums(self, sums: list[tuple[str, int]]) -> None:
+        """Refuses an ``add_loss`` term that sums over the examples where
+        steps are added up weighted by their examples (workers, micro-batches):
+        the sum would be weighted too."""
+        where = [
+            what
+            for what, splits in (
+                ("a cluster's workers", self.towers > self.local_towers),
+                (
+                    f"accumulate_steps={self.accumulate_steps}",
+                    self.accumulate_steps > 1,
+                ),
+            )
+            if splits
+        ]
+        if sums and where:
+            named = ", ".join(f"layer {path}'s add_loss term {i}" for path, i in sums)
+            raise ValueError(
+                f"the model has add_loss terms that sum over the batch's examples "
+                f"({named}); with {' and '.join(where)} each part of the batch is "
+                "weighted by its share of the examples, which a sum is not. Make "
+                "the term a mean over the examples (ops.mean), or train in one "
+                "process without accumulate_steps."
+            )
 
     def _warn_per_tower(self, model: keras.Model, x: Any, device: str) -> None:
         """The warning for keras_hub's terms taken per tower, with their value

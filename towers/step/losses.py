@@ -151,6 +151,12 @@ class StepLoss:
         outputs.check_keys(self.losses, names, "loss")
         outputs.check_keys(self.loss_weights, names, "loss_weights")
         preds = list(y_pred.values()) if isinstance(y_pred, Mapping) else y_pred
+        with_loss = [
+            i
+            for i, name in enumerate(names)
+            if outputs.entry(self.losses, name, i, repeat=True) is not None
+        ]
+        y_true = outputs.targets_of(y_true, names, with_loss)
         terms = []
         for i, (name, pred) in enumerate(zip(names, preds)):
             loss = outputs.entry(self.losses, name, i, repeat=True)

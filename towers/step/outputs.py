@@ -54,6 +54,31 @@ def entry(spec, name, i, repeat, default=None, what="", names=()):
     )
 
 
+def targets_of(y: Any, names: list[str], with_loss: list[int]) -> Any:
+    """The targets by output, as Keras' compiled loss reads them when only
+    some outputs have a loss: a single target, or a list as long as the
+    outputs with a loss, goes to those outputs in order; anything else is
+    returned as it is.
+
+    >>> targets_of("t", ["a", "b", "c"], with_loss=[1])
+    [None, 't', None]
+    >>> targets_of(["t", "u"], ["a", "b", "c"], with_loss=[0, 2])
+    ['t', None, 'u']
+    """
+    if isinstance(y, Mapping) or len(with_loss) == len(names):
+        return y
+    listed = isinstance(y, (list, tuple))
+    if listed and len(y) == len(names):
+        return y
+    given = list(y) if listed else [y]
+    if len(given) != len(with_loss):
+        return y
+    spread: list[Any] = [None] * len(names)
+    for i, target in zip(with_loss, given):
+        spread[i] = target
+    return spread
+
+
 def output_names(y_pred: Any, names: list[str] | None) -> list[str]:
     if isinstance(y_pred, Mapping):
         return list(y_pred)

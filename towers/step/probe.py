@@ -12,9 +12,16 @@ differ by more than :data:`PROBE_RTOL` couples the examples (a contrastive
 loss, a normaliser over the batch) or sums them: ``towers/step/coupled.py``
 refuses it by name or, with ``coupled_losses="per_tower"``, warns once.
 
-The probe runs in inference mode, in a ``keras.StatelessScope`` (nothing it
-computes is assigned: no metric, statistic or seed moves), so it does not see
-a term a layer adds only in training; keras_hub's mixture-of-experts blocks,
+A term whose value on the two is the sum of its values on each sums over
+the examples (``add_loss(ops.sum(...))``): each tower then adds its own
+unweighted, and the towers' add up to one device's.
+
+The probe's forward pass runs in inference mode (a layer's random draws would
+differ between two examples together and each alone), and ``compute_loss`` is
+called with ``training=True``, as Keras' fit calls it; all in a
+``keras.StatelessScope``: nothing it computes is assigned (no metric,
+statistic or seed moves). So it does not see a term a layer adds only in
+training; keras_hub's mixture-of-experts blocks,
 which do, are known by their class (``towers/step/coupled.py``). Taken per
 tower, their warning says what that changes on the first batch
 (:func:`shares_of_terms`: the terms on one device and as the towers' shares,
@@ -32,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import compute_loss, layers_of, own_losses
-from towers.split import batch_size_of, split_sizes
+from towers.split import batch_size_of, split_sizes, take_rows
 
 # How far apart a term's value on two examples and the mean of its values on
 # each may be before the probe calls it coupled: a thousandth, far above the
@@ -62,47 +69,80 @@ class Measured:
         )
 
 
+@dataclasses.dataclass
+class Probed:
+    """What the probe found.
+
+    Attributes:
+      coupled: the terms that are neither a mean nor a sum over the examples.
+      sums: the ``add_loss`` terms that sum over the examples (each tower's
+        adds up to the batch's unweighted), as ``(layer path, index)``.
+    """
+
+    coupled: list[Measured]
+    sums: list[tuple[str, int]]
+
+
 def probe_terms(
     model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool, device: str
-) -> list[Measured]:
+) -> Probed:
     """The model's loss terms that are not a mean over the examples, found on
     the first two examples of ``batch`` (x, y, sample_weight): every layer's
     ``add_loss`` terms and, with ``own_loss``, the model's ``compute_loss``,
-    in inference mode, on ``device``, nothing assigned.
+    on ``device``, nothing assigned. A term whose value on the two is the sum
+    of its values on each sums over the examples (an ``add_loss`` term of
+    ``ops.sum``: each tower's adds up to one device's, taken unweighted).
 
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
-    []
+    Probed(coupled=[], sums=[])
     """
     with tf.device(device):
         together = _term_values(model, _examples(batch, 0, 2), own_loss)
         if not together:
-            return []  # no add_loss term, no compute_loss: one call was enough
+            return Probed([], [])  # no add_loss term, no compute_loss: one call
         first = _term_values(model, _examples(batch, 0, 1), own_loss)
         second = _term_values(model, _examples(batch, 1, 2), own_loss)
-    found = []
-    for name, value in together.items():
-        if name not in first or name not in second:
+    found = Probed([], [])
+    for key, (name, value) in together.items():
+        if key not in first or key not in second:
             continue  # a term added for one batch size only: not comparable
-        each = (first[name] + second[name]) / 2
-        if abs(value - each) > PROBE_RTOL * max(abs(value), abs(each)) + PROBE_ATOL:
-            found.append(Measured(name, value, each))
+        one, other = first[key][1], second[key][1]
+        if _close(value, (one + other) / 2):
+            continue  # a mean over the examples
+        if key[0] != "compute_loss" and _close(value, one + other):
+            found.sums.append(key)
+            continue
+        found.coupled.append(Measured(name, value, (one + other) / 2))
     return found
+
+
+def _close(value: float, expected: float) -> bool:
+    return (
+        abs(value - expected)
+        <= PROBE_RTOL * max(abs(value), abs(expected)) + PROBE_ATOL
+    )
 
 
 def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
     return tuple(
-        None if part is None else tf.nest.map_structure(lambda a: a[start:stop], part)
+        None
+        if part is None
+        else tf.nest.map_structure(lambda a: take_rows(a, start, stop), part)
         for part in batch
     )
 
 
 def _term_values(
     model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool
-) -> dict[str, float]:
-    """Each loss term's value on ``batch``, by name, in inference mode. In a
-    ``keras.StatelessScope``: what the call assigns (a metric's total, a
-    statistic, a seed) stays in the scope."""
+) -> dict[tuple, tuple[str, float]]:
+    """Each loss term's name and value on ``batch``, by ``(layer path,
+    index)`` (``("compute_loss",)`` for the model's override). The forward
+    pass runs in inference mode (its random draws would differ between the
+    two examples together and each alone); ``compute_loss`` is called with
+    ``training=True``, as Keras' fit calls it. In a ``keras.StatelessScope``:
+    what the calls assign (a metric's total, a statistic, a seed) stays in
+    the scope."""
     x, y, sample_weight = batch
     values = {}
     # Every variable mapped to its value: a weight regulariser reads its
@@ -116,10 +156,12 @@ def _term_values(
                 which = (
                     f"'s add_loss term {i}" if len(terms) > 1 else "'s add_loss term"
                 )
-                values[f"layer {layer.path}{which}"] = _number(term)
+                name = f"layer {layer.path}{which}"
+                values[(layer.path, i)] = (name, _number(term))
         if own_loss:
-            loss = compute_loss(model, x, y, y_pred, sample_weight, False)
-            values[f"{type(model).__name__}.compute_loss"] = _number(loss)
+            loss = compute_loss(model, x, y, y_pred, sample_weight, True)
+            name = f"{type(model).__name__}.compute_loss"
+            values[("compute_loss",)] = (name, _number(loss))
     return values
 
 

@@ -251,7 +251,11 @@ class Step:
             return tf.add_n([r.loss for r in towers])
 
     def combine(self, tower_grads: list[list[Any]]) -> list[Any]:
-        """``tower_grads[t][v]`` combined by the placement."""
+        """``tower_grads[t][v]`` combined by the placement (none to combine
+        for a model without trainable variables)."""
+        if not tower_grads[0]:
+            copies = len(self.placement.models) > 1
+            return [[] for _ in tower_grads] if copies else []
         return self.placement.combine(tower_grads)
 
     def apply(self, grads: list, tower_variables: list, moments: list, weight: Any):

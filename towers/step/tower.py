@@ -28,7 +28,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import ReadScope, compute_loss, state_variables
+from towers._keras import (
+    ReadScope,
+    compute_loss,
+    layers_of,
+    own_losses,
+    state_variables,
+)
 from towers.split import batch_size_of
 from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
@@ -268,11 +274,15 @@ class Tower:
         if extra is not None:
             # The model's own losses are per-batch means in Keras 3 (and so is
             # Keras' compute_loss): weight by n_t / B so the towers' shares add
-            # up to the full batch's.
+            # up to the full batch's. A term that sums over the examples
+            # (found by the probe) adds up as it is.
             share = tf.cast(batch_size_of(x), extra.dtype) / tf.cast(
                 examples, extra.dtype
             )
+            sums = summed_terms(model, self.coupled.sums)
             extra = extra * share
+            if sums is not None and not self.own_loss:
+                extra += tf.cast(sums, extra.dtype) * (1 - share)
         return TowerPass(terms, extra, y_pred, list(model.trainable_variables))
 
 
@@ -297,6 +307,16 @@ def weights_here(
     mapping += list(zip(held, states or []))
     with ReadScope(mapping, collect_losses=True, held=held) as scope:
         yield scope
+
+
+def summed_terms(model: keras.Model, keys: list[tuple[str, int]]) -> Any:
+    """The ``add_loss`` terms of the last call named by ``(layer path,
+    index)``, added up; None for none."""
+    if not keys:
+        return None
+    layers = {layer.path: layer for layer in layers_of(model)}
+    terms = [own_losses(layers[path])[i] for path, i in keys]
+    return tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
 
 
 def _weighted(term: Term, value: tf.Tensor) -> tf.Tensor:

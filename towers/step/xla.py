@@ -196,10 +196,14 @@ def _layer_of(node: str, names: list[str]) -> str | None:
 
 
 def signature(args: Any) -> tuple:
-    """What tells a call's trace apart: each tensor's shape and dtype, and
-    every other value as it is."""
+    """What tells a call's trace apart: each tensor's shape and dtype (a
+    sparse or ragged one's type spec), and every other value as it is."""
     return tuple(
-        (tuple(a.shape), a.dtype) if isinstance(a, tf.Tensor) else repr(a)
+        (tuple(a.shape), a.dtype)
+        if isinstance(a, tf.Tensor)
+        else tf.type_spec_from_value(a)
+        if isinstance(a, (tf.SparseTensor, tf.RaggedTensor))
+        else repr(a)
         for a in tf.nest.flatten(args)
     )
 

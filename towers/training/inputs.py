@@ -35,7 +35,10 @@ from towers._keras import (
     PyDatasetAdapter,
     adapter_dataset,
     array_tensors,
+    examples_of,
+    gather_rows,
     get_data_adapter,
+    host_tensors,
     is_array_input,
     peeked_batch,
     train_validation_split,
@@ -118,8 +121,6 @@ def source_of(
     if isinstance(x, keras.utils.PyDataset):
         return _py_dataset_source(x, y, sample_weight, shuffle, class_weight)
     arrays = is_array_input((x, y, sample_weight))
-    if arrays and y is None and sample_weight is None and _is_pair(x):
-        x, y, sample_weight = (*x, None)[:3]  # towers' older form, fit((x, y))
     if arrays and sample_weight is not None and y is None:
         raise ValueError("sample_weight weighs targets; received it with y=None")
     # Arrays are shuffled here (seeded, by pass), not by the adapter.
@@ -165,25 +166,24 @@ def _array_source(adapter: Any, shuffle: bool) -> Source:
             lambda: dataset.element_spec,
         )
     # Converted once: every pass gathers from the same tensors.
-    arrays = tf.nest.map_structure(tf.convert_to_tensor, array_tensors(adapter))
-    last = int(tf.nest.flatten(arrays)[0].shape[0]) - 1
+    arrays = host_tensors(array_tensors(adapter))
+    last = examples_of(adapter) - 1
     source = Source(adapter, "iterator", adapter.num_batches, None, None, seeded=True)
 
     def make_pass(number: int, first: int) -> tf.data.Dataset:
         seed = tf.constant([source.seed, number], tf.int64)
 
         def rows(positions: tf.Tensor) -> Any:
-            order = tf.random.experimental.index_shuffle(positions, seed, last)
-            return tf.nest.map_structure(lambda a: tf.gather(a, order), arrays)
+            return gather_rows(
+                arrays, tf.random.experimental.index_shuffle(positions, seed, last)
+            )
 
         positions = tf.data.Dataset.range(last + 1).batch(adapter.batch_size)
         return positions.map(rows).prefetch(tf.data.AUTOTUNE)
 
     source.make_pass = make_pass
-    source.sample = lambda: tf.nest.map_structure(lambda a: a[:1], arrays)
-    source.spec = lambda: tf.nest.map_structure(
-        lambda a: tf.TensorSpec([None, *a.shape[1:]], a.dtype), arrays
-    )
+    source.sample = lambda: gather_rows(arrays, tf.range(1, dtype=tf.int64))
+    source.spec = lambda: tf.data.Dataset.from_tensors(source.sample()).element_spec
     return source
 
 
@@ -277,21 +277,10 @@ def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float) -> tup
             "validation_split is for array input; received "
             f"{type(x).__name__}. Pass validation_data instead."
         )
-    if y is None and sample_weight is None and _is_pair(x):
-        x, y, sample_weight = (*x, None)[:3]
     (x, y, sample_weight), validation = train_validation_split(
         (x, y, sample_weight), validation_split=fraction
     )
     return x, y, sample_weight, validation
-
-
-def _is_pair(x: Any) -> bool:
-    """towers' older form: a tuple (x, y) or (x, y, sample_weight) of arrays."""
-    return (
-        isinstance(x, tuple)
-        and len(x) in (2, 3)
-        and all(not isinstance(part, (tuple, list, dict)) for part in x)
-    )
 
 
 def unpack(batch: Any) -> tuple[Any, Any, Any]:

@@ -51,7 +51,8 @@ class Trainer(ModelMetrics, abc.ABC):
     Besides the methods below, ``fit`` reads ``model`` (callbacks see it; its
     own metrics are reported), ``loss_tracker``, ``cluster`` (None, or a
     ``towers.Cluster``: its chief alone reports and writes), ``workers`` (None,
-    or its link to them: a preemption notice rides in its sums), and what checkpoints
+    or its link to them: a preemption notice rides in its sums), ``placement``
+    (its ``finalize()`` ends a fit, as Keras'), and what checkpoints
     and logs need: ``variable_device``, ``optimizer``, ``steps_done``,
     ``training_state()``, ``after_restore()`` (``towers/training/checkpoint.py``,
     ``towers/training/summaries.py``).
@@ -265,6 +266,8 @@ class Trainer(ModelMetrics, abc.ABC):
         finally:
             log.close()
             restored_epoch(self.model, forget=True)
+        if epochs > 0:  # as Keras' fit ends: an optimizer's EMA into the weights
+            self.placement.finalize()
         if logs is not None:  # as Keras' fit: no epoch run, no on_train_end
             callback_list.on_train_end(logs)
         return history

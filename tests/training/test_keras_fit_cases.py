@@ -1,0 +1,283 @@
+"""Cases from Keras' own fit tests that towers once crashed on, refused or
+trained differently in silence, each against Keras' own call on one device
+with the same compiled model (issue 39, items 5 and 8-13)."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from tests.test_equivalence import devices
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from towers import Towers
+
+
+def assert_close(got, want, name=""):
+    np.testing.assert_allclose(
+        got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL, err_msg=name
+    )
+
+
+def twins(build, compile_args, sample=None):
+    """Two models with the same weights (built from ``sample`` if they are
+    not), each compiled with its own ``compile_args()``."""
+    keras.utils.set_random_seed(0)
+    mine, theirs = build(), build()
+    if sample is not None:
+        mine(sample), theirs(sample)
+    theirs.set_weights(mine.get_weights())
+    if compile_args is not None:
+        mine.compile(**compile_args())
+        theirs.compile(**compile_args())
+    return mine, theirs
+
+
+def arrays(count=30, seed=1, features=5):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((count, features)).astype("float32")
+    return x, (x @ rng.standard_normal((features, 3))).astype("float32")
+
+
+def dense():
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+
+
+def assert_same_fit(engine, model, x, y, **options):
+    options = dict(batch_size=8, epochs=2, verbose=0, shuffle=False, **options)
+    got, want = engine.fit(x, y, **options), model.fit(x, y, **options)
+    assert sorted(got.history) == sorted(want.history)
+    for name in want.history:
+        assert_close(got.history[name], want.history[name], name)
+    for var, theirs in zip(engine.model.weights, model.weights):
+        assert_close(var.numpy(), theirs.numpy(), var.path)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["ema", "SwapEMAWeights"])
+def test_an_optimizers_moving_average_ends_fit_in_the_weights(swap):
+    def compile_args():
+        optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.8)
+        return dict(optimizer=optimizer, loss="mse")
+
+    mine, model = twins(dense, compile_args)
+    x, y = arrays()
+    extra = {}
+    if swap:  # validation with the moving average's weights, swapped back after
+        extra = dict(validation_data=arrays(10, seed=2))
+    callbacks = [keras.callbacks.SwapEMAWeights()] if swap else []
+    engine = Towers(mine, devices=devices(2))
+    options = dict(batch_size=8, epochs=2, verbose=0, shuffle=False, **extra)
+    got = engine.fit(x, y, callbacks=callbacks, **options)
+    want = model.fit(
+        x, y, callbacks=[keras.callbacks.SwapEMAWeights()] * swap, **options
+    )
+
+    for name in want.history:
+        assert_close(got.history[name], want.history[name], name)
+    # As Keras' fit ends: the weights are the moving average, not the last step's.
+    for var, theirs in zip(engine.model.weights, model.weights):
+        assert_close(var.numpy(), theirs.numpy(), var.path)
+
+
+class Distiller(keras.Model):
+    """keras.io's knowledge distillation: teacher and student made with an
+    Input, the Distiller itself never called before fit; a weight of its own
+    made in __init__ beside them."""
+
+    def __init__(self, teacher, student):
+        super().__init__()
+        self.teacher, self.student = teacher, student
+        self.temperature = self.add_weight(
+            shape=(), initializer=keras.initializers.Constant(3.0), trainable=False
+        )
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False
+    ):
+        teacher = ops.softmax(self.teacher(x, training=False) / self.temperature)
+        student = ops.softmax(y_pred / self.temperature)
+        distilled = keras.losses.KLDivergence()(teacher, student)
+        hard = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, y_pred)
+        return 0.2 * hard + 0.8 * distilled * self.temperature**2
+
+    def call(self, x):
+        return self.student(x)
+
+
+def test_a_distiller_never_called_before_fit_is_built_from_the_first_batch():
+    def build():
+        net = lambda width: keras.Sequential(  # noqa: E731
+            [keras.Input((5,)), keras.layers.Dense(width, activation="relu"),
+             keras.layers.Dense(3)]
+        )  # fmt: skip
+        return Distiller(net(8), net(4))
+
+    def compile_args():
+        return dict(optimizer=keras.optimizers.SGD(0.05))
+
+    mine, model = twins(build, compile_args)
+    assert mine.variables and not mine.built  # the case that crashed
+    x, _ = arrays()
+    y = np.random.default_rng(3).integers(0, 3, len(x))
+    assert_same_fit(Towers(mine, devices=devices(2)), model, x, y)
+
+
+def test_an_uncompiled_model_predicts_as_keras_does():
+    mine, model = twins(dense, None)
+    x, _ = arrays(11)
+    engine = Towers(mine, devices=devices(3))
+    assert_close(
+        engine.predict(x, batch_size=4, verbose=0), model.predict(x, verbose=0)
+    )
+    assert not mine.compiled
+
+
+def two_inputs():
+    a, b = keras.Input((5,)), keras.Input((5,))
+    joined = keras.layers.Concatenate()([a, b])
+    return keras.Model([a, b], keras.layers.Dense(3)(joined))
+
+
+def test_a_tuple_of_arrays_is_the_inputs_of_a_two_input_model_as_in_keras():
+    def compile_args():
+        return dict(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+
+    mine, model = twins(two_inputs, compile_args)
+    (a, y), (b, _) = arrays(), arrays(seed=2)
+    engine = Towers(mine, devices=devices(2))
+    assert_close(engine.predict((a, b), verbose=0), model.predict((a, b), verbose=0))
+    # fit((a, b)) reads the tuple as the inputs, with no targets: as Keras,
+    # a model with a loss to compute refuses it.
+    with pytest.raises(ValueError, match=r"received a batch without targets"):
+        engine.fit((a, b), verbose=0)
+    assert_same_fit(engine, model, (a, b), y)
+
+
+@pytest.mark.parametrize(
+    "given, what",
+    [
+        (keras.layers.Dense(3), "a Dense layer"),
+        (lambda inputs: keras.layers.Dense(3)(inputs), "a function that takes"),
+        ("resnet", "str 'resnet'"),
+    ],
+    ids=["layer", "function of inputs", "name"],
+)
+def test_what_is_not_a_model_or_a_builder_is_refused_by_name(given, what):
+    with pytest.raises(ValueError) as error:
+        Towers(given, loss="mse", optimizer="sgd", devices=devices(2))
+    message = str(error.value)
+    assert message.startswith(
+        "model must be a keras.Model, or a zero-argument function that builds one; "
+        f"received {what}"
+    )
+
+
+class Constant(keras.layers.Layer):
+    """Trains nothing: a model of it has no trainable variable (Keras'
+    TrainingTestingLayer: the input in training, zeros otherwise)."""
+
+    def call(self, x, training=False):
+        return x if training else x * 0
+
+
+def test_a_model_without_trainable_variables_fits_with_keras_warning():
+    def build():
+        return keras.Sequential([keras.Input((3,)), Constant()])
+
+    def compile_args():
+        return dict(optimizer="rmsprop", loss="mse")
+
+    mine, model = twins(build, compile_args)
+    x, y = np.ones((16, 3), "float32"), np.zeros((16, 3), "float32")
+    engine = Towers(mine, devices=devices(2))
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        history = engine.fit(x, y, batch_size=8, verbose=0)
+    keras_history = model.fit(x, y, batch_size=8, verbose=0)
+    assert history.history["loss"] == keras_history.history["loss"] == [1.0]
+    assert int(engine.optimizer.iterations) == int(model.optimizer.iterations) == 0
+    assert engine.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0) == 0
+
+
+def two_outputs():
+    inputs = keras.Input((5,))
+    return keras.Model(
+        inputs, [keras.layers.Dense(3, name="a")(inputs), keras.layers.Dense(2)(inputs)]
+    )
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["target", "list of one"])
+def test_one_target_for_the_one_output_with_a_loss_as_keras_reads_it(listed):
+    def compile_args():
+        return dict(optimizer=keras.optimizers.SGD(0.05), loss=["mse", None])
+
+    mine, model = twins(two_outputs, compile_args)
+    x, y = arrays()
+    y = [y] if listed else y
+    assert_same_fit(Towers(mine, devices=devices(2)), model, x, y)
+
+
+class SumPenalty(keras.layers.Layer):
+    """An add_loss term that sums over the batch's examples."""
+
+    def call(self, x):
+        self.add_loss(1e-2 * ops.sum(ops.square(x)))
+        return x
+
+
+class MeanPenalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(1e-1 * ops.mean(ops.square(x)))
+        return x
+
+
+def test_an_add_loss_term_that_sums_over_the_batch_adds_up_as_on_one_device():
+    def build():
+        return keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(3), SumPenalty(), MeanPenalty()]
+        )
+
+    def compile_args():
+        return dict(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+
+    mine, model = twins(build, compile_args)
+    x, y = arrays(27)
+    engine = Towers(mine, devices=devices(3))
+    assert_same_fit(engine, model, x, y)
+    assert engine.step.tower.coupled.sums == [(mine.layers[1].path, 0)]
+
+
+def test_an_add_loss_sum_is_refused_with_micro_batches_before_any_update():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), SumPenalty()])
+    model.compile(optimizer="sgd", loss="mse")
+    engine = Towers(model, devices=devices(2), accumulate_steps=2)
+    before = [w.numpy() for w in model.weights]
+    with pytest.raises(ValueError, match=r"sum over the batch's examples .*accumulate"):
+        engine.train_step(*arrays(8))
+    for got, want in zip(model.weights, before):
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_compute_loss_sees_training_true_as_in_keras_fit():
+    seen = []
+
+    class Watched(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def compute_loss(
+            self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+        ):
+            if not keras.src.backend.common.symbolic_scope.in_symbolic_scope():
+                seen.append(training)
+            return super().compute_loss(x, y, y_pred, sample_weight, training)
+
+    model = Watched()
+    model.compile(optimizer="sgd", loss="mse")
+    engine = Towers(model, devices=devices(2))
+    engine.fit(*arrays(16), batch_size=8, verbose=0)
+    assert seen and all(seen)  # the probe's calls included
+    engine.evaluate(*arrays(16), verbose=0)
+    assert seen[-1] is False  # evaluate's, as Keras' evaluate

@@ -1,0 +1,91 @@
+"""Sparse and ragged input, split over the towers by rows: a
+``tf.SparseTensor``, a SciPy sparse matrix and a ``tf.RaggedTensor`` as ``x``
+of fit, evaluate and predict, against Keras' own calls (issue 39, item 11)."""
+
+import keras
+import numpy as np
+import pytest
+import scipy.sparse
+import tensorflow as tf
+
+from tests.test_equivalence import devices
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from towers import Towers
+from towers.split import split_batch
+
+
+def assert_close(got, want, name=""):
+    np.testing.assert_allclose(
+        got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL, err_msg=name
+    )
+
+
+class Pool(keras.layers.Layer):
+    """Each ragged row's mean and largest value."""
+
+    def call(self, rows):
+        return tf.stack(
+            [tf.reduce_mean(rows, axis=1), tf.reduce_max(rows, axis=1)], axis=1
+        )
+
+
+def dense_model():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+
+
+def ragged_model():
+    inputs = keras.Input((None,), ragged=True)
+    return keras.Model(inputs, keras.layers.Dense(3)(Pool()(inputs)))
+
+
+def data(form, count=21):
+    rng = np.random.default_rng(4)
+    y = rng.standard_normal((count, 3)).astype("float32")
+    if form == "ragged":
+        lengths = rng.integers(1, 6, count)
+        rows = [rng.standard_normal(n).astype("float32") for n in lengths]
+        return tf.ragged.constant(rows), y
+    x = rng.standard_normal((count, 6)).astype("float32")
+    x[rng.random(x.shape) < 0.6] = 0.0
+    if form == "scipy":
+        return scipy.sparse.csr_matrix(x), y
+    return tf.sparse.from_dense(x), y
+
+
+@pytest.mark.parametrize("form", ["sparse", "scipy", "ragged"])
+def test_sparse_and_ragged_input_train_evaluate_and_predict_as_keras(form):
+    build = ragged_model if form == "ragged" else dense_model
+    keras.utils.set_random_seed(0)
+    mine, model = build(), build()
+    model.set_weights(mine.get_weights())
+    for m in (mine, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    engine = Towers(mine, devices=devices(3))
+    x, y = data(form)
+
+    options = dict(batch_size=8, epochs=2, verbose=0, shuffle=False)
+    got, want = engine.fit(x, y, **options), model.fit(x, y, **options)
+    for name in want.history:
+        assert_close(got.history[name], want.history[name], name)
+    for var, theirs in zip(mine.weights, model.weights):
+        assert_close(var.numpy(), theirs.numpy(), var.path)
+    assert_close(engine.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0))
+    assert_close(
+        engine.predict(x, batch_size=5, verbose=0), model.predict(x, verbose=0)
+    )
+    # Shuffled, the rows still go together with their targets.
+    shuffled = engine.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.isfinite(shuffled.history["loss"][0])
+
+
+@pytest.mark.parametrize("form", ["sparse", "ragged"])
+def test_a_sparse_or_ragged_batch_splits_by_rows_in_order(form):
+    x, _ = data(form, count=7)
+    shards = split_batch(x, 3)
+    dense = tf.sparse.to_dense if form == "sparse" else lambda r: r.to_tensor(-1.0)
+    rows = [dense(s).numpy() for s in shards]
+    assert [len(r) for r in rows] == [3, 2, 2]
+    whole = dense(x).numpy()
+    width = whole.shape[1]
+    pad = lambda r: np.pad(r, [(0, 0), (0, width - r.shape[1])], constant_values=-1)  # noqa: E731
+    np.testing.assert_array_equal(np.concatenate([pad(r) for r in rows]), whole)
