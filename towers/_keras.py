@@ -24,11 +24,13 @@ Weights read on the tower's device. A layer may compile part of its call with
 XLA (Keras' TensorFlow backend does for a grouped convolution on CPUs), and an
 XLA computation cannot read a variable on another device. So each tower reads
 the model's weights once, on its own device, and runs the model in a
-``keras.StatelessScope`` that maps each weight to that tensor; an assignment
-made in the scope (a seed generator's state, a layer's own counter) happens as
-it would outside it (``Variable._direct_assign``), so the pass changes what it
-changed before (``towers/step/tower.py``), unless the caller holds the seed
-generators' states to hand them from tower to tower (``towers/step/once.py``).
+``keras.StatelessScope`` that maps each weight to that tensor. A seed
+generator's state assigned in the scope is assigned at once, as outside it
+(``Variable._direct_assign``), so the next tower draws on from it, unless the
+caller holds the seed states to hand them from tower to tower
+(``towers/step/once.py``); any other variable the pass assigns (a layer's own
+counter, a metric it updates) is kept in the scope, and the step assigns it
+once by its aggregation (``towers/step/state.py``).
 
 Trainable changes. Freezing a layer sets its variables' ``trainable`` to False,
 like a BatchNormalization's moving statistics, which are never trained; the
@@ -156,25 +158,40 @@ def overrides(model: Any, name: str) -> bool:
 
 class ReadScope(keras.StatelessScope):
     """A ``keras.StatelessScope`` (each weight reads as the tensor it is mapped
-    to, ``add_loss`` collected) whose assignments happen too: each takes effect
-    on the variable at once, and later reads in the scope see it.
+    to, ``add_loss`` collected) that tells its assignments apart. Later reads
+    in the scope see each assignment; besides:
 
     Args:
       mapping, collect_losses: as ``keras.StatelessScope``'s.
-      held: variables whose assignments stay in the scope (later reads see
-        them, the variable does not change): the caller reads their last values
-        with ``get_current_value`` and assigns them itself.
+      held: variables whose assignments stay in the scope: the caller reads
+        their last values with ``get_current_value`` and assigns them itself.
+      passed: variables whose assignments also take effect on the variable at
+        once (a seed generator's state, drawn on by the next tower).
+
+    Attributes:
+      assigned: every other variable the scope saw assigned, in order (by
+        id): its assignments stay in the scope, for the caller to settle.
     """
 
-    def __init__(self, mapping: Any, collect_losses: bool = False, held: Any = ()):
+    def __init__(
+        self,
+        mapping: Any,
+        collect_losses: bool = False,
+        held: Any = (),
+        passed: Any = (),
+    ):
         super().__init__(mapping, collect_losses=collect_losses)
         self._held = {id(v) for v in held}
+        self._passed = {id(v) for v in passed}
+        self.assigned: dict[int, Any] = {}
 
     def add_update(self, update: tuple) -> None:
         super().add_update(update)
         variable, value = update
-        if id(variable) not in self._held:
+        if id(variable) in self._passed:
             variable._direct_assign(value)
+        elif id(variable) not in self._held:
+            self.assigned.setdefault(id(variable), variable)
 
 
 def state_variables(model: keras.Model) -> list[Any]:

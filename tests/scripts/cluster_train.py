@@ -16,7 +16,9 @@ Modes:
           facts go to the result, with how much explaining changed (nothing).
 
 What a Keras user brings reaches it too: --weighted (per-example sample weights),
---outputs 2 (a two-output model, a loss per output and loss weights).
+--outputs 2 (a two-output model, a loss per output and loss weights); the
+default model counts the examples and steps it trained on in a layer of its
+own (``Seen``: its variables are among the weights the tests compare).
 The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
 (with --nan-in K: the last example of global batch K is NaN, which is in the
 last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
@@ -82,6 +84,23 @@ tf.config.experimental.enable_op_determinism()
 keras.config.set_dtype_policy(args.policy)
 
 
+class Seen(keras.layers.Layer):
+    """What training passes it saw: examples (aggregation "sum": every tower's
+    and worker's count adds up) and steps (Keras' default "none": the first
+    tower's, once a step), as one process on the whole batch counts them."""
+
+    def build(self, shape):
+        zeros = dict(shape=(), initializer="zeros", trainable=False)
+        self.examples = self.add_weight(**zeros, aggregation="sum", name="examples")
+        self.steps = self.add_weight(**zeros, name="steps")
+
+    def call(self, x, training=False):
+        if training:
+            self.examples.assign_add(tf.cast(tf.shape(x)[0], self.examples.dtype))
+            self.steps.assign_add(1.0)
+        return x
+
+
 def build():
     width = 5 if args.model == "wider" and rank == 1 else 4
     if args.outputs == 2:
@@ -112,6 +131,7 @@ def build():
     return keras.Sequential(
         [
             keras.Input((6,)),
+            Seen(),
             keras.layers.Dense(8, activation="tanh"),
             keras.layers.Dense(width),
         ]

@@ -80,6 +80,8 @@ class Summed:
         preemption notice): every worker sees the same count at the same step.
       means: the cluster's value of each of ``means`` sent (per-output
         losses), combined as the loss is.
+      state: the part of ``extras`` the step reads as the towers' assigned
+        state (``towers/step/state.py``), set by the step.
     """
 
     grads: list[Any]
@@ -88,6 +90,7 @@ class Summed:
     extras: list[tf.Tensor]
     stop: tf.Tensor
     means: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    state: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Workers:

@@ -40,6 +40,9 @@ def render(explanation: Any) -> str:
     if e.coupled:
         lines.append("loss terms that couple the batch's examples:")
         lines += [f"  {term}" for term in e.coupled]
+    if e.assigned:
+        lines.append("variables the forward pass assigns, once a step:")
+        lines += [f"  {line}" for line in e.assigned]
     lines += ["", *_variables(e), "", summary(e)]
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ from towers.explain.graph import (
 from towers.explain.report import draw, render
 from towers.split import split_sizes
 from towers.step.compiled import traced
+from towers.step.state import describe
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Explanation:
     # the model's loss terms that couple the batch's examples, and how each is
     # computed (towers/step/coupled.py)
     coupled: list[str] = field(default_factory=list)
+    # the variables the towers' passes assign, each with the rule that assigns
+    # it once a step (towers/step/state.py)
+    assigned: list[str] = field(default_factory=list)
 
     def ran_on(self, stage: str) -> list[str]:
         """The devices that ran ops of ``stage`` (e.g. ``"apply"``), most first."""
@@ -143,6 +147,9 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         workers=1 if engine.cluster is None else engine.cluster.num_workers,
         xla=xla_calls(concrete.graph),
         coupled=engine.step.tower.coupled.describe(),
+        assigned=[
+            f"{path}: {describe(rule)}" for path, rule in engine.step.assigned.items()
+        ],
     )
 
 

@@ -64,3 +64,22 @@ def on_host(batch: tuple) -> tuple:
 def first_example(x: Any) -> Any:
     """``x``'s first example, as a batch of one (to build a model from)."""
     return tf.nest.map_structure(lambda leaf: take_rows(leaf, 0, 1), x)
+
+
+def check_targets(loss: Any, y: Any) -> None:
+    """Refuses a training or evaluation batch without targets when ``loss``
+    (a ``StepLoss``) compares predictions with them, naming the loss.
+
+    >>> from towers.step.losses import StepLoss
+    >>> check_targets(StepLoss("mse"), None)
+    Traceback (most recent call last):
+    ...
+    ValueError: loss mse compares predictions with targets; received a batch ...
+    """
+    name = None if y is not None else loss.needs_targets()
+    if name is not None:
+        raise ValueError(
+            f"loss {name} compares predictions with targets; received a batch "
+            "without targets (y=None). Pass y, or loss=None for a model that "
+            "adds its own loss (add_loss)."
+        )

@@ -28,10 +28,17 @@ from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, split_for_towers
 from towers.step import lockstep, once, segments
-from towers.step.batches import HOST, check_sizes, first_example, on_host
+from towers.step.batches import (
+    HOST,
+    check_sizes,
+    check_targets,
+    first_example,
+    on_host,
+)
 from towers.step.batchnorm import MovingStatistics
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
+from towers.step.state import assign, exchanged, rule_of, settle_apart_metrics
 from towers.step.tower import Tower, TowerResult
 
 
@@ -64,6 +71,9 @@ class Step:
         self.workers = workers
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
+        self._warned: set[str] = set()  # state variables warned of (state.py)
+        # What the towers' passes assign (state.py): variable path -> its rule.
+        self.assigned: dict[str, str] = {}
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
@@ -74,22 +84,28 @@ class Step:
         before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
         towers = self.compute(shards)
+        settled = self._settle_state(towers, shards.size == 0)
         loss = self.sum_losses(towers)
         grads = self.combine([r.grads for r in towers])
         examples, weight = shards.size, self._weight(towers, shards)
         outputs = self._output_losses([r.output_losses for r in towers])
         self._update_metrics(x, y, sample_weight, towers)
+        changes = None
         if self.workers is not None:
             summed = self._across_workers(
-                before, grads, loss, weight, examples, outputs, "train"
+                before, grads, loss, weight, examples, outputs, settled, "train"
             )
             grads, loss, examples = summed.grads, summed.loss, summed.examples
             outputs = dict(zip(outputs, summed.means))
             weight = None if weight is None else tf.cast(examples, tf.float32)
+            changes = summed.state
         # Every tower (and every check in it) has finished before any update.
         with tf.control_dependencies([loss]):
             variables = [r.variables for r in towers]
-            finite = self.apply(grads, variables, [r.moments for r in towers], weight)
+            moments = [r.moments for r in towers]
+            finite = self.apply(
+                grads, variables, moments, weight, lambda: assign(settled, changes)
+            )
         logs = {**self._track(loss, outputs, examples), "loss": loss}
         out = {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
         if self.workers is not None:
@@ -103,6 +119,7 @@ class Step:
         before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
         passes = self._each_tower(shards, self.tower.evaluate)
+        settled = self._settle_state(passes, shards.size == 0)
         divisors = step_divisors([p.terms for p in passes])
         towers = [p.loss(divisors) for p in passes]
         with tf.device(self.device), tf.name_scope("combine"):
@@ -110,26 +127,30 @@ class Step:
         examples = shards.size
         outputs = self._output_losses([p.output_losses(divisors) for p in passes])
         self._update_metrics(x, y, sample_weight, passes)
+        changes = None
         if self.workers is not None:
             weight = self._weight(passes, shards)
             summed = self._across_workers(
-                before, [], loss, weight, examples, outputs, "eval"
+                before, [], loss, weight, examples, outputs, settled, "eval"
             )
             loss, examples = summed.loss, summed.examples
             outputs = dict(zip(outputs, summed.means))
+            changes = summed.state
+        assign(settled, changes)
         return self._track(loss, outputs, examples)
 
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: each tower predicts its shard, and the
         shards' outputs are concatenated in tower order."""
         shards = self.split(x, None, None)
-        outputs = []
+        passes = []
         for t in shards.working():
             with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
                 model = self.placement.model_of(t)
-                outputs.append(self.tower.predict(model, shards.parts[t][0]))
+                passes.append(self.tower.predict(model, shards.parts[t][0]))
+        assign(self._settle_state(passes))
         with tf.device(HOST):
-            return _concat(outputs)
+            return _concat([p.predictions for p in passes])
 
     def start(self) -> None:
         """Makes the parts ready once the model has its variables: the
@@ -160,23 +181,8 @@ class Step:
         its targets checked against the loss, and the model's compiled metrics
         built from its shapes (tensors, or their ``tf.TensorSpec``), on the
         variable device, as Keras' fit builds them; nothing is trained."""
-        self.check_targets(y)
+        check_targets(self.tower.loss, y)
         self.metrics.build(x, y, sample_weight)
-
-    def check_targets(self, y: Any) -> None:
-        """Refuses a training or evaluation batch without targets when the
-        loss compares predictions with them, naming the loss.
-
-        Raises:
-          ValueError: ``y`` is None and the loss needs it.
-        """
-        name = None if y is not None else self.tower.loss.needs_targets()
-        if name is not None:
-            raise ValueError(
-                f"loss {name} compares predictions with targets; received a "
-                "batch without targets (y=None). Pass y, or loss=None for a "
-                "model that adds its own loss (add_loss)."
-            )
 
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch, puts it on the host as tensors (``batches.py``), and
@@ -258,19 +264,28 @@ class Step:
             return [[] for _ in tower_grads] if copies else []
         return self.placement.combine(tower_grads)
 
-    def apply(self, grads: list, tower_variables: list, moments: list, weight: Any):
+    def apply(
+        self,
+        grads: list,
+        tower_variables: list,
+        moments: list,
+        weight: Any,
+        also: Callable[[], None] = lambda: None,
+    ):
         """Counts the step and applies ``grads`` to the variables (tower t's:
-        ``tower_variables[t]``), and the moving statistics; returns the
-        finiteness flags or None."""
+        ``tower_variables[t]``), the moving statistics and ``also`` (the
+        state the towers assigned) with them; returns the finiteness flags or
+        None."""
+
+        def updates() -> None:
+            self.moving_statistics.update(moments)
+            also()
+
         with tf.name_scope("apply"):
             with tf.device(self.device):
                 self.update.count_step()
             return self.placement.apply(
-                self.update,
-                grads,
-                tower_variables,
-                also=lambda: self.moving_statistics.update(moments),
-                weight=weight,
+                self.update, grads, tower_variables, also=updates, weight=weight
             )
 
     # -- helpers ------------------------------------------------------------------
@@ -346,23 +361,38 @@ class Step:
             self.metrics.track(loss, examples, outputs)
             return self.metrics.results()
 
-    def _across_workers(self, before, grads, loss, weight, examples, outputs, kind):
-        """This worker's gradients, loss, output losses and metric changes
-        since ``before`` summed with every other worker's (the metrics then
-        hold the cluster's); a ``Summed``."""
+    def _across_workers(
+        self, before, grads, loss, weight, examples, outputs, settled, kind
+    ):
+        """This worker's gradients, loss, output losses, metric changes since
+        ``before`` and the towers' assigned state (``settled``) summed with
+        every other worker's (the metrics then hold the cluster's); a
+        ``Summed`` with ``state``: the state's summed changes."""
         with tf.device(self.device), tf.name_scope("across_workers"):
             changes = self.metrics.changes_since(before)
+            sent = exchanged(settled)
             summed = self.workers.step(
                 grads,
                 loss,
                 examples,
-                changes.deltas,
+                [*changes.deltas, *sent],
                 weight,
                 kind,
                 means=list(outputs.values()),
             )
-            self.metrics.set_changes(changes, summed.extras)
+            cut = len(changes.deltas)
+            self.metrics.set_changes(changes, summed.extras[:cut])
+            summed.state = summed.extras[cut:]
         return summed
+
+    def _settle_state(self, passes: list, empty: Any = False) -> list:
+        """The towers' assigned state, settled (``towers/step/state.py``); each
+        variable's rule kept in ``assigned`` (``towers explain`` lists them)."""
+        for tower_pass in passes[:1]:
+            self.assigned.update({v.path: rule_of(v) for v in tower_pass.state})
+        cluster = None if self.workers is None else self.workers.cluster
+        models = self.placement.models
+        return settle_apart_metrics(passes, models, cluster, self._warned, empty)
 
 
 def _concat(parts: list[Any]) -> Any:

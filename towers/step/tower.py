@@ -59,6 +59,9 @@ class TowerPass:
       moments: BatchNormalization moments by layer index (training only).
       states: with ``states`` given to :meth:`Tower.forward`, the model's
         seed-generator states after the pass (for the next tower to start from).
+      state, state_values: the other variables the pass assigned (a layer's
+        counter, a metric it updates), and their values after it, for the
+        step to assign once (``towers/step/state.py``).
     """
 
     terms: list[Term]
@@ -69,6 +72,14 @@ class TowerPass:
     tape: tf.GradientTape | None = None
     moments: dict[int, tuple] = dataclasses.field(default_factory=dict)
     states: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    state: list[Any] = dataclasses.field(default_factory=list)
+    state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
+
+    def keep_state(self, scope: ReadScope) -> TowerPass:
+        """Takes the variables ``scope`` saw assigned, with their values."""
+        self.state = list(scope.assigned.values())
+        self.state_values = [scope.get_current_value(v) for v in self.state]
+        return self
 
     def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
         """Per output (of several), the tower's share of its unweighted loss."""
@@ -101,6 +112,8 @@ class TowerResult:
         is normalised: ``towers/step/losses.py``).
       output_losses: by output name, the tower's share of that output's loss
         (unweighted), for a model with several.
+      state, state_values: the other variables the pass assigned, and their
+        values after it (``TowerPass``).
     """
 
     loss: tf.Tensor
@@ -111,6 +124,8 @@ class TowerResult:
     terms: list[Term]
     extra: tf.Tensor | None
     output_losses: dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
+    state: list[Any] = dataclasses.field(default_factory=list)
+    state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Tower:
@@ -203,6 +218,7 @@ class Tower:
                 tower_pass.states = [
                     scope.get_current_value(v) for v in state_variables(model)
                 ]
+            tower_pass.keep_state(scope)
         tower_pass.tape, tower_pass.moments = tape, moments
         tower_pass.variables, tower_pass.sources = variables, sources
         return tower_pass
@@ -234,6 +250,8 @@ class Tower:
             terms=tower_pass.terms,
             extra=tower_pass.extra,
             output_losses=tower_pass.output_losses(divisors),
+            state=tower_pass.state,
+            state_values=tower_pass.state_values,
         )
 
     def evaluate(
@@ -242,17 +260,20 @@ class Tower:
         """The tower's predictions and loss terms, in inference mode."""
 
         def evaluate(x: Any, y: Any, sample_weight: Any, weights: Any) -> TowerPass:
-            with weights_here(model, weights=weights):
-                return self._pass(model, x, y, sample_weight, examples, False)
+            with weights_here(model, weights=weights) as scope:
+                tower_pass = self._pass(model, x, y, sample_weight, examples, False)
+                return tower_pass.keep_state(scope)
 
         return self._run(model, evaluate, x, y, sample_weight)
 
-    def predict(self, model: keras.Model, x: Any) -> Any:
-        """The model's outputs on the tower's shard, in inference mode."""
+    def predict(self, model: keras.Model, x: Any) -> TowerPass:
+        """The model's outputs on the tower's shard (``predictions``), in
+        inference mode, with the state it assigned."""
 
-        def predict(x: Any, weights: Any) -> Any:
-            with weights_here(model, weights=weights):
-                return model(x, training=False)
+        def predict(x: Any, weights: Any) -> TowerPass:
+            with weights_here(model, weights=weights) as scope:
+                outputs = model(x, training=False)
+                return TowerPass([], None, outputs, []).keep_state(scope)
 
         return self._run(model, predict, x)
 
@@ -299,13 +320,17 @@ def weights_here(
 
     With ``states`` (one value per ``state_variables(model)``), the seed
     generators' states read as those values and their assignments stay in the
-    scope. Yields the scope: ``get_current_value(v)`` is what ``v`` reads as.
-    ``weights``: the weights' values, read already (``xla.read_weights``)."""
+    scope; without, they are assigned as drawn. Any other variable assigned
+    stays in the scope (``ReadScope.assigned``). Yields the scope:
+    ``get_current_value(v)`` is what ``v`` reads as. ``weights``: the
+    weights' values, read already (``xla.read_weights``)."""
     values = xla.read_weights(model) if weights is None else weights
     mapping = list(zip(model.weights, values))
-    held = state_variables(model) if states is not None else []
+    seeds = state_variables(model)
+    held = seeds if states is not None else []
     mapping += list(zip(held, states or []))
-    with ReadScope(mapping, collect_losses=True, held=held) as scope:
+    passed = [] if states is not None else seeds
+    with ReadScope(mapping, collect_losses=True, held=held, passed=passed) as scope:
         yield scope
 
 
