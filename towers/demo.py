@@ -84,7 +84,8 @@ def run(
     )
     started = time.perf_counter()
     engine.fit(
-        (x_train, y_train),
+        x_train,
+        y_train,
         batch_size=batch,
         epochs=epochs,
         verbose=1,
@@ -93,7 +94,7 @@ def run(
     )
     elapsed = time.perf_counter() - started
     results = engine.evaluate(
-        (x_test, y_test), batch_size=256, verbose=0, return_dict=True
+        x_test, y_test, batch_size=256, verbose=0, return_dict=True
     )
     print(
         f"\ntest accuracy: {results['sparse_categorical_accuracy']:.4f}  "

@@ -48,8 +48,7 @@ class Towers(Trainer):
       accumulate_steps: apply once every k steps the examples-weighted mean of
         their gradients: exactly one step on the k batches together.
       reducer: how dense gradients are summed (``towers/reducers.py``).
-      placement: ``"central"``, ``"balanced"``, ``"replicated"`` or
-        ``"independent"`` (``towers/placement/base.py``).
+      placement: ``"central"``, ``"balanced"``, ``"replicated"``, ``"independent"``.
       cluster: ``"auto"`` (the cluster ``TF_CONFIG`` names), a
         :class:`towers.Cluster`, or None (:func:`towers.shard` feeds it).
       jit_compile: each tower's pass as XLA computations: True, False, or
@@ -57,6 +56,8 @@ class Towers(Trainer):
       coupled_losses: a loss term coupling the batch's examples is made exact
         (``"exact"``), taken per tower with a warning (``"per_tower"``), or
         refused (``"refuse"``) (``towers/step/coupled.py``).
+      steps_per_execution: fit's steps per call (a loop in the graph), as
+        ``compile`` takes it; None: the compiled model's, else 1.
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
@@ -64,8 +65,8 @@ class Towers(Trainer):
       placement, update, step, workers: the parts (``docs/architecture.md``).
 
     Raises:
-      ValueError: unknown or repeated devices, not a Keras model, variables off
-        their placement, options it cannot serve yet, a coupled loss refused.
+      ValueError: unknown devices, not a Keras model (or builder), variables
+        off their placement, an option refused: each names what it received.
 
     Example:
       >>> import keras, numpy as np, towers
@@ -102,6 +103,7 @@ class Towers(Trainer):
         weighted_metrics: Sequence[Any] | None = None,
         jit_compile: JitCompile = None,
         coupled_losses: Literal["exact", "per_tower", "refuse"] = "exact",
+        steps_per_execution: int | None = None,
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -113,7 +115,7 @@ class Towers(Trainer):
             loss_weights=loss_weights, moving_statistics=moving_statistics,
             batch_statistics=batch_statistics, on_nonfinite=on_nonfinite,
             accumulate_steps=accumulate_steps, jit_compile=jit_compile,
-            coupled_losses=coupled_losses,
+            coupled_losses=coupled_losses, steps_per_execution=steps_per_execution,
         )  # fmt: skip
         where = (self.devices, self.variable_device, self.reducer, placement)
         self.step = make_step(model, loss, optimizer, *where, self.cluster, options)
@@ -185,13 +187,22 @@ class Towers(Trainer):
           >>> eng.steps_done, int(eng.optimizer.iterations)
           (1, 1)
         """
-        batch = self._training_batch("train_step", x, y, sample_weight)
-        self.step.probe(*batch)
-        out = self._run("train", *batch)
-        self.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
-        if "stop" in out:
-            self.workers.last_stop = out["stop"]  # read by fit (preemption.py)
-        return out["logs"]
+        return self.train_steps([(x, y, sample_weight)])
+
+    def train_steps(self, batches: list[tuple]) -> dict[str, tf.Tensor]:
+        """A step on each of ``batches`` (``(x, y, sample_weight)``), in order,
+        consecutive ones of one shape in one call: a loop in the graph
+        (``steps_per_execution``; ``towers/step/executions.py``). Returns the
+        last step's logs, as :meth:`train_step` does.
+
+        >>> eng, x = make_engine(), np.ones((4, 3), "f4")
+        >>> logs = eng.train_steps([(x, np.ones((4, 1), "f4"))] * 3)
+        >>> eng.steps_done, eng.trace_count  # 3 steps, one trace of the loop
+        (3, 1)
+        """
+        prepared = [self._training_batch("train_step", *b) for b in batches]
+        self.step.probe(*prepared[0])
+        return self._compiled.train_on(prepared, self._call)["logs"]
 
     def evaluate_step(
         self, x: Any, y: Any = None, sample_weight: Any = None
@@ -283,5 +294,7 @@ class Towers(Trainer):
         self.placement.after_restore()
 
     def _run(self, kind: str, *batch: Any) -> Any:
-        call = self.workers.run if self.workers else lambda step, *b: step(*b)
-        return self._compiled.run(kind, call, *batch)
+        return self._compiled.run(kind, self._call, *batch)
+
+    def _call(self, step: Any, *batch: Any) -> Any:
+        return self.workers.run(step, *batch) if self.workers else step(*batch)

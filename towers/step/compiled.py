@@ -16,6 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.step import xla
+from towers.step.executions import any_count, looped, runs, stack, stackable
 from towers.step.step import Step
 
 
@@ -38,6 +39,7 @@ class Compiled:
         self.evaluate = traced(step.evaluate)
         self.predict = traced(step.predict)
         self._train, self._trainable, self._retired = None, None, 0
+        self._train_steps = None
 
     def train(self) -> Callable[..., Any]:
         """The compiled train step for the model's trainable variables now."""
@@ -47,17 +49,32 @@ class Compiled:
             self.step.placement.follow_trainable()
             self._retired = self.train_traces
             self._train, self._trainable = traced(self.step.train), trainable
+            self._train_steps = traced(looped(self.step.train, self.step.results))
+            self._loops = any_count(self._train_steps)
         return self._train
+
+    def train_steps(self) -> Callable[..., Any]:
+        """The compiled loop of train steps over a stacked run of batches
+        (``towers/step/executions.py``), for the trainable variables now:
+        traced once per shape of batch, whatever the run's length."""
+        self.train()
+        return self._loops
 
     @property
     def train_traces(self) -> int:
-        """How many times the train step has been traced, retraces included."""
-        current = self._train.experimental_get_tracing_count() if self._train else 0
+        """How many times the train step has been traced (alone, or in a loop
+        of steps), retraces included."""
+        current = sum(
+            f.experimental_get_tracing_count()
+            for f in (self._train, self._train_steps)
+            if f is not None
+        )
         return self._retired + current
 
     def run(self, kind: str, call: Callable[..., Any], *batch: Any) -> Any:
         """``call(function, *batch)``, the function being the compiled
-        ``kind``: ``"train"``, ``"evaluate"`` or ``"predict"``.
+        ``kind``: ``"train"``, ``"train_steps"``, ``"evaluate"`` or
+        ``"predict"``.
 
         Raises:
           ValueError: with ``jit_compile=True``, XLA could not compile a
@@ -69,12 +86,40 @@ class Compiled:
             tower = self.step.tower
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)
         self._retired = self.train_traces
-        self._train, self._trainable = None, None
+        self._train, self._trainable, self._train_steps = None, None, None
         self.evaluate, self.predict = (
             traced(self.step.evaluate),
             traced(self.step.predict),
         )
         return call(self._function(kind), *batch)
 
+    def train_on(self, batches: list[tuple], call: Callable[..., Any]) -> dict:
+        """Trains on prepared ``batches``, in order: consecutive ones of one
+        shape in one call of :meth:`train_steps` (``call(function, *batch)``
+        runs each), a sparse or ragged one alone, and one batch as one step.
+        Returns the last call's output.
+
+        Raises:
+          FloatingPointError: with ``on_nonfinite="raise"``, a combined
+            gradient was not finite; the steps after it did not run.
+        """
+        for run in runs(batches):
+            if len(batches) == 1 or not stackable(run[0]):
+                out = self.run("train", call, *run[0])
+            else:
+                out = self.run("train_steps", call, *stack(run))
+            self._finish(out)
+        return out
+
+    def _finish(self, out: dict[str, Any]) -> None:
+        """After a training call: raises for a gradient that was not finite
+        (``on_nonfinite="raise"``); notes a cluster's stop notice (read by
+        fit: ``towers/training/preemption.py``)."""
+        self.step.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
+        if "stop" in out:
+            self.step.workers.last_stop = out["stop"]
+
     def _function(self, kind: str) -> Callable[..., Any]:
-        return self.train() if kind == "train" else getattr(self, kind)
+        if kind in ("train", "train_steps"):
+            return getattr(self, kind)()
+        return getattr(self, kind)

@@ -66,6 +66,16 @@ def compile_model(
       device: the variable device.
     """
     model = models[0]
+    per_execution = options.get("steps_per_execution")
+    if per_execution is not None and (
+        isinstance(per_execution, bool)
+        or not isinstance(per_execution, int)
+        or per_execution < 1
+    ):
+        raise ValueError(
+            "steps_per_execution must be a positive integer; received "
+            f"steps_per_execution={per_execution!r}"
+        )
     given = compile_arguments(model)
     explicit = {name: options.get(name) for name in COMPILE_OPTIONS}
     explicit = {name: value for name, value in explicit.items() if value is not None}

@@ -169,18 +169,13 @@ class Step:
         """Before the first training step: the model's loss terms that are not
         a mean over the examples refused by name or warned of
         (``towers/step/coupled.py``); a no-op after."""
-        self.tower.coupled.probe(
-            self.placement.model,
-            (x, y, sample_weight),
-            self.tower.own_loss,
-            self.device,
-        )
+        batch, own = (x, y, sample_weight), self.tower.own_loss
+        self.tower.coupled.probe(self.placement.model, batch, own, self.device)
 
     def build_metrics(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        """What a training or evaluation batch needs before its first step:
-        its targets checked against the loss, and the model's compiled metrics
-        built from its shapes (tensors, or their ``tf.TensorSpec``), on the
-        variable device, as Keras' fit builds them; nothing is trained."""
+        """Before a first training or evaluation step: its targets checked
+        against the loss, the compiled metrics built from its shapes (tensors
+        or ``tf.TensorSpec``), on the variable device, as Keras' fit does."""
         check_targets(self.tower.loss, y)
         self.metrics.build(x, y, sample_weight)
 
@@ -353,6 +348,11 @@ class Step:
             return {}
         with tf.device(self.device), tf.name_scope("metrics"):
             return {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
+
+    def results(self) -> dict[str, tf.Tensor]:
+        """Every metric's running value, as ``model.get_metrics_result()``."""
+        with tf.device(self.device), tf.name_scope("metrics"):
+            return self.metrics.results()
 
     def _track(self, loss, outputs, examples) -> dict[str, tf.Tensor]:
         """Adds the loss and each output's to their trackers; returns every

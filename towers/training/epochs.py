@@ -91,11 +91,41 @@ class Epochs:
                     next(self.iterator, None)
         self.pass_number, self.read = number, read
 
-    def epoch(self, first_step: int = 0) -> Iterator[tuple[int, Any]]:
+    def executions(
+        self, first_step: int = 0, per_execution: int = 1
+    ) -> Iterator[tuple[int, int, list[Any]]]:
+        """One epoch in executions of ``per_execution`` steps, as Keras' fit
+        counts them with ``steps_per_execution``: ``(begin, end, batches)``,
+        ``end`` being ``begin + per_execution - 1`` (the batch hooks' index,
+        a shorter last execution's too). With ``steps_per_epoch``, an epoch
+        runs whole executions, as Keras' does (its last may pass the count).
+
+        >>> from towers.training.inputs import source_of
+        >>> epochs = Epochs(source_of(np.arange(5.0), batch_size=1))
+        >>> [(b, e, len(batches)) for b, e, batches in epochs.executions(0, 2)]
+        [(0, 1, 2), (2, 3, 2), (4, 5, 1)]
+        """
+        group: list[Any] = []
+        begin = first_step
+        for step, batch in self.epoch(first_step, multiple=per_execution):
+            begin = step if not group else begin
+            group.append(batch)
+            if len(group) == per_execution:
+                yield begin, begin + per_execution - 1, group
+                group = []
+        if group:
+            yield begin, begin + per_execution - 1, group
+
+    def epoch(
+        self, first_step: int = 0, multiple: int = 1
+    ) -> Iterator[tuple[int, Any]]:
         """One epoch's ``(step, batch)`` pairs, from ``first_step`` (a resumed
-        epoch, standing where :meth:`resume` put it) on."""
+        epoch, standing where :meth:`resume` put it) on; with
+        ``steps_per_epoch``, its steps rounded up to a ``multiple``."""
         self.source.epoch_begin()
         steps = self.steps or -1
+        if self.steps_per_epoch and steps > 0:
+            steps = -(-steps // multiple) * multiple
         if self.iterator is None or (first_step == 0 and self._pass_used()):
             self._next_pass()
         step = first_step

@@ -85,8 +85,9 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
     if first == 0:  # else the checkpoint restored the epoch's metrics so far
         engine.reset_metrics()
     run.callbacks.on_epoch_begin(epoch)
-    for step, batch in run.batches.epoch(first):
-        fit_batch(engine, run, epoch, step, batch)
+    per_execution = engine.model.steps_per_execution
+    for begin, end, batches in run.batches.executions(first, per_execution):
+        fit_execution(engine, run, epoch, (begin, end), batches)
         if engine.model.stop_training:
             break
     else:
@@ -101,26 +102,32 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
     return dict(engine.model.get_metrics_result())
 
 
-def fit_batch(engine: Any, run: FitRun, epoch: int, step: int, batch: Any) -> None:
-    """One training step, its callbacks, and the checkpoint after it."""
-    x, y, sample_weight = unpack(batch)
-    size = int(tf.nest.flatten(x)[0].shape[0])
-    run.callbacks.on_train_batch_begin(step)
-    run.log.before_step()
+def fit_execution(
+    engine: Any, run: FitRun, epoch: int, steps: tuple[int, int], batches: list
+) -> None:
+    """One execution (``steps_per_execution`` training steps, one call for
+    batches of one shape), its callbacks (``steps``: Keras' first and last
+    batch index), and the checkpoint after it."""
+    begin, end = steps
+    batches = [unpack(batch) for batch in batches]
+    size = sum(int(tf.nest.flatten(x)[0].shape[0]) for x, _, _ in batches)
+    run.callbacks.on_train_batch_begin(begin)
+    run.log.before_step(len(batches))
     run.preemption.before_step()
     started = time.perf_counter()
-    logs = engine.train_step(x, y, sample_weight)
-    # Reading the loss back waits for the step, so the time is the step's.
+    logs = engine.train_steps(batches)
+    # Reading the loss back waits for the steps, so the time is theirs.
     float(np.asarray(logs["loss"]))
     run.log.after_step(pythonify_logs(logs), time.perf_counter() - started, size)
     run.trained = True
     # Keras' callbacks see every metric's running value, the loss's included.
     running = {**logs, "loss": engine.loss_tracker.result()}
-    run.callbacks.on_train_batch_end(step, running)
-    done = step + 1
+    run.callbacks.on_train_batch_end(end, running)
+    done = begin + len(batches)
     # The epoch's last step is saved by the epoch-end checkpoint just after.
     every = run.checkpoint_every
-    saved = bool(every) and done % every == 0 and done != run.batches.steps
+    crossed = bool(every) and done // every > begin // every
+    saved = crossed and done != run.batches.steps
     if saved:
         run.checkpoint.save(epoch, done, run.batches.position)
     if run.preemption.stop_now():
@@ -137,10 +144,12 @@ def evaluate_loop(
     engine.model.stop_evaluating = False
     callbacks.on_test_begin()
     engine.reset_metrics()
-    for step, batch in batches.epoch():
-        callbacks.on_test_batch_begin(step)
-        logs = engine.evaluate_step(*unpack(batch))
-        callbacks.on_test_batch_end(step, pythonify_logs(logs))
+    per_execution = engine.model.steps_per_execution
+    for begin, end, execution in batches.executions(0, per_execution):
+        callbacks.on_test_batch_begin(begin)
+        for batch in execution:
+            logs = engine.evaluate_step(*unpack(batch))
+        callbacks.on_test_batch_end(end, pythonify_logs(logs))
         if engine.model.stop_evaluating:
             break
     logs = engine.get_metrics_result()
@@ -156,15 +165,22 @@ def predict_loop(
     engine.model.stop_predicting = False
     callbacks.on_predict_begin()
     outputs = []
-    for step, batch in batches.epoch():
-        callbacks.on_predict_batch_begin(step)
-        outputs.append(engine.predict_step(unpack(batch)[0]))
-        callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    per_execution = getattr(engine.model, "steps_per_execution", 1)
+    for begin, end, execution in batches.executions(0, per_execution):
+        callbacks.on_predict_batch_begin(begin)
+        done = [engine.predict_step(unpack(batch)[0]) for batch in execution]
+        outputs += done
+        callbacks.on_predict_batch_end(end, {"outputs": _concat(done)})
         if engine.model.stop_predicting:
             break
     callbacks.on_predict_end()
+    return _concat(outputs)
+
+
+def _concat(parts: list[Any]) -> Any:
+    """The outputs of consecutive batches, concatenated, as NumPy."""
     return tf.nest.map_structure(
-        lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs
+        lambda *each: np.concatenate([np.asarray(p) for p in each]), *parts
     )
 
 

@@ -62,14 +62,16 @@ class TrainingLog:
             os.path.join(log_dir, "validation")
         )
 
-    def before_step(self) -> None:
-        """Notes the step's learning rate; starts the profiler at step N."""
+    def before_step(self, steps: int = 1) -> None:
+        """Notes the step's learning rate; starts the profiler before the
+        ``steps`` about to run (an execution's) if step N is among them."""
         if self.log_dir is None:
             return
         # Keras evaluates a LearningRateSchedule at the current iteration: read it
         # before the step advances the count, so it is the rate this step uses.
         self._rate = float(np.asarray(self._engine.optimizer.learning_rate))
-        if self._profile and self._next_step() == self._profile[0]:
+        first = self._next_step()
+        if self._profile and first <= self._profile[0] < first + steps:
             tf.profiler.experimental.start(self.log_dir)
             self._profiling = True
 
@@ -77,9 +79,9 @@ class TrainingLog:
         """Writes the step's scalars; stops the profiler after the last traced step.
 
         Args:
-          logs: the engine's step logs (loss, metrics).
-          seconds: the step's wall time, host to result.
-          examples: the step's global batch size.
+          logs: the engine's step logs (loss, metrics): an execution's last.
+          seconds: the step's (an execution's) wall time, host to result.
+          examples: the step's (the execution's) examples.
         """
         if self.log_dir is None:
             return
