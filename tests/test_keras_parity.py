@@ -227,7 +227,10 @@ def test_an_uncompiled_model_predicts_and_fit_asks_for_a_compile():
 
     # As Keras: predict needs no compile; fit and evaluate need a loss.
     np.testing.assert_allclose(
-        engine.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
+        engine.predict(x, verbose=0),
+        model.predict(x, verbose=0),
+        rtol=EQUIVALENCE_RTOL,
+        atol=EQUIVALENCE_ATOL,
     )
     for call in (engine.fit, engine.evaluate):
         with pytest.raises(ValueError) as error:

@@ -67,10 +67,13 @@ def test_explaining_a_step_inside_a_cluster_reports_every_worker(tmp_path):
         assert worker["steps"] == 1
 
 
-@pytest.mark.parametrize("optimizer", ["sgd"])
-def test_fit_in_a_cluster_reports_the_clusters_history(tmp_path, optimizer):
-    ref = reference(tmp_path / "ref", "--mode", "fit", "--optimizer", optimizer)
-    job = launch(tmp_path / "job", "--mode", "fit", "--optimizer", optimizer)
+@pytest.mark.parametrize("per_execution", [1, 4], ids=["step", "4 steps a call"])
+def test_fit_in_a_cluster_reports_the_clusters_history(tmp_path, per_execution):
+    # With steps_per_execution, the workers' sums run inside a loop in the graph.
+    args = ["--mode", "fit", "--optimizer", "sgd"]
+    args += ["--steps-per-execution", str(per_execution)]
+    ref = reference(tmp_path / "ref", *args)
+    job = launch(tmp_path / "job", *args)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert_same_as(ref, tmp_path / "job")
     expected = result(ref, 0)["history"]

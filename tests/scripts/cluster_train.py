@@ -23,10 +23,11 @@ The engine's update policies reach it too: --accumulate K, --nonfinite POLICY
 (with --nan-in K: the last example of global batch K is NaN, which is in the
 last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 --model bn puts a BatchNormalization layer in, with --batch-statistics global
-(and --jit-compile, each tower's pass in XLA computations). --model moe puts
-keras_hub's Mixtral mixture-of-experts block in, whose load-balancing loss
-couples the batch's examples (computed from the whole batch: the default
-coupled_losses="exact").
+(and --jit-compile, each tower's pass in XLA computations).
+--steps-per-execution K runs fit's steps K to a call, a loop in the graph.
+--model moe puts keras_hub's Mixtral mixture-of-experts block in, whose
+load-balancing loss couples the batch's examples (computed from the whole
+batch: the default coupled_losses="exact").
 """
 
 import argparse
@@ -62,6 +63,7 @@ parser.add_argument("--outputs", type=int, default=1)
 parser.add_argument("--slow", action="store_true")
 parser.add_argument("--batch-statistics", default="tower")
 parser.add_argument("--jit-compile", action="store_true")
+parser.add_argument("--steps-per-execution", type=int, default=None)
 args = parser.parse_args()
 
 in_cluster = "TF_CONFIG" in os.environ
@@ -161,6 +163,7 @@ engine = towers.Towers(
     on_nonfinite=args.nonfinite,
     batch_statistics=args.batch_statistics,
     jit_compile=args.jit_compile,
+    steps_per_execution=args.steps_per_execution,
 )
 # The variables every worker starts from (the chief's, after the engine's start).
 start = [v.numpy() for v in engine.model.variables]

@@ -58,7 +58,7 @@ def data(shuffled):
     x[:, 0] = np.arange(EXAMPLES) / EXAMPLES  # the example's id, as a feature
     y = rng.standard_normal((EXAMPLES, 1)).astype("float32")
     if not shuffled:
-        return {"x": (x, y), "batch_size": BATCH}
+        return {"x": x, "y": y, "batch_size": BATCH}
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     dataset = dataset.shuffle(EXAMPLES, seed=7, reshuffle_each_iteration=True)
     return {"x": dataset.batch(BATCH)}

@@ -288,7 +288,7 @@ def test_inputs_that_do_not_fit_the_model_name_the_shapes():
     # The batches' shape, as Keras' fit quotes it (batch size None: its spec).
     with pytest.raises(ValueError, match=r"expected axis -1 .* value 6.*\(None, 4\)"):
         engine.fit(
-            (np.zeros((8, 4), "float32"), np.zeros(8, "int32")), batch_size=8, verbose=0
+            np.zeros((8, 4), "float32"), np.zeros(8, "int32"), batch_size=8, verbose=0
         )
 
 

@@ -190,7 +190,7 @@ def regression_data():
 
 def fit(engine, directory, **kwargs):
     return engine.fit(
-        regression_data(),
+        *regression_data(),
         batch_size=8,
         epochs=3,
         verbose=0,

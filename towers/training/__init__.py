@@ -1,7 +1,8 @@
 """What runs around the step: ``fit``, ``evaluate`` and ``predict``.
 
 ``loop.py`` is Keras' ``Trainer`` API over the engine's steps, ``run.py`` one
-fit's epochs and batches and the evaluate loop; ``inputs.py``
+fit's epochs and executions and the evaluate and predict loops;
+``model_metrics.py`` reads and reports the model's own metrics; ``inputs.py``
 takes every input form through Keras' own data adapters, and ``epochs.py``
 counts steps and epochs as Keras' ``EpochIterator`` does, with a position a
 checkpoint saves; ``arguments.py`` checks fit's Keras arguments;

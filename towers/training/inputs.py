@@ -183,8 +183,17 @@ def _array_source(adapter: Any, shuffle: bool) -> Source:
 
     source.make_pass = make_pass
     source.sample = lambda: gather_rows(arrays, tf.range(1, dtype=tf.int64))
-    source.spec = lambda: tf.data.Dataset.from_tensors(source.sample()).element_spec
+    source.spec = lambda: tf.nest.map_structure(
+        _any_batch, tf.data.Dataset.from_tensors(source.sample()).element_spec
+    )
     return source
+
+
+def _any_batch(spec: Any) -> Any:
+    """A dense batch's spec with its first (batch) dimension unknown."""
+    if isinstance(spec, tf.TensorSpec):
+        return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype)
+    return spec
 
 
 def _py_dataset_source(

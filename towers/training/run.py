@@ -115,7 +115,10 @@ def fit_execution(
     run.log.before_step(len(batches))
     run.preemption.before_step()
     started = time.perf_counter()
-    logs = engine.train_steps(batches)
+    if len(batches) == 1:
+        logs = engine.train_step(*batches[0])
+    else:
+        logs = engine.train_steps(batches)
     # Reading the loss back waits for the steps, so the time is theirs.
     float(np.asarray(logs["loss"]))
     run.log.after_step(pythonify_logs(logs), time.perf_counter() - started, size)
