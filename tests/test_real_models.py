@@ -1,7 +1,9 @@
 """Real models nobody on the project wrote, against Keras' own ``fit`` on one
 device: ``keras.applications`` (``weights=None``, 32×32 inputs) and keras_hub
 models built from tiny configs (GPT-2, Llama, Gemma3, ViT; nothing is
-downloaded).
+downloaded). MobileNetV2 is the application as published; ResNet and ConvNeXt
+are Keras' own builders of ResNet50 and ConvNeXtTiny with fewer, narrower
+blocks (every kind of layer and join they have, at a tenth of the time).
 
 Deep models amplify rounding, so they run in float64, where a mismatch is the
 engine's, not noise; and each variable's update (after − before) is compared,
@@ -10,10 +12,15 @@ changes; the weights hide it under their initial values). Two steps of 7
 examples: each splits unevenly, 4 + 3, on 2 towers.
 """
 
+from functools import partial
+
 import keras
 import keras_hub
 import numpy as np
 import pytest
+from keras.src.applications.convnext import ConvNeXt
+from keras.src.applications.resnet import ResNet
+from keras.src.applications.resnet import stack_residual_blocks_v1 as resnet_blocks
 
 from tests.test_equivalence import devices
 from tests.tolerances import (
@@ -24,10 +31,30 @@ from tests.tolerances import (
 from towers import Towers
 
 EXAMPLES, BATCH = 14, 7
+
+
+def resnet(**kwargs):
+    """Keras' ResNet50 builder with two stacks of one bottleneck block:
+    projection shortcuts, two BatchNormalization branches into one Add."""
+
+    def stacks(x):
+        x = resnet_blocks(x, 16, 1, stride1=1, name="conv2")
+        return resnet_blocks(x, 32, 1, name="conv3")
+
+    return ResNet(stacks, preact=False, use_bias=True, name="resnet", **kwargs)
+
+
+def convnext(**kwargs):
+    """Keras' ConvNeXtTiny builder with one block a stage, 8 to 64 channels:
+    depthwise 7x7 convolutions, LayerNormalization, LayerScale, GELU."""
+    return ConvNeXt(depths=[1, 1, 1, 1], projection_dims=[8, 16, 32, 64], **kwargs)
+
+
 APPLICATIONS = {
-    "MobileNetV2": {"alpha": 0.35},  # depthwise convolutions, ReLU6, 52 BN layers
-    "ResNet50": {},  # projection shortcuts: two BN branches into one Add
-    "ConvNeXtTiny": {},  # grouped convolutions, compiled with XLA inside Keras
+    # depthwise convolutions, ReLU6, 52 BN layers
+    "MobileNetV2": partial(keras.applications.MobileNetV2, alpha=0.35),
+    "ResNet": resnet,
+    "ConvNeXt": convnext,
 }
 
 
@@ -63,9 +90,7 @@ def assert_same_updates(engine_model, reference, before, atol=FLOAT64_UPDATE_ATO
 
 def application(name):
     def build():
-        return getattr(keras.applications, name)(
-            weights=None, input_shape=(32, 32, 3), classes=5, **APPLICATIONS[name]
-        )
+        return APPLICATIONS[name](weights=None, input_shape=(32, 32, 3), classes=5)
 
     return build
 
@@ -75,13 +100,13 @@ def test_a_keras_application_trains_as_keras_fit(name, float64):
     trains_as_keras_fit(name, jit_compile=False)
 
 
-def test_mobilenet_with_xla_trains_as_keras_xla_fit(float64, xla_allowed):
-    """Global batch statistics under XLA: each tower's pass in 157 XLA
-    computations, cut at its 52 BatchNormalization layers
+def test_resnet_with_xla_trains_as_keras_xla_fit(float64, xla_allowed):
+    """Global batch statistics under XLA: each tower's pass in XLA computations
+    cut at its 9 BatchNormalization layers, two of them branches into one Add
     (towers/step/segments.py), against Keras' fit with XLA on one device. One
     step of 8, 4 + 4: every phase compiles once per shard shape and device,
     and the small models cover uneven shards (tests/step/test_segments.py)."""
-    trains_as_keras_fit("MobileNetV2", jit_compile=True, examples=8, batch=8)
+    trains_as_keras_fit("ResNet", jit_compile=True, examples=8, batch=8)
 
 
 def trains_as_keras_fit(name, jit_compile, examples=EXAMPLES, batch=BATCH):
