@@ -1,6 +1,6 @@
 """The non-public parts of Keras towers uses, in one place.
 
-Ten jobs have no public call.
+Eleven jobs have no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
@@ -55,9 +55,11 @@ rules (``EpochIterator``) come with its warning for data that runs out, and
 the model's ``_initial_epoch``, as Keras' own fit reads it
 (``towers/training/epochs.py``, ``towers/training/loop.py``).
 
-Progress. Keras' ``Progbar`` updates its line in place whenever the process
-runs on a POSIX system, a log file included (``"posix" in sys.modules``);
-towers' progress bar is Keras' own with in-place updates only on a terminal
+A model's own train_step: its applies end in ``BaseOptimizer.apply`` (or a
+``LossScaleOptimizer``'s), where the towers meet (``towers/step/custom.py``).
+
+Progress. Keras' ``Progbar`` updates its line in place on any POSIX system, a
+log file included; towers' bar is Keras' own, in place only on a terminal
 (``towers/training/progress.py``).
 
 Each layer's own loss terms. ``model.losses`` mixes the layers' ``add_loss``
@@ -83,6 +85,9 @@ them as Keras' fit does under a distribution strategy
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -90,6 +95,7 @@ import tensorflow as tf
 from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.trainers.compile_utils import (
     CompileMetrics,
     is_binary_or_sparse_categorical,
@@ -144,8 +150,7 @@ __all__ = [
 
 
 def overrides(model: Any, name: str) -> bool:
-    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook such
-    as ``compute_loss`` or ``train_step``).
+    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook).
 
     >>> class Own(keras.Model):
     ...     def compute_loss(self, *args, **kwargs):
@@ -376,3 +381,20 @@ def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
     """``evaluate``'s list: the results in the order of the model's metrics,
     the loss alone when it is the only one (Keras' own rule)."""
     return model._flatten_metrics_in_order(logs)
+
+
+@contextlib.contextmanager
+def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
+    """Within, Keras' optimizers' ``apply`` calls ``route(optimizer, grads,
+    variables, apply)`` (``apply``: its own); so does ``apply_gradients``."""
+    classes = (BaseOptimizer, keras.optimizers.LossScaleOptimizer)
+    originals = {cls: cls.__dict__["apply"] for cls in classes}
+    for cls, own in originals.items():
+        cls.apply = lambda self, grads, variables=None, own=own: route(
+            self, grads, variables, functools.partial(own, self)
+        )
+    try:
+        yield
+    finally:
+        for cls, own in originals.items():
+            cls.apply = own

@@ -1,6 +1,6 @@
 """Keras' customisation hooks are part of the model: towers honours
-``compute_loss`` (each tower calls it) and refuses, by name, the hooks that
-would replace its own step. The reference is Keras' own ``fit`` and
+``compute_loss`` (each tower calls it; a model's own steps are
+tests/step/test_custom_steps.py). The reference is Keras' own ``fit`` and
 ``evaluate`` on one device."""
 
 import keras
@@ -79,31 +79,3 @@ def test_a_compute_loss_override_trains_and_evaluates_as_keras_fit(num_towers):
 def test_a_compute_loss_override_is_not_given_a_second_loss():
     with pytest.raises(ValueError, match="overrides compute_loss.*received loss"):
         Towers(penalised(), loss="mse", devices=devices(2))
-
-
-class OwnTrainStep(keras.Model):
-    def train_step(self, data):
-        return {}
-
-
-class OwnTestStep(keras.Sequential):
-    def test_step(self, data):
-        return {}
-
-
-def own_train_step():
-    inputs = keras.Input((3,))
-    return OwnTrainStep(inputs, keras.layers.Dense(1)(inputs))
-
-
-def own_test_step():
-    return OwnTestStep([keras.Input((3,)), keras.layers.Dense(1)])
-
-
-@pytest.mark.parametrize(
-    "build, hook", [(own_train_step, "train_step"), (own_test_step, "test_step")]
-)
-def test_a_step_override_is_refused_by_name(build, hook):
-    refusal = f"overrides {hook}.*compute_loss.*split_batch"
-    with pytest.raises(ValueError, match=refusal):
-        Towers(build, "mse", keras.optimizers.SGD(0.1), devices=devices(2))

@@ -11,7 +11,8 @@ updates the model's own metrics from every tower's predictions; ``state.py``
 assigns what the towers' passes assigned, once; ``batches.py`` checks a batch
 on the host; ``parts.py`` (with ``compiling.py``) assembles a step from
 ``Towers``' arguments and ``compiled.py`` holds it as ``tf.function``\\ s,
-``executions.py`` as a loop of steps (``steps_per_execution``).
+``executions.py`` as a loop of steps (``steps_per_execution``); ``custom.py``
+runs a model's own ``train_step`` on every tower, meeting at its applies.
 
 May import: ``towers.cluster``, ``towers.placement`` and the top-level
 building blocks (``split``, ``combine``, ``reducers``, ``devices``, ``options``,

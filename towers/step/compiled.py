@@ -36,8 +36,10 @@ class Compiled:
 
     def __init__(self, step: Step):
         self.step = step
-        self.evaluate = traced(step.evaluate)
-        self.predict = traced(step.predict)
+        # The model's own steps (towers/step/custom.py), else towers'.
+        self.steps = step.custom or step
+        self.evaluate = traced(self.steps.evaluate)
+        self.predict = traced(self.steps.predict)
         self._train, self._trainable, self._retired = None, None, 0
         self._train_steps = None
 
@@ -48,7 +50,7 @@ class Compiled:
         if trainable != self._trainable:
             self.step.placement.follow_trainable()
             self._retired = self.train_traces
-            self._train, self._trainable = traced(self.step.train), trainable
+            self._train, self._trainable = traced(self.steps.train), trainable
             self._train_steps = traced(looped(self.step.train, self.step.results))
             self._loops = any_count(self._train_steps)
         return self._train
@@ -87,10 +89,8 @@ class Compiled:
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)
         self._retired = self.train_traces
         self._train, self._trainable, self._train_steps = None, None, None
-        self.evaluate, self.predict = (
-            traced(self.step.evaluate),
-            traced(self.step.predict),
-        )
+        self.evaluate = traced(self.steps.evaluate)
+        self.predict = traced(self.steps.predict)
         return call(self._function(kind), *batch)
 
     def train_on(self, batches: list[tuple], call: Callable[..., Any]) -> dict:
@@ -103,7 +103,13 @@ class Compiled:
           FloatingPointError: with ``on_nonfinite="raise"``, a combined
             gradient was not finite; the steps after it did not run.
         """
+        one_by_one = self.step.custom is not None  # the model's own step
         for run in runs(batches):
+            if one_by_one:
+                for batch in run:
+                    out = self.run("train", call, *batch)
+                    self._finish(out)
+                continue
             if len(batches) == 1 or not stackable(run[0]):
                 out = self.run("train", call, *run[0])
             else:
@@ -115,7 +121,8 @@ class Compiled:
         """After a training call: raises for a gradient that was not finite
         (``on_nonfinite="raise"``); notes a cluster's stop notice (read by
         fit: ``towers/training/preemption.py``)."""
-        self.step.update.raise_if_nonfinite(out.get("finite"), out["logs"]["loss"])
+        if "finite" in out:
+            self.step.update.raise_if_nonfinite(out["finite"], out["logs"]["loss"])
         if "stop" in out:
             self.step.workers.last_stop = out["stop"]
 

@@ -25,6 +25,7 @@ from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.compiling import FROM_COMPILE, compile_model, given, option
 from towers.step.coupled import CoupledLosses
+from towers.step.custom import CustomStep, custom_hooks, refuse_with_hooks
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.step import Step
@@ -32,13 +33,6 @@ from towers.step.tower import Tower
 
 PLACEMENTS: dict[str, type[Placement]] = {
     cls.name: cls for cls in (Central, Balanced, Replicated, Independent)
-}
-# Keras' hooks that replace what towers' step does itself, by the step they are.
-STEP_HOOKS = {
-    "train_step": "training step",
-    "test_step": "evaluation step",
-    "predict_step": "predict step",
-    "compute_metrics": "metrics update",
 }
 
 
@@ -138,7 +132,8 @@ def make_step(
     per_tower = batch_norm and moving.statistics == "tower"
     workers = join_workers(cluster, where, per_tower, variable_device)
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
-    if trains:
+    hooks = custom_hooks(where.model)
+    if trains and not hooks:
         compile_model(
             where.models,
             where.optimizers,
@@ -149,7 +144,13 @@ def make_step(
         )
     metrics = Metrics(lambda: where.model, variable_device)
     tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
-    return Step(where, tower, update, metrics, moving, workers)
+    step = Step(where, tower, update, metrics, moving, workers)
+    if hooks:
+        refuse_with_hooks(hooks, where, options, workers, jit, moving)
+        step.custom = CustomStep(where, update.count_step)
+        if not own_loss:  # the step feeds its model what it likes: no probe
+            coupled.probed = []
+    return step
 
 
 def check_model(model: Any) -> None:
@@ -214,20 +215,9 @@ def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
     ``compute_loss``, which every tower then calls: ``towers/step/tower.py``).
 
     Raises:
-      ValueError: the model overrides a Keras step (``train_step``, ...) that
-        towers' step would silently replace, or overrides ``compute_loss`` and
-        is given a loss too, which its override would not use.
+      ValueError: the model overrides ``compute_loss`` and is given a loss
+        too, which its override would not use.
     """
-    for hook, what in STEP_HOOKS.items():
-        if overrides(model, hook):
-            raise ValueError(
-                f"towers runs its own {what} (split, each tower's forward and "
-                "backward, combine, apply once) and cannot run the one a model "
-                f"defines; received a {type(model).__name__} that overrides "
-                f"{hook}. Put a custom loss in compute_loss (each tower calls "
-                "it), or write your own loop with towers.split_batch and "
-                "towers.combine_gradients (docs/guides/research.md)."
-            )
     if not overrides(model, "compute_loss"):
         return False
     given = [

@@ -71,6 +71,7 @@ class Step:
         self.workers = workers
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
+        self.custom: Any = None  # the model's own steps (custom.py), if any
         self._warned: set[str] = set()  # state variables warned of (state.py)
         # What the towers' passes assign (state.py): variable path -> its rule.
         self.assigned: dict[str, str] = {}

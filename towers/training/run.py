@@ -37,6 +37,7 @@ class FitRun:
     batches: Epochs
     preemption: Preemption
     trained: bool = False  # any step yet in this fit
+    logs: dict | None = None  # the last step's logs, as the callbacks saw them
 
 
 def resume(
@@ -99,7 +100,11 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
     # An epoch ends with its last accumulate_steps window applied.
     engine.apply_accumulated()
     run.checkpoint.save(epoch + 1, 0, run.batches.position)
-    return dict(engine.model.get_metrics_result())
+    results = dict(engine.model.get_metrics_result())
+    # Keras' rule for a model's own train_step: its last logs, unless they
+    # are the metrics' results.
+    logs = run.logs if engine.step.custom is not None else None
+    return results if logs is None or set(logs) == set(results) else dict(logs)
 
 
 def fit_execution(
@@ -119,13 +124,16 @@ def fit_execution(
         logs = engine.train_step(*batches[0])
     else:
         logs = engine.train_steps(batches)
-    # Reading the loss back waits for the steps, so the time is theirs.
-    float(np.asarray(logs["loss"]))
-    run.log.after_step(pythonify_logs(logs), time.perf_counter() - started, size)
+    # Reading the logs back waits for the steps, so the time is theirs.
+    logs = pythonify_logs(logs)
+    run.log.after_step(logs, time.perf_counter() - started, size)
     run.trained = True
-    # Keras' callbacks see every metric's running value, the loss's included.
-    running = {**logs, "loss": engine.loss_tracker.result()}
-    run.callbacks.on_train_batch_end(end, running)
+    # Keras' callbacks see every metric's running value, the loss's included
+    # (a model's own train_step returns them itself).
+    if engine.step.custom is None:
+        logs = {**logs, "loss": float(engine.loss_tracker.result())}
+    run.logs = logs
+    run.callbacks.on_train_batch_end(end, logs)
     done = begin + len(batches)
     # The epoch's last step is saved by the epoch-end checkpoint just after.
     every = run.checkpoint_every

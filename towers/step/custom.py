@@ -1,0 +1,298 @@
+"""A model's own ``train_step``, ``test_step`` and ``predict_step``, run by
+every tower on its shard, the towers meeting at each apply.
+
+Keras' documented way to customise training is to override ``train_step``
+(a GAN's two optimizers, a VAE, a model with its own trackers). Each tower
+calls the model's own step on its shard, under its device; the towers are
+traced in lockstep (``towers/step/lockstep.py``, the mechanism global batch
+statistics and coupled losses meet through), and every ``optimizer.apply`` or
+``apply_gradients`` inside the step is a meeting::
+
+    tower t:  forward, tape.gradient  ->  apply  ->  forward (new weights) -> ...
+                                           ^ every tower's gradients, weighted by
+                                             its share of the examples (n_t / B),
+                                             summed; applied once, on the
+                                             variable device
+
+The first tower applies the towers' combined gradients with the optimizer's
+own ``apply``; every tower then goes on reading the updated variables (the
+reads are traced after the apply, and TensorFlow runs a variable's reads and
+assignments in the order they were traced). So a generator whose loss is
+computed through the discriminator after the discriminator's update trains
+to one device's weights. A step's loss is a mean over its batch, as Keras'
+losses are: each tower's gradient is weighted by ``n_t / B``.
+
+What the step updates besides (Keras' loss tracker, ``compute_metrics``, the
+model's own ``keras.metrics.Mean`` trackers) every tower updates in the same
+metric objects: a streaming metric, or a tracker weighted by each shard's
+size as Keras' own step weights the loss, equals the whole batch's; a
+tracker fed each shard's mean gives the mean of the towers' means (as
+MirroredStrategy does). The logs are what the step returns: a value that is
+a metric's result is read after every tower has updated it; any other value
+(a loss the step returns as it is) is the towers' values weighted by their
+shares. A random draw in the step (``keras.random`` with the model's
+``SeedGenerator``) advances the generator's state tower after tower:
+deterministic for a seed, but not one device's draws.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers._keras import overrides, routed_applies
+from towers.combine import combine_gradients
+from towers.placement.base import Placement
+from towers.split import Shards, batch_size_of, split_for_towers
+from towers.step.batches import HOST
+from towers.step.lockstep import Rendezvous, in_lockstep
+
+# The hooks a model overrides that make towers run Keras' steps.
+HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
+_seat = threading.local()  # the tower this thread traces, while it meets
+
+
+def custom_hooks(model: keras.Model) -> list[str]:
+    """The Keras step hooks ``model`` overrides (``HOOKS``)."""
+    return [hook for hook in HOOKS if overrides(model, hook)]
+
+
+class CustomStep:
+    """The model's own steps on every tower, meeting at each apply.
+
+    Args:
+      placement: where the variables live (one model the towers share).
+      count_step: advances the engine's steps counter, once per step.
+    """
+
+    def __init__(self, placement: Placement, count_step: Callable[[], None]):
+        self.placement = placement
+        self.count_step = count_step
+        self.applies: list[str] = []  # what the towers met at, when traced
+
+    @property
+    def model(self) -> keras.Model:
+        return self.placement.model
+
+    def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+        """One training step: the model's ``train_step`` on every tower.
+        Returns ``{"logs": what the step returned, read as described}``."""
+        logs = self._each_tower("train_step", x, y, sample_weight)
+        self.count_step()
+        return {"logs": logs}
+
+    def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> dict:
+        """The model's ``test_step`` on every tower; returns its logs."""
+        return self._each_tower("test_step", x, y, sample_weight)
+
+    def predict(self, x: Any) -> Any:
+        """The model's ``predict_step`` on every tower, its outputs (any nest)
+        concatenated in example order."""
+        shards = self._split(x, None, None)
+        outputs = self._run("predict_step", shards)
+        with tf.device(HOST):
+            return tf.nest.map_structure(
+                lambda *parts: tf.concat(parts, axis=0), *outputs
+            )
+
+    def _split(self, x: Any, y: Any, sample_weight: Any) -> Shards:
+        with tf.device(HOST), tf.name_scope("split"):
+            return split_for_towers((x, y, sample_weight), len(self.placement.devices))
+
+    def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
+        shards = self._split(x, y, sample_weight)
+        logs = self._run(hook, shards)
+        return self._read_logs(logs, shards)
+
+    def _run(self, hook: str, shards: Shards) -> list[Any]:
+        """``model.<hook>(data)`` on every working tower's shard, traced in
+        lockstep, meeting at each apply; their results in tower order."""
+        working = self.placement.working_towers(shards)
+        meet = Rendezvous(len(working))
+        self.applies = []
+
+        def tower(rank: int, t: int) -> Callable[[], Any]:
+            x, y, sample_weight = shards.parts[t]
+            data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+            def run() -> Any:
+                share = _share(shards, t)
+                _seat.tower = (meet, rank, share)
+                try:
+                    device = self.placement.devices[t]
+                    with tf.device(device), tf.name_scope(f"tower_{t}"):
+                        return getattr(self.model, hook)(data)
+                finally:
+                    _seat.tower = None
+
+            return run
+
+        try:
+            with routed_applies(self._meet):
+                return in_lockstep([tower(r, t) for r, t in enumerate(working)], meet)
+        except threading.BrokenBarrierError as error:
+            raise ValueError(
+                f"the towers' {hook} did not make the same applies on every "
+                f"shard ({error}); a step must, as the towers meet at each. "
+                "Nothing was updated."
+            ) from error
+
+    def _meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
+        """An ``optimizer.apply(grads, variables)`` inside a tower's step: the
+        towers' gradients weighted and summed, applied once by the first."""
+        seat = getattr(_seat, "tower", None)
+        if seat is None:  # not a tower's step, or the apply itself
+            return apply(grads, variables)
+        meet, rank, share = seat
+        variables = list(variables if variables is not None else optimizer.variables)
+        grads = [_scaled(g, share) for g in grads]
+        handed = meet.exchange(rank, (optimizer, variables, grads))
+        _check_same(handed, rank)
+        if rank != 0:
+            return None
+        self.applies.append(optimizer.name)
+        _seat.tower = None  # the optimizer's own apply may call apply again
+        try:
+            # Out of tower 0's scope ("x/" names a scope from the top).
+            with tf.device(self.placement.variable_device):
+                with tf.name_scope("combine/"):
+                    combined = combine_gradients(
+                        [grads for _, _, grads in handed],
+                        reduction="sum",
+                        reducer=self.placement.reducer,
+                    )
+                with tf.name_scope("apply/"):
+                    return apply(combined, variables)
+        finally:
+            _seat.tower = seat
+
+    def _read_logs(self, logs: list[Any], shards: Shards) -> dict[str, Any]:
+        """The step's logs: a metric's result read after every tower updated
+        it; any other value weighted by the towers' shares."""
+        results = {}
+        with tf.device(self.placement.variable_device):
+            for metric in self.model.metrics:
+                result = metric.result()
+                if isinstance(result, dict):
+                    results.update(result)
+                else:
+                    results[metric.name] = result
+        last = logs[-1]
+        if not isinstance(last, dict):
+            return last
+        working = self.placement.working_towers(shards)
+        read = {}
+        for key, value in last.items():
+            if key in results:
+                read[key] = results[key]
+            elif _is_float(value):
+                parts = [
+                    _scaled(tf.convert_to_tensor(log[key]), _share(shards, t))
+                    for log, t in zip(logs, working)
+                ]
+                read[key] = tf.add_n(parts)
+            else:
+                read[key] = value
+        return read
+
+
+def refuse_with_hooks(
+    hooks: list[str],
+    placement: Placement,
+    options: dict[str, Any],
+    workers: Any,
+    jit: Any,
+    moving: Any,
+) -> None:
+    """Refuses, by name and before any step, what a model's own steps cannot
+    run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
+
+    Raises:
+      ValueError: a copy of the model per tower (``placement``), a cluster,
+        micro-batches, a non-finite policy, ``jit_compile=True``, or
+        BatchNormalization layers on more than one tower.
+    """
+    model = type(placement.model).__name__
+    more = len(placement.devices) > 1
+    refused = [
+        (len(placement.models) > 1, f"placement={placement.name!r}", "a model "
+         "copy per tower; the towers' steps share one model: use placement="
+         "'central' or 'balanced'"),
+        (workers is not None, "a cluster (TF_CONFIG)", "towers runs it on one "
+         "worker's towers for now"),
+        (options["accumulate_steps"] > 1, "accumulate_steps="
+         f"{options['accumulate_steps']}", "the step applies as it goes"),
+        (options["on_nonfinite"] != "ignore", f"on_nonfinite="
+         f"{options['on_nonfinite']!r}", "the step applies as it goes"),
+        (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
+         "stops at its applies; pass jit_compile=False"),
+        (bool(moving.layers) and more, f"{len(moving.layers)} "
+         "BatchNormalization layers", "each tower's step would move their "
+         "moving statistics once, T times a step"),
+    ]  # fmt: skip
+    for refuse, what, why in refused:
+        if refuse:
+            raise ValueError(
+                f"a {model} that overrides {', '.join(hooks)} runs on every "
+                f"tower, meeting at its applies; received {what}: {why}."
+            )
+    if jit.enabled:
+        warnings.warn(
+            f"a {model} that overrides {', '.join(hooks)} runs without XLA "
+            "(jit_compile='auto' chose XLA): each tower's step stops at its "
+            "applies.",
+            stacklevel=2,
+        )
+
+
+def _share(shards: Shards, t: int) -> Any:
+    """Tower ``t``'s share of the step's examples, ``n_t / B``."""
+    if shards.sizes is not None and isinstance(shards.size, int):
+        return shards.sizes[t] / shards.size
+    n_t = tf.cast(batch_size_of(shards.parts[t]), tf.float64)
+    return n_t / tf.cast(shards.size, tf.float64)
+
+
+def _scaled(gradient: Any, share: Any) -> Any:
+    """``gradient`` times ``share``, in its own dtype (a float64 model stays
+    float64: a Python share is made a constant of that dtype, not cast from
+    float32); IndexedSlices stay slices."""
+    if gradient is None:
+        return None
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    if isinstance(share, float):
+        factor = tf.constant(share, values.dtype)
+    else:
+        factor = tf.cast(share, values.dtype)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            gradient.values * factor, gradient.indices, gradient.dense_shape
+        )
+    return gradient * factor
+
+
+def _check_same(handed: list[tuple], rank: int) -> None:
+    """Refuses towers that met at different applies (another optimizer, or
+    other variables), naming the two."""
+    optimizer, variables, _ = handed[0]
+    for other, (theirs, their_variables, _) in enumerate(handed[1:], start=1):
+        same = theirs is optimizer and [id(v) for v in their_variables] == [
+            id(v) for v in variables
+        ]
+        if not same:
+            raise ValueError(
+                "the towers' train_step reached different applies: tower 0 "
+                f"applied {optimizer.name} to {len(variables)} variables, tower "
+                f"{other} {theirs.name} to {len(their_variables)}. A step must "
+                "make the same applies on every shard; nothing was updated."
+            )
+
+
+def _is_float(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and tf.as_dtype(dtype).is_floating
