@@ -43,6 +43,9 @@ def render(explanation: Any) -> str:
     if e.assigned:
         lines.append("variables the forward pass assigns, once a step:")
         lines += [f"  {line}" for line in e.assigned]
+    if e.meetings:
+        lines.append("the model's own train_step: the towers meet at")
+        lines += [f"  {line}" for line in e.meetings]
     lines += ["", *_variables(e), "", summary(e)]
     return "\n".join(lines)
 

@@ -59,6 +59,8 @@ class Explanation:
     # the variables the towers' passes assign, each with the rule that assigns
     # it once a step (towers/step/state.py)
     assigned: list[str] = field(default_factory=list)
+    # where a model's own train_step made the towers meet (towers/step/custom.py)
+    meetings: list[str] = field(default_factory=list)
 
     def ran_on(self, stage: str) -> list[str]:
         """The devices that ran ops of ``stage`` (e.g. ``"apply"``), most first."""
@@ -119,7 +121,8 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
     """
     x, y, sample_weight = engine.prepare(x, y)
     engine.step.probe(x, y, sample_weight)
-    concrete = traced(engine.step.train).get_concrete_function(x, y, sample_weight)
+    steps = engine.step.custom or engine.step  # the model's own train_step, if any
+    concrete = traced(steps.train).get_concrete_function(x, y, sample_weight)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
         with _runtime.placed_graphs() as functions:
@@ -149,6 +152,11 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         coupled=engine.step.tower.coupled.describe(),
         assigned=[
             f"{path}: {describe(rule)}" for path, rule in engine.step.assigned.items()
+        ],
+        meetings=[
+            f"{optimizer}.apply: every tower's gradients, weighted by its share "
+            f"of the examples, summed and applied once on {engine.variable_device}"
+            for optimizer in getattr(engine.step.custom, "applies", [])
         ],
     )
 
