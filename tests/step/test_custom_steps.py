@@ -508,3 +508,35 @@ def test_towers_explain_shows_where_a_models_own_step_meets():
     assert report.ran_on("tower 1 forward")[0] == "/device:CPU:1"
     for got, want in zip(engine.model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+class OwnPredictStep(keras.Model):
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return {"doubled": 2 * self(x, training=False)}
+
+
+def own_predict_step():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    model = OwnPredictStep(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_a_predict_step_alone_leaves_training_to_towers_own_exact_step():
+    x, y = regression(19)
+    engine = Towers(own_predict_step(), devices=devices(2), batch_statistics="global")
+    reference = own_predict_step()
+    before = reference.get_weights()
+
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    engine.fit(x, y, **fit)
+    reference.fit(x, y, **fit)
+
+    # The whole batch's statistics, the moving ones moved once a step.
+    assert_same_updates(engine.model, reference, before)
+    got = engine.predict(x, batch_size=8, verbose=0)
+    want = reference.predict(x, batch_size=8, verbose=0)
+    np.testing.assert_allclose(got["doubled"], want["doubled"], rtol=1e-12)

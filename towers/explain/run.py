@@ -35,6 +35,7 @@ from towers.explain.graph import (
 from towers.explain.report import draw, render
 from towers.split import split_sizes
 from towers.step.compiled import traced
+from towers.step.custom import own
 from towers.step.state import describe
 
 
@@ -121,7 +122,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
     """
     x, y, sample_weight = engine.prepare(x, y)
     engine.step.probe(x, y, sample_weight)
-    steps = engine.step.custom or engine.step  # the model's own train_step, if any
+    steps = own(engine.step, "train") or engine.step  # the model's own, if any
     concrete = traced(steps.train).get_concrete_function(x, y, sample_weight)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
@@ -156,7 +157,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         meetings=[
             f"{optimizer}.apply: every tower's gradients, weighted by its share "
             f"of the examples, summed and applied once on {engine.variable_device}"
-            for optimizer in getattr(engine.step.custom, "applies", [])
+            for optimizer in getattr(own(engine.step, "train"), "applies", [])
         ],
     )
 

@@ -16,6 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.step import xla
+from towers.step.custom import own
 from towers.step.executions import any_count, looped, runs, stack, stackable
 from towers.step.step import Step
 
@@ -36,10 +37,8 @@ class Compiled:
 
     def __init__(self, step: Step):
         self.step = step
-        # The model's own steps (towers/step/custom.py), else towers'.
-        self.steps = step.custom or step
-        self.evaluate = traced(self.steps.evaluate)
-        self.predict = traced(self.steps.predict)
+        self.evaluate = traced(self._steps("evaluate").evaluate)
+        self.predict = traced(self._steps("predict").predict)
         self._train, self._trainable, self._retired = None, None, 0
         self._train_steps = None
 
@@ -50,7 +49,8 @@ class Compiled:
         if trainable != self._trainable:
             self.step.placement.follow_trainable()
             self._retired = self.train_traces
-            self._train, self._trainable = traced(self.steps.train), trainable
+            self._train = traced(self._steps("train").train)
+            self._trainable = trainable
             self._train_steps = traced(looped(self.step.train, self.step.results))
             self._loops = any_count(self._train_steps)
         return self._train
@@ -89,8 +89,8 @@ class Compiled:
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)
         self._retired = self.train_traces
         self._train, self._trainable, self._train_steps = None, None, None
-        self.evaluate = traced(self.steps.evaluate)
-        self.predict = traced(self.steps.predict)
+        self.evaluate = traced(self._steps("evaluate").evaluate)
+        self.predict = traced(self._steps("predict").predict)
         return call(self._function(kind), *batch)
 
     def train_on(self, batches: list[tuple], call: Callable[..., Any]) -> dict:
@@ -103,7 +103,7 @@ class Compiled:
           FloatingPointError: with ``on_nonfinite="raise"``, a combined
             gradient was not finite; the steps after it did not run.
         """
-        one_by_one = self.step.custom is not None  # the model's own step
+        one_by_one = own(self.step, "train") is not None  # the model's own
         for run in runs(batches):
             if one_by_one:
                 for batch in run:
@@ -125,6 +125,11 @@ class Compiled:
             self.step.update.raise_if_nonfinite(out["finite"], out["logs"]["loss"])
         if "stop" in out:
             self.step.workers.last_stop = out["stop"]
+
+    def _steps(self, kind: str) -> Any:
+        """What runs the ``kind`` step: the model's own (``custom.py``), or
+        towers'."""
+        return own(self.step, kind) or self.step
 
     def _function(self, kind: str) -> Callable[..., Any]:
         if kind in ("train", "train_steps"):

@@ -1,5 +1,6 @@
 """A model's own ``train_step``, ``test_step`` and ``predict_step``, run by
-every tower on its shard, the towers meeting at each apply.
+every tower on its shard, the towers meeting at each apply. Only the steps a
+model overrides run here (``kinds_of``); the others are towers' own.
 
 Keras' documented way to customise training is to override ``train_step``
 (a GAN's two optimizers, a VAE, a model with its own trackers). Each tower
@@ -49,6 +50,7 @@ from towers._keras import overrides, routed_applies
 from towers.combine import combine_gradients
 from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
+from towers.step import xla
 from towers.step.batches import HOST
 from towers.step.lockstep import Rendezvous, in_lockstep
 
@@ -62,17 +64,42 @@ def custom_hooks(model: keras.Model) -> list[str]:
     return [hook for hook in HOOKS if overrides(model, hook)]
 
 
+def kinds_of(hooks: list[str]) -> frozenset[str]:
+    """The steps (``"train"``, ``"evaluate"``, ``"predict"``) that run Keras'
+    own for a model overriding ``hooks``; the others are towers' own, which
+    are Keras' defaults (``compute_metrics`` is called by Keras' train and
+    test steps)."""
+    steps = {"train_step": "train", "test_step": "evaluate", "predict_step": "predict"}
+    kinds = {steps[hook] for hook in hooks if hook in steps}
+    if "compute_metrics" in hooks:
+        kinds |= {"train", "evaluate"}
+    return frozenset(kinds)
+
+
+def own(step: Any, kind: str) -> CustomStep | None:
+    """``step.custom`` when it runs the ``kind`` step, else None."""
+    custom = step.custom
+    return custom if custom is not None and kind in custom.kinds else None
+
+
 class CustomStep:
     """The model's own steps on every tower, meeting at each apply.
 
     Args:
       placement: where the variables live (one model the towers share).
       count_step: advances the engine's steps counter, once per step.
+      kinds: the steps that are the model's own (``kinds_of``).
     """
 
-    def __init__(self, placement: Placement, count_step: Callable[[], None]):
+    def __init__(
+        self,
+        placement: Placement,
+        count_step: Callable[[], None],
+        kinds: frozenset[str],
+    ):
         self.placement = placement
         self.count_step = count_step
+        self.kinds = kinds
         self.applies: list[str] = []  # what the towers met at, when traced
 
     @property
@@ -213,14 +240,18 @@ def refuse_with_hooks(
     run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
 
     Raises:
-      ValueError: a copy of the model per tower (``placement``), a cluster,
-        micro-batches, a non-finite policy, ``jit_compile=True``, or
-        BatchNormalization layers on more than one tower.
+      ValueError: a cluster; with the model's own train step, a copy of the
+        model per tower (``placement``), micro-batches, a non-finite policy,
+        ``jit_compile=True``, or BatchNormalization on more than one tower.
     """
     model = type(placement.model).__name__
     more = len(placement.devices) > 1
+    copies = len(placement.models) > 1
+    if "train" not in kinds_of(hooks):  # evaluation or prediction alone
+        more, copies, jit = False, False, xla.OFF  # nothing trains in them
+        options = {"accumulate_steps": 1, "on_nonfinite": "ignore"}
     refused = [
-        (len(placement.models) > 1, f"placement={placement.name!r}", "a model "
+        (copies, f"placement={placement.name!r}", "a model "
          "copy per tower; the towers' steps share one model: use placement="
          "'central' or 'balanced'"),
         (workers is not None, "a cluster (TF_CONFIG)", "towers runs it on one "

@@ -25,7 +25,12 @@ from towers.step import xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.compiling import FROM_COMPILE, compile_model, given, option
 from towers.step.coupled import CoupledLosses
-from towers.step.custom import CustomStep, custom_hooks, refuse_with_hooks
+from towers.step.custom import (
+    CustomStep,
+    custom_hooks,
+    kinds_of,
+    refuse_with_hooks,
+)
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.step import Step
@@ -133,7 +138,8 @@ def make_step(
     workers = join_workers(cluster, where, per_tower, variable_device)
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
     hooks = custom_hooks(where.model)
-    if trains and not hooks:
+    kinds = kinds_of(hooks)
+    if trains and "train" not in kinds:
         compile_model(
             where.models,
             where.optimizers,
@@ -147,8 +153,8 @@ def make_step(
     step = Step(where, tower, update, metrics, moving, workers)
     if hooks:
         refuse_with_hooks(hooks, where, options, workers, jit, moving)
-        step.custom = CustomStep(where, update.count_step)
-        if not own_loss:  # the step feeds its model what it likes: no probe
+        step.custom = CustomStep(where, update.count_step, kinds)
+        if "train" in kinds and not own_loss:  # its own data to its model
             coupled.probed = []
     return step
 

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import pythonify_logs
+from towers.step.custom import own
 from towers.training.checkpoint import (
     TrainingCheckpoint,
     data_position_saveable,
@@ -103,7 +104,7 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
     results = dict(engine.model.get_metrics_result())
     # Keras' rule for a model's own train_step: its last logs, unless they
     # are the metrics' results.
-    logs = run.logs if engine.step.custom is not None else None
+    logs = run.logs if own(engine.step, "train") is not None else None
     return results if logs is None or set(logs) == set(results) else dict(logs)
 
 
@@ -130,7 +131,7 @@ def fit_execution(
     run.trained = True
     # Keras' callbacks see every metric's running value, the loss's included
     # (a model's own train_step returns them itself).
-    if engine.step.custom is None:
+    if own(engine.step, "train") is None:
         logs = {**logs, "loss": float(engine.loss_tracker.result())}
     run.logs = logs
     run.callbacks.on_train_batch_end(end, logs)
