@@ -1,5 +1,6 @@
 """Fixtures shared by several test modules."""
 
+import keras
 import pytest
 
 from tests.shuffled_run import uninterrupted_run
@@ -29,3 +30,16 @@ def xla_allowed():
         yield
     finally:
         config.enable_op_determinism()
+
+
+@pytest.fixture
+def float64():
+    """Keras' floatx and dtype policy float64 while the test runs. The dtype
+    policy too: once set explicitly (the mixed-precision tests set it back to
+    "float32"), it no longer follows floatx."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)

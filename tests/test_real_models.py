@@ -58,18 +58,6 @@ APPLICATIONS = {
 }
 
 
-@pytest.fixture
-def float64():
-    # The dtype policy too: once set explicitly (the mixed-precision tests set it
-    # back to "float32"), it no longer follows floatx.
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
-
-
 def assert_same_updates(engine_model, reference, before, atol=FLOAT64_UPDATE_ATOL):
     """Every variable's update equal to Keras', relative to itself, with an
     absolute floor at the model's largest update (an update that is 0 on one

@@ -14,14 +14,7 @@ from towers import Towers
 FLOAT64_RTOL, FLOAT64_ATOL = 1e-12, 1e-14
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 
 def assert_same_updates(model, reference, before):
@@ -44,17 +37,14 @@ class GuideStep(keras.Model):
             loss = self.compute_loss(y=y, y_pred=y_pred)
         variables = self.trainable_variables
         self.optimizer.apply(tape.gradient(loss, variables), variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return self.update_metrics(y, y_pred, loss)
 
     def test_step(self, data):
         x, y = data
         y_pred = self(x, training=False)
-        loss = self.compute_loss(y=y, y_pred=y_pred)
+        return self.update_metrics(y, y_pred, self.compute_loss(y=y, y_pred=y_pred))
+
+    def update_metrics(self, y, y_pred, loss):
         for metric in self.metrics:
             if metric.name == "loss":
                 metric.update_state(loss)
