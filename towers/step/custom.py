@@ -176,10 +176,11 @@ class CustomStep:
         if seat is None:  # not a tower's step, or the apply itself
             return apply(grads, variables)
         meet, rank, share = seat
-        variables = list(variables if variables is not None else optimizer.variables)
+        # None: the variables the optimizer was built with (Keras' rule).
+        variables = None if variables is None else list(variables)
         grads = [_scaled(g, share) for g in grads]
-        handed = meet.exchange(rank, (optimizer, variables, grads))
-        _check_same(handed, rank)
+        handed = meet.exchange(rank, (optimizer, variables or [], grads))
+        _check_same(handed)
         if rank != 0:
             return None
         self.applies.append(optimizer.name)
@@ -307,7 +308,7 @@ def _scaled(gradient: Any, share: Any) -> Any:
     return gradient * factor
 
 
-def _check_same(handed: list[tuple], rank: int) -> None:
+def _check_same(handed: list[tuple]) -> None:
     """Refuses towers that met at different applies (another optimizer, or
     other variables), naming the two."""
     optimizer, variables, _ = handed[0]
