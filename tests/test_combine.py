@@ -40,6 +40,26 @@ def test_weights_scale_each_tower_and_mean_divides_by_their_sum():
     np.testing.assert_allclose(mean.numpy(), [3.5], rtol=EXACT)  # 14 / 4
 
 
+@pytest.mark.parametrize("tensor_weights", [False, True])
+def test_float64_gradients_keep_their_digits_under_fractional_weights(tensor_weights):
+    # A share such as 1/3 is not exact in float32: made float32 on the way it
+    # would move a float64 result by about 1e-8 of its size.
+    shares = [1 / 3, 2 / 3]
+    weights = [tf.constant(w, tf.float64) for w in shares] if tensor_weights else shares
+    grads = [
+        [tf.constant([3.0, 1.0], tf.float64)],
+        [tf.constant([6.0, 1.0], tf.float64)],
+    ]
+
+    (total,) = combine_gradients(grads, reduction="sum", weights=weights)
+    (mean,) = combine_gradients(grads, reduction="mean", weights=weights)
+
+    assert total.dtype == tf.float64
+    want = np.array([3.0, 1.0]) * (1 / 3) + np.array([6.0, 1.0]) * (2 / 3)
+    np.testing.assert_allclose(total.numpy(), want, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(mean.numpy(), want / (1 / 3 + 2 / 3), rtol=1e-15, atol=0)
+
+
 def test_none_everywhere_stays_none_and_none_somewhere_counts_as_zero():
     tower_grads = [
         [None, tf.constant([2.0]), None],

@@ -181,8 +181,8 @@ def _tower_scales(num_towers: int, reduction: str, weights):
         raise ValueError(f"weights must be non-negative; received {weights}")
     if reduction == "sum":
         return weights, None
-    if len(numbers) < num_towers:  # some weights are tensors
-        return weights, tf.add_n([tf.cast(w, tf.float32) for w in weights])
+    if len(numbers) < num_towers:  # some weights are tensors: summed per dtype
+        return weights, weights
     if sum(numbers) == 0:
         raise ValueError(f"mean needs weights with a positive sum; received {weights}")
     return weights, sum(numbers)
@@ -208,16 +208,31 @@ def _combine_slices(present: list, scales: list) -> tf.IndexedSlices:
 
 
 def _divide(grad: Any, divisor: Any) -> Any:
+    """``grad / divisor``; a list divisor is the weights, summed in the
+    gradient's own dtype."""
     if grad is None or divisor is None:
         return grad
+    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    if isinstance(divisor, list):
+        total = tf.add_n([in_dtype(w, values.dtype) for w in divisor])
+    else:
+        total = in_dtype(divisor, values.dtype)
     if isinstance(grad, tf.IndexedSlices):
-        values = grad.values / tf.cast(divisor, grad.values.dtype)
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return grad / tf.cast(divisor, grad.dtype)
+        return tf.IndexedSlices(values / total, grad.indices, grad.dense_shape)
+    return grad / total
 
 
 def _scaled(value: tf.Tensor, scale) -> tf.Tensor:
-    return value if scale is None else value * tf.cast(scale, value.dtype)
+    return value if scale is None else value * in_dtype(scale, value.dtype)
+
+
+def in_dtype(number: Any, dtype: tf.DType) -> tf.Tensor:
+    """``number`` as a tensor of ``dtype``: a Python number becomes a constant
+    of that dtype directly (``tf.cast`` would first make it float32 and lose a
+    float64 model's digits); a tensor is cast."""
+    if isinstance(number, (int, float)):
+        return tf.constant(number, dtype)
+    return tf.cast(number, dtype)
 
 
 def _check_agree(present: list, label: str) -> None:

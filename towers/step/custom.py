@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from towers._keras import overrides, routed_applies
-from towers.combine import combine_gradients
+from towers.combine import combine_gradients, in_dtype
 from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
@@ -178,8 +178,7 @@ class CustomStep:
         meet, rank, share = seat
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
-        grads = [_scaled(g, share) for g in grads]
-        handed = meet.exchange(rank, (optimizer, variables or [], grads))
+        handed = meet.exchange(rank, (optimizer, variables or [], grads, share))
         _check_same(handed)
         if rank != 0:
             return None
@@ -190,7 +189,8 @@ class CustomStep:
             with tf.device(self.placement.variable_device):
                 with tf.name_scope("combine/"):
                     combined = combine_gradients(
-                        [grads for _, _, grads in handed],
+                        [grads for _, _, grads, _ in handed],
+                        weights=[share for *_, share in handed],
                         reduction="sum",
                         reducer=self.placement.reducer,
                     )
@@ -219,10 +219,10 @@ class CustomStep:
             if key in results:
                 read[key] = results[key]
             elif _is_float(value):
-                parts = [
-                    _scaled(tf.convert_to_tensor(log[key]), _share(shards, t))
-                    for log, t in zip(logs, working)
-                ]
+                parts = []
+                for log, t in zip(logs, working):
+                    part = tf.convert_to_tensor(log[key])
+                    parts.append(part * in_dtype(_share(shards, t), part.dtype))
                 read[key] = tf.add_n(parts)
             else:
                 read[key] = value
@@ -290,29 +290,11 @@ def _share(shards: Shards, t: int) -> Any:
     return n_t / tf.cast(shards.size, tf.float64)
 
 
-def _scaled(gradient: Any, share: Any) -> Any:
-    """``gradient`` times ``share``, in its own dtype (a float64 model stays
-    float64: a Python share is made a constant of that dtype, not cast from
-    float32); IndexedSlices stay slices."""
-    if gradient is None:
-        return None
-    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-    if isinstance(share, float):
-        factor = tf.constant(share, values.dtype)
-    else:
-        factor = tf.cast(share, values.dtype)
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            gradient.values * factor, gradient.indices, gradient.dense_shape
-        )
-    return gradient * factor
-
-
 def _check_same(handed: list[tuple]) -> None:
     """Refuses towers that met at different applies (another optimizer, or
     other variables), naming the two."""
-    optimizer, variables, _ = handed[0]
-    for other, (theirs, their_variables, _) in enumerate(handed[1:], start=1):
+    optimizer, variables, *_ = handed[0]
+    for other, (theirs, their_variables, *_) in enumerate(handed[1:], start=1):
         same = theirs is optimizer and [id(v) for v in their_variables] == [
             id(v) for v in variables
         ]
