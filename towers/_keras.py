@@ -1,24 +1,22 @@
-"""The non-public parts of Keras towers uses, in one place.
-
-Eleven jobs have no public call.
+"""The non-public parts of Keras towers uses, in one place: jobs with no public call.
 
 Loss terms. A Keras loss reduces its values over the batch it is given: a mean
 over a tower's shard. To make T shards add up to the whole batch exactly, towers
-needs the loss *before* its reduction, weighted exactly as Keras weights it
-(sample weights, masks, their ranks matched), and what the reduction would
-divide by. Keras has no public call that stops there; ``Loss.__call__`` does it
-with the helpers imported below, and so does ``towers/step/losses.py``, through this
-module only. A loss named by its function (``"binary_crossentropy"``) is
-wrapped as Keras' ``compile`` wraps it (``LossFunctionWrapper``: the targets
-squeezed or expanded to the predictions' rank).
+needs the loss *before* its reduction, weighted as Keras weights it (sample
+weights, masks, their ranks matched), and what the reduction would divide by:
+``Loss.__call__``'s helpers, imported below for ``towers/step/losses.py``. A
+loss named by its function is wrapped as ``compile`` wraps it
+(``LossFunctionWrapper``: the targets squeezed or expanded to the predictions').
 
-Checked against Keras 3.15 (tests/step/test_losses.py compares every reduction, with
-and without sample weights and masks, against Keras' own full-batch value).
+Checked against Keras 3.15 (tests/step/test_losses.py).
 
 The model's own loss. A model may override Keras' ``Model.compute_loss``, and
 Keras' steps call it through ``Model._compute_loss``, which also calls an
 override written before Keras 3.3 (it takes no ``training``). towers calls it
-the same way, per tower (``towers/step/tower.py``).
+the same way, per tower (``towers/step/tower.py``), or on the whole batch's
+outputs with each tower's computation's assignments kept or dropped in its
+scope (``ReadScope.forgetting``, ``StatelessScope.state_mapping``;
+``towers/step/gathered.py``).
 
 Weights read on the tower's device. A layer may compile part of its call with
 XLA (Keras' TensorFlow backend does for a grouped convolution on CPUs), and an
@@ -32,14 +30,11 @@ caller holds the seed states to hand them from tower to tower
 counter, a metric it updates) is kept in the scope, and the step assigns it
 once by its aggregation (``towers/step/state.py``).
 
-Trainable changes. Freezing a layer sets its variables' ``trainable`` to False,
-like a BatchNormalization's moving statistics, which are never trained; the
-layers' own lists (``_trainable_variables``) still tell them apart. towers builds
-the optimizer's slots for every variable a layer can train, so a layer unfrozen
-between steps has its slots (tests/test_keras_parity.py).
+Trainable changes. A frozen layer's variables and a BatchNormalization's moving
+statistics both say ``trainable=False``; the layers' ``_trainable_variables``
+tell them apart, so a layer unfrozen between steps has its optimizer slots.
 
-Validation split. ``fit(validation_split=...)`` holds out the last examples as
-Keras' own fit does, through its helper (``towers/training/data.py``).
+Validation split: the last examples, by Keras' helper (``training/data.py``).
 
 Input as Keras' fit takes it. Keras picks a data adapter for what ``fit``,
 ``evaluate`` and ``predict`` are given (arrays, pandas, tf.data, generators,
@@ -58,15 +53,15 @@ the model's ``_initial_epoch``, as Keras' own fit reads it
 A model's own train_step: its applies end in ``BaseOptimizer.apply`` (or a
 ``LossScaleOptimizer``'s), where the towers meet (``towers/step/custom.py``).
 
-Progress. Keras' ``Progbar`` updates its line in place on any POSIX system, a
-log file included; towers' bar is Keras' own, in place only on a terminal
-(``towers/training/progress.py``).
+Progress. Keras' ``Progbar`` rewrites its line on any POSIX system, a log file
+included; towers' (Keras' own) only on a terminal (``training/progress.py``).
 
-Each layer's own loss terms. ``model.losses`` mixes the layers' ``add_loss``
-terms with the weights' regularisers and does not say which layer added
-which; ``Layer._get_own_losses`` gives a layer's own terms from its last call
-(in a ``keras.StatelessScope`` too), so towers can name the layer whose term
-couples the batch's examples (``towers/step/coupled.py``).
+Each layer's own loss terms. ``model.losses`` does not say which layer added
+which term; ``Layer._get_own_losses`` does (``towers/step/coupled.py``). In a
+``keras.StatelessScope`` a layer finds its terms by their ids
+(``Layer._loss_ids``), one set per layer that each call clears: towers traced
+in lockstep, one thread each, put their own back when their turn comes
+(``towers/step/lockstep.py``).
 
 "accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
 binary, sparse categorical or categorical accuracy by the shapes of the targets
@@ -112,39 +107,17 @@ from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
+# Imported here for the modules that use them (the names defined below are
+# imported by name).
 __all__ = [
-    "adapter_dataset",
-    "build_compiled_metrics",
-    "compile_arguments",
-    "compiled_metrics_unbuilt",
-    "examples_of",
-    "gather_rows",
-    "host_tensors",
-    "leaf_metrics",
-    "loss_tracker",
-    "metrics_in_order",
-    "output_loss_trackers",
-    "apply_mask",
-    "array_tensors",
-    "get_data_adapter",
-    "initial_epoch",
-    "is_array_input",
-    "peeked_batch",
+    "LossFunctionWrapper",
     "PyDatasetAdapter",
-    "pythonify_logs",
-    "set_in_place",
-    "warn_ran_out",
-    "compute_loss",
+    "apply_mask",
+    "get_data_adapter",
     "get_keras_mask",
     "is_binary_or_sparse_categorical",
-    "layers_of",
-    "LossFunctionWrapper",
-    "overrides",
-    "own_losses",
-    "ReadScope",
-    "state_variables",
+    "pythonify_logs",
     "squeeze_or_expand_to_same_rank",
-    "trainable_capable",
     "train_validation_split",
 ]
 
@@ -197,6 +170,32 @@ class ReadScope(keras.StatelessScope):
             variable._direct_assign(value)
         elif id(variable) not in self._held:
             self.assigned.setdefault(id(variable), variable)
+
+    @contextlib.contextmanager
+    def forgetting(self) -> Iterator[None]:
+        """Within, later reads see what is assigned; after, the scope holds
+        what it held before (a loss a tower computes twice, or that another
+        tower computes for the batch, updates the metrics once)."""
+        mapping, assigned = dict(self.state_mapping), dict(self.assigned)
+        try:
+            yield
+        finally:
+            self.state_mapping.clear()
+            self.state_mapping.update(mapping)
+            self.assigned = assigned
+
+
+def loss_ids_kept(models: list[Any]) -> Callable[[], None]:
+    """Returns the call that puts back each layer's ``_loss_ids`` of
+    ``models`` as they are now (the module docstring)."""
+    kept = [(layer, set(layer._loss_ids)) for m in models for layer in layers_of(m)]
+
+    def put_back() -> None:
+        for layer, ids in kept:
+            layer._loss_ids.clear()
+            layer._loss_ids.update(ids)
+
+    return put_back
 
 
 def state_variables(model: keras.Model) -> list[Any]:

@@ -244,9 +244,13 @@ def test_explain_probes_loss_terms_as_the_first_step_does():
     from tests.step.test_probe import contrastive, data
 
     x, y = data()
-    refused = towers.Towers(contrastive(), devices=CPU[:2])
+    refused = towers.Towers(contrastive(), devices=CPU[:2], coupled_losses="refuse")
     with pytest.raises(ValueError, match=r"Contrastive.compute_loss is .*apart"):
         refused.explain(x, y)
+
+    gathered = towers.Towers(contrastive(), devices=CPU[:2])
+    lines = str(gathered.explain(x, y)).split("couple the batch's examples:\n")[1]
+    assert re.match(r"  Contrastive.compute_loss is .* apart\): on the whole", lines)
 
     with pytest.warns(UserWarning, match="Contrastive.compute_loss"):
         engine = towers.Towers(

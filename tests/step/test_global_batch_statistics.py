@@ -320,3 +320,42 @@ def test_the_zero_sync_floor_takes_a_batch_normalization_model():
         shard = x[bounds[t] : bounds[t + 1]]
         moving_mean = copy.layers[0].moving_mean.numpy()
         np.testing.assert_allclose(moving_mean, 0.5 * shard.mean(axis=0), rtol=1e-6)
+
+
+def test_global_statistics_keep_each_towers_activity_regulariser():
+    """A layer finds its add_loss terms by ids it clears at each call
+    (``Layer._loss_ids``): traced in lockstep, the towers' calls interleave at
+    every BatchNormalization, and a tower whose ids were cleared by the next
+    tower's call would lose its regulariser's term."""
+
+    def build():
+        return keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(
+                    8,
+                    use_bias=False,
+                    activity_regularizer=keras.regularizers.L2(0.05),
+                ),
+                keras.layers.BatchNormalization(momentum=0.5),
+                keras.layers.Dense(1),
+            ]
+        )
+
+    def trained(num_towers, statistics):
+        keras.utils.set_random_seed(1)
+        engine = Towers(
+            build,
+            "mse",
+            lambda: keras.optimizers.SGD(0.1),
+            devices=[f"/cpu:{t}" for t in range(num_towers)],
+            batch_statistics=statistics,
+        )
+        for step in range(STEPS):
+            engine.train_step(*data("mlp", 13, seed=step))
+        return [v.numpy() for v in engine.model.variables]
+
+    for one, mine in zip(trained(1, "tower"), trained(3, "global"), strict=True):
+        np.testing.assert_allclose(
+            mine, one, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )

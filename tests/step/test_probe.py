@@ -1,7 +1,9 @@
 """A loss term that is not a mean over the batch's examples is found on the
 first batch and refused by name, or warned of with ``coupled_losses=
-"per_tower"`` (``towers/step/coupled.py``). Terms that are means, or do not
-depend on the examples, train as Keras' own ``fit`` on one device."""
+"per_tower"`` (``towers/step/coupled.py``); a coupled ``compute_loss`` is
+computed on the whole batch (tests/step/test_gathered_loss.py). Terms that
+are means, or do not depend on the examples, train as Keras' own ``fit`` on
+one device."""
 
 import warnings
 
@@ -100,10 +102,11 @@ def fit_both(build, num_towers, **options):
     return updates(engine.model, before), updates(reference, before)
 
 
-@pytest.mark.parametrize("policy", ["exact", "refuse"])
-def test_a_contrastive_compute_loss_is_refused_by_name_before_any_update(policy):
+def test_a_contrastive_compute_loss_is_refused_by_name_before_any_update():
+    """coupled_losses='refuse' (the default, "exact", computes it on the whole
+    batch: tests/step/test_gathered_loss.py)."""
     x, y = data()
-    engine = Towers(contrastive(), devices=devices(2), coupled_losses=policy)
+    engine = Towers(contrastive(), devices=devices(2), coupled_losses="refuse")
     before = engine.model.get_weights()
 
     with pytest.raises(ValueError) as refused:
@@ -153,42 +156,3 @@ def test_mean_terms_and_regularisers_pass_the_probe_and_train_as_keras_fit():
         got, want = fit_both(with_layer(MeanPenalty), 3)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
-
-
-def siglip():
-    import keras_hub
-
-    vision = keras_hub.models.SigLIPVisionEncoder(
-        patch_size=4,
-        hidden_dim=16,
-        num_layers=1,
-        num_heads=2,
-        intermediate_dim=32,
-        image_shape=(8, 8, 3),
-    )
-    text = keras_hub.models.SigLIPTextEncoder(
-        vocabulary_size=20,
-        embedding_dim=16,
-        hidden_dim=16,
-        num_layers=1,
-        num_heads=2,
-        intermediate_dim=32,
-        max_sequence_length=6,
-    )
-    model = keras_hub.models.SigLIPBackbone(vision, text)
-    model.compile(optimizer=keras.optimizers.SGD(0.1))
-    return model
-
-
-def test_keras_hubs_siglip_sigmoid_loss_is_refused_by_name():
-    """A real model's contrastive loss: SigLIP's compute_loss scores every
-    image against every text of the batch."""
-    rng = np.random.default_rng(0)
-    x = {
-        "images": rng.standard_normal((6, 8, 8, 3)).astype("float32"),
-        "token_ids": rng.integers(0, 20, (6, 6)),
-    }
-    engine = Towers(siglip(), devices=devices(2))
-    with pytest.raises(ValueError, match=r"SigLIPBackbone.compute_loss is .*apart"):
-        engine.fit(x, batch_size=6, verbose=0)
-    assert int(engine.optimizer.iterations) == 0

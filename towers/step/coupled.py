@@ -157,6 +157,9 @@ class CoupledLosses:
         self.sums: list[tuple[str, int]] = []
         self.terms = coupled_terms(model) if towers > 1 else []
         self.exact = False
+        # The model's compute_loss is computed on the gathered batch
+        # (towers/step/gathered.py); own_step: its own train_step calls it.
+        self.gathered, self.own_step = False, False
         splits = towers > 1 or accumulate_steps > 1
         self.probed: list[Measured] | None = None if splits else []
         self._lock, self._users, self._saved = threading.Lock(), 0, {}
@@ -192,8 +195,13 @@ class CoupledLosses:
                 "probability sums summed over the towers (and workers), one "
                 "exchange per block; the gradient as one device's"
             )
+        gathered = (
+            "on the whole batch's outputs, gathered from every tower; each "
+            "tower's gradient through its own slice (towers/step/gathered.py)"
+        )
+        how_probed = gathered if self.gathered else per_tower
         return [f"{term}: {how}" for term in self.terms] + [
-            f"{term}: {per_tower}" for term in self.probed or []
+            f"{term}: {how_probed}" for term in self.probed or []
         ]
 
     def probe(
@@ -202,15 +210,19 @@ class CoupledLosses:
         batch: tuple[Any, Any, Any],
         own_loss: bool,
         device: str,
+        jit: bool = False,
     ) -> None:
         """Probes the model's other loss terms on ``batch`` (x, y,
         sample_weight), once, on the first batch of two or more examples
-        (the module docstring): a coupled one is refused by name, or, with
-        ``coupled_losses="per_tower"``, warned of once.
+        (the module docstring): a coupled ``compute_loss`` is computed on the
+        whole batch under ``"exact"`` (``gathered``); any other coupled term
+        is refused by name, or, with ``coupled_losses="per_tower"``, warned
+        of once. ``jit``: the towers' passes compile with XLA, strictly.
 
         Raises:
           ValueError: a term is not a mean over the examples, and the policy
-            is ``"exact"`` or ``"refuse"``. Nothing was updated.
+            is ``"exact"`` (and cannot gather it) or ``"refuse"``. Nothing was
+            updated.
         """
         if self.probed is not None or batch_size_of(batch[0]) < 2:
             return
@@ -220,6 +232,20 @@ class CoupledLosses:
         self._check_sums(probed.sums)
         found = probed.coupled
         named = "; ".join(str(term) for term in found)
+        only_own = bool(found) and all(term.own_loss for term in found)
+        if only_own and self.policy == "exact":
+            why = self._why_not_gathered(jit, probed.outputs_coupled)
+            if why:
+                raise ValueError(
+                    f"the model's compute_loss couples the batch's examples ({named}): "
+                    f"towers computes it on the whole batch's gathered outputs, but "
+                    f"not {why}. Pass coupled_losses='per_tower' to take each "
+                    "tower's on its own shard (as MirroredStrategy does: the update "
+                    "then differs from one device's), or train on one device."
+                )
+            self.gathered = self.exact = True
+            self.probed, self.sums = found, probed.sums
+            return
         if found and self.policy != "per_tower":
             raise ValueError(
                 f"the model has loss terms that are not a mean over the batch's "
@@ -240,6 +266,23 @@ class CoupledLosses:
                 stacklevel=4,
             )
         self.probed, self.sums = found, probed.sums
+
+    def _why_not_gathered(self, jit: bool, outputs_coupled: bool) -> str:
+        """Where the whole batch's compute_loss is not built ('' where it is)."""
+        if outputs_coupled:
+            return (
+                "where the model's outputs couple the examples already (its "
+                "outputs on the first two examples together are not its outputs "
+                "on each alone: the forward pass, not only the loss, needs the "
+                "whole batch)"
+            )
+        if self.own_step:
+            return "from inside the model's own train_step"
+        if self.towers > self.local_towers:
+            return "across a cluster's workers yet"
+        if self.accumulate_steps > 1:
+            return f"over accumulate_steps={self.accumulate_steps} micro-batches"
+        return "with jit_compile=True (pass False)" if jit else ""
 
     def _check_sums(self, sums: list[tuple[str, int]]) -> None:
         """Refuses an ``add_loss`` term that sums over the examples where

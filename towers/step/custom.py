@@ -52,7 +52,7 @@ from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
 from towers.step.batches import HOST
-from towers.step.lockstep import Rendezvous, in_lockstep
+from towers.step.lockstep import Rendezvous, in_lockstep, kept
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
@@ -140,7 +140,7 @@ class CustomStep:
         """``model.<hook>(data)`` on every working tower's shard, traced in
         lockstep, meeting at each apply; their results in tower order."""
         working = self.placement.working_towers(shards)
-        meet = Rendezvous(len(working))
+        meet = Rendezvous(len(working), keep=kept(self.placement.models))
         self.applies = []
 
         def tower(rank: int, t: int) -> Callable[[], Any]:

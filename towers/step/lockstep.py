@@ -30,12 +30,15 @@ with "You must feed a value for placeholder").
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import tensorflow as tf
+
+from towers._keras import loss_ids_kept
 
 T = TypeVar("T")
 # How long a tower waits at a rendezvous while tracing before giving up: tracing
@@ -73,8 +76,12 @@ class Rendezvous:
         size: int,
         timeout: float = TRACE_TIMEOUT_SECONDS,
         across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
+        keep: Callable[[], Callable[[], None]] | None = None,
     ):
         self.size = size
+        # keep(): what a tower's thread keeps of shared Python state while the
+        # others take their turns; it returns the call that puts it back.
+        self.keep = keep
         # across(tensor, backward): the tensor summed over the cluster's workers
         # (called by rank 0 only).
         self.across = across
@@ -105,8 +112,11 @@ class Rendezvous:
         slots = self._slots.setdefault(call, [None] * self.size)
         slots[rank] = value
         self._handed[call] = self._handed.get(call, 0) + 1
+        put_back = self.keep() if self.keep is not None else None
         self._hand_on(rank)
         self._wait(rank)  # back to this rank: every tower has had its turn
+        if put_back is not None:
+            put_back()
         if self._handed[call] != self.size:  # one finished without this call
             self.abort()
             raise threading.BrokenBarrierError(
@@ -156,6 +166,12 @@ class Seat:
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
         return _total(self.meet, self.rank, value, backward)
+
+
+def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
+    """What a tower keeps while the others trace: its layers' ids of the
+    ``add_loss`` terms of its call, which each call clears (``towers/_keras.py``)."""
+    return functools.partial(loss_ids_kept, models)
 
 
 def current() -> Any:
@@ -293,7 +309,7 @@ def compute(
     which makes every worker's share of the cross-worker terms exact.
     """
     across, weight = across_workers(workers)
-    meet = Rendezvous(len(working), across=across)
+    meet = Rendezvous(len(working), across=across, keep=kept(placement.models))
 
     def on_tower(t: int, work: Callable[[], T]) -> Callable[[], T]:
         def traced() -> T:

@@ -124,11 +124,12 @@ class Metrics:
         one value a batch: Keras' per-output trackers weigh a batch by its
         static size, unknown in the batches of Keras' fit, so each counts
         once there (and so the outputs' losses of an epoch need not add up
-        to its loss)."""
+        to its loss). ``outputs`` None: the model's own ``compute_loss``
+        updated them, calling Keras'."""
         self.loss_tracker.update_state(
             loss, sample_weight=tf.cast(examples, tf.float32)
         )
-        for tracker in output_loss_trackers(self.model):
+        for tracker in output_loss_trackers(self.model) if outputs is not None else []:
             name = tracker.name.removesuffix("_loss")
             if name not in outputs:
                 raise ValueError(

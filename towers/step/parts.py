@@ -154,6 +154,7 @@ def make_step(
     if hooks:
         refuse_with_hooks(hooks, where, options, workers, jit, moving)
         step.custom = CustomStep(where, update.count_step, kinds)
+        coupled.own_step = "train" in kinds
         if "train" in kinds and not own_loss:  # its own data to its model
             coupled.probed = []
     return step

@@ -57,6 +57,7 @@ class Measured:
     name: str
     together: float
     each: float
+    own_loss: bool = False  # the model's compute_loss, not an add_loss term
 
     def __str__(self) -> str:
         apart = abs(self.together - self.each) / max(
@@ -81,6 +82,9 @@ class Probed:
 
     coupled: list[Measured]
     sums: list[tuple[str, int]]
+    # The model's outputs on the two examples together are not its outputs
+    # on each alone (its forward pass couples them: SigLIP's logits).
+    outputs_coupled: bool = False
 
 
 def probe_terms(
@@ -98,12 +102,12 @@ def probe_terms(
     Probed(coupled=[], sums=[])
     """
     with tf.device(device):
-        together = _term_values(model, _examples(batch, 0, 2), own_loss)
+        together, both = _term_values(model, _examples(batch, 0, 2), own_loss)
         if not together:
             return Probed([], [])  # no add_loss term, no compute_loss: one call
-        first = _term_values(model, _examples(batch, 0, 1), own_loss)
-        second = _term_values(model, _examples(batch, 1, 2), own_loss)
-    found = Probed([], [])
+        first, one = _term_values(model, _examples(batch, 0, 1), own_loss)
+        second, other = _term_values(model, _examples(batch, 1, 2), own_loss)
+    found = Probed([], [], not _rows_match(both, one, other))
     for key, (name, value) in together.items():
         if key not in first or key not in second:
             continue  # a term added for one batch size only: not comparable
@@ -113,8 +117,22 @@ def probe_terms(
         if key[0] != "compute_loss" and _close(value, one + other):
             found.sums.append(key)
             continue
-        found.coupled.append(Measured(name, value, (one + other) / 2))
+        own = key[0] == "compute_loss"
+        found.coupled.append(Measured(name, value, (one + other) / 2, own))
     return found
+
+
+def _rows_match(both: Any, one: Any, other: Any) -> bool:
+    """Whether the outputs on two examples together are the outputs on each
+    alone, row by row."""
+    for b, o, t in zip(*(tf.nest.flatten(n) for n in (both, one, other))):
+        b, apart = np.asarray(b), np.concatenate([np.asarray(o), np.asarray(t)])
+        scale = max(float(np.abs(apart).max(initial=0.0)), 1.0)
+        if b.shape != apart.shape or not np.allclose(
+            b, apart, rtol=PROBE_RTOL, atol=PROBE_RTOL * scale
+        ):
+            return False
+    return True
 
 
 def _close(value: float, expected: float) -> bool:
@@ -135,9 +153,10 @@ def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
 
 def _term_values(
     model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool
-) -> dict[tuple, tuple[str, float]]:
+) -> tuple[dict[tuple, tuple[str, float]], Any]:
     """Each loss term's name and value on ``batch``, by ``(layer path,
-    index)`` (``("compute_loss",)`` for the model's override). The forward
+    index)`` (``("compute_loss",)`` for the model's override), and the
+    model's outputs. The forward
     pass runs in inference mode (its random draws would differ between the
     two examples together and each alone); ``compute_loss`` is called with
     ``training=True``, as Keras' fit calls it. In a ``keras.StatelessScope``:
@@ -162,7 +181,7 @@ def _term_values(
             loss = compute_loss(model, x, y, y_pred, sample_weight, True)
             name = f"{type(model).__name__}.compute_loss"
             values[("compute_loss",)] = (name, _number(loss))
-    return values
+    return values, y_pred
 
 
 def _number(value: Any) -> float:

@@ -18,6 +18,7 @@ each alone (``towers/bench/phases.py``) on the tensors the step gives it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import tensorflow as tf
@@ -27,15 +28,10 @@ from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, split_for_towers
-from towers.step import lockstep, once, segments
-from towers.step.batches import (
-    HOST,
-    check_sizes,
-    check_targets,
-    first_example,
-    on_host,
-)
+from towers.step import lockstep, once, segments, xla
+from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
+from towers.step.gathered import concat_rows
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
 from towers.step.state import assign, exchanged, rule_of, settle_apart_metrics
@@ -79,8 +75,7 @@ class Step:
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
         metric: value}}``, ``"finite"`` (per applied gradient) when the update
-        checks its gradients, and in a cluster ``"stop"``: how many workers asked
-        to stop after this step."""
+        checks its gradients, in a cluster ``"stop"``: workers asking to stop."""
         # In a cluster, the metrics as they were before any tower updated one.
         before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
@@ -141,8 +136,7 @@ class Step:
         return self._track(loss, outputs, examples)
 
     def predict(self, x: Any) -> Any:
-        """The model's outputs on ``x``: each tower predicts its shard, and the
-        shards' outputs are concatenated in tower order."""
+        """The model's outputs on ``x``: the towers' shards', in tower order."""
         shards = self.split(x, None, None)
         passes = []
         for t in shards.working():
@@ -151,7 +145,7 @@ class Step:
                 passes.append(self.tower.predict(model, shards.parts[t][0]))
         assign(self._settle_state(passes))
         with tf.device(HOST):
-            return _concat([p.predictions for p in passes])
+            return concat_rows([p.predictions for p in passes])
 
     def start(self) -> None:
         """Makes the parts ready once the model has its variables: the
@@ -168,10 +162,13 @@ class Step:
 
     def probe(self, x: Any, y: Any, sample_weight: Any = None) -> None:
         """Before the first training step: the model's loss terms that are not
-        a mean over the examples refused by name or warned of
+        a mean over the examples gathered, refused by name or warned of
         (``towers/step/coupled.py``); a no-op after."""
+        coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
         batch, own = (x, y, sample_weight), self.tower.own_loss
-        self.tower.coupled.probe(self.placement.model, batch, own, self.device)
+        coupled.probe(model, batch, own, self.device, jit.strict)
+        if coupled.gathered and jit.enabled:  # "auto"
+            self.tower.jit = xla.without("the model's compute_loss gathers the batch")
 
     def build_metrics(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
         """Before a first training or evaluation step: its targets checked
@@ -287,14 +284,21 @@ class Step:
     # -- helpers ------------------------------------------------------------------
 
     def _each_tower(self, shards: Shards, work: Callable[..., Any]) -> list:
-        results = []
-        for t in self.placement.working_towers(shards):
-            device = self.placement.devices[t]
-            with tf.device(device), tf.name_scope(f"tower_{t}"):
+        """``work`` on each working tower's shard, under its device; traced in
+        lockstep where the towers gather the batch's outputs (gathered.py)."""
+
+        def run(t: int) -> Any:
+            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
                 model = self.placement.model_of(t)
-                x, y, sample_weight = shards.parts[t]
-                results.append(work(model, x, y, sample_weight, shards.normaliser))
-        return results
+                return work(model, *shards.parts[t], shards.normaliser)
+
+        works = [partial(run, t) for t in self.placement.working_towers(shards)]
+        if self.tower.coupled.gathered and len(works) > 1:
+            keep = lockstep.kept(self.placement.models)
+            return lockstep.in_lockstep(
+                works, lockstep.Rendezvous(len(works), keep=keep)
+            )
+        return [run() for run in works]
 
     def _divisors(self, passes: list) -> list[Any]:
         """The step's divisor per loss term (towers/step/losses.py)."""
@@ -359,7 +363,7 @@ class Step:
         """Adds the loss and each output's to their trackers; returns every
         metric's value, the loss tracker's included."""
         with tf.device(self.device), tf.name_scope("metrics"):
-            self.metrics.track(loss, examples, outputs)
+            self.metrics.track(loss, examples, None if self.tower.own_loss else outputs)
             return self.metrics.results()
 
     def _across_workers(
@@ -394,7 +398,3 @@ class Step:
         cluster = None if self.workers is None else self.workers.cluster
         models = self.placement.models
         return settle_apart_metrics(passes, models, cluster, self._warned, empty)
-
-
-def _concat(parts: list[Any]) -> Any:
-    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)

@@ -36,9 +36,10 @@ from towers._keras import (
     state_variables,
 )
 from towers.split import batch_size_of
-from towers.step import xla
+from towers.step import lockstep, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
+from towers.step.gathered import gathered_loss
 from towers.step.losses import StepLoss, Term, over
 
 
@@ -213,7 +214,9 @@ class Tower:
                 self.coupled.computing(),
             ):
                 tape.watch(sources)
-                tower_pass = self._pass(model, x, y, sample_weight, examples, True)
+                tower_pass = self._pass(
+                    model, x, y, sample_weight, examples, True, scope
+                )
             if states is not None:
                 tower_pass.states = [
                     scope.get_current_value(v) for v in state_variables(model)
@@ -261,7 +264,9 @@ class Tower:
 
         def evaluate(x: Any, y: Any, sample_weight: Any, weights: Any) -> TowerPass:
             with weights_here(model, weights=weights) as scope:
-                tower_pass = self._pass(model, x, y, sample_weight, examples, False)
+                tower_pass = self._pass(
+                    model, x, y, sample_weight, examples, False, scope
+                )
                 return tower_pass.keep_state(scope)
 
         return self._run(model, evaluate, x, y, sample_weight)
@@ -284,9 +289,19 @@ class Tower:
             return work(*args, None)
         return xla.function(work, jit=True)(*args, xla.read_weights(model))
 
-    def _pass(self, model, x, y, sample_weight, examples, training: bool) -> TowerPass:
+    def _pass(
+        self, model, x, y, sample_weight, examples, training: bool, scope=None
+    ) -> TowerPass:
         y_pred = model(x, training=training)
         terms, extra = [], None
+        if self.own_loss and self.coupled.gathered and lockstep.current():
+            # The whole batch's loss, this tower's term of it (gathered.py).
+            share = tf.cast(batch_size_of(x), tf.float64) / tf.cast(
+                examples, tf.float64
+            )
+            batch = (x, y, y_pred, sample_weight)
+            extra = gathered_loss(model, batch, share, scope, training)
+            return TowerPass([], extra, y_pred, list(model.trainable_variables))
         if self.own_loss:
             extra = compute_loss(model, x, y, y_pred, sample_weight, training)
         else:

@@ -181,6 +181,14 @@ def after_failure(jit: Jit, error: tf.errors.OpError, model: Any) -> Jit:
     return OFF
 
 
+def without(why: str) -> Jit:
+    """No XLA, for a step "auto" compiled but cannot: warned of, ``why``."""
+    warnings.warn(
+        f"jit_compile='auto': {why}, so the towers run without XLA", stacklevel=4
+    )
+    return OFF
+
+
 def _layer_of(node: str, names: list[str]) -> str | None:
     """The innermost layer whose name scope holds ``node``. A graph's scopes
     may carry a suffix (``dense_1`` for a second ``dense`` scope): the exact
