@@ -12,6 +12,10 @@ differ by more than :data:`PROBE_RTOL` couples the examples (a contrastive
 loss, a normaliser over the batch) or sums them: ``towers/step/coupled.py``
 refuses it by name or, with ``coupled_losses="per_tower"``, warns once.
 
+The model's outputs on the two together are compared with its outputs on
+each alone too: a forward pass that couples the examples (SigLIP's logits)
+cannot be made exact by gathering the outputs (``towers/step/gathered.py``).
+
 A term whose value on the two is the sum of its values on each sums over
 the examples (``add_loss(ops.sum(...))``): each tower then adds its own
 unweighted, and the towers' add up to one device's.
@@ -99,7 +103,7 @@ def probe_terms(
 
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
-    Probed(coupled=[], sums=[])
+    Probed(coupled=[], sums=[], outputs_coupled=False)
     """
     with tf.device(device):
         together, both = _term_values(model, _examples(batch, 0, 2), own_loss)
