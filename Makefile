@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(TF_EXTRA)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench docs lint clean
+.PHONY: demo test test-slow bench docs lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +28,15 @@ demo: $(INSTALLED)
 	$(BIN)/towers demo
 
 # The suite in one process per core, at most two (pytest-xdist; each process
-# sets its own logical CPUs in conftest.py, cluster tests take free ports), then
-# the cases marked `alone` (they time other processes' answers) by themselves.
+# sets its own logical CPUs in conftest.py), but the slow tier.
 test: $(INSTALLED)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=2 -m "not alone"
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=2 -m "not slow and not alone"
+
+# The slow tier (tests/conftest.py's SLOW: real processes, real models, XLA;
+# cluster tests take free ports), then the cases marked `alone` (they time other
+# processes' answers) by themselves. CI (.ci/run) runs `make test` and this.
+test-slow: $(INSTALLED)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=2 -m "slow and not alone"
 	$(BIN)/python -m pytest -q -m alone
 
 bench: $(INSTALLED)

@@ -1,4 +1,4 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the slow tier's tests."""
 
 import keras
 import pytest
@@ -43,3 +43,30 @@ def float64():
     yield
     keras.config.set_floatx(floatx)
     keras.config.set_dtype_policy(policy)
+
+
+# The tests `make test-slow` runs and `make test` leaves to it (CI runs both):
+# each starts real processes (a cluster's workers, a run killed and resumed,
+# the bench CLI), builds real models or compiles with XLA, for 10-140 s each
+# on two cores. By module, or by test.
+SLOW = {
+    "tests/cluster/test_cluster_jobs.py": "a cluster of worker processes each",
+    "tests/training/test_resume.py": "runs killed and resumed in processes",
+    "tests/training/test_random_kills.py": "ten kills of a running process",
+    "tests/bench/test_bench_cli.py": "the bench CLI's full run",
+    "tests/test_real_models.py": "keras.applications and keras_hub models",
+    "tests/step/test_coupled.py": "keras_hub's mixture-of-experts models",
+    "tests/step/test_segments.py": "XLA compilations of cut passes",
+    "tests/step/test_xla.py": "XLA compilations against Keras' XLA fit",
+    "tests/training/test_loop.py::test_sigkill_mid_epoch_then_resume_equals_an_"
+    "uninterrupted_run": "a run killed and resumed in processes",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the :data:`SLOW` tests ``slow``."""
+    for item in items:
+        if any(
+            item.nodeid == key or item.nodeid.startswith(key + "::") for key in SLOW
+        ):
+            item.add_marker(pytest.mark.slow)
