@@ -355,6 +355,28 @@ def test_a_gan_with_two_optimizers_trains_as_keras_fit(num_towers):
     assert engine.steps_done == 8
 
 
+def test_a_gan_resumed_from_its_checkpoint_trains_as_one_never_stopped(tmp_path):
+    """The optimizers a GAN holds as its own attributes (not the engine's)
+    are saved with it, slots and iterations, and restored."""
+    rng = np.random.default_rng(0)
+    real, z = rng.standard_normal((29, 2)), rng.standard_normal((29, 3))
+    run = dict(batch_size=8, shuffle=False, verbose=0)
+    stopped = Towers(gan(), devices=devices(2))
+    stopped.fit(real, z, epochs=1, checkpoint_dir=str(tmp_path), **run)
+    resumed = Towers(gan(), devices=devices(2))
+    resumed.fit(real, z, epochs=2, checkpoint_dir=str(tmp_path), **run)
+    straight = Towers(gan(), devices=devices(2))
+    straight.fit(real, z, epochs=2, **run)
+
+    for name in ("d_optimizer", "g_optimizer"):
+        mine, theirs = (getattr(e.model, name) for e in (resumed, straight))
+        assert int(mine.iterations) == int(theirs.iterations) == 8
+        for v, w in zip(mine.variables, theirs.variables, strict=True):
+            np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.path)
+    for v, w in zip(resumed.model.weights, straight.model.weights, strict=True):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.path)
+
+
 def test_a_gan_drawing_its_latents_trains_deterministically():
     rng = np.random.default_rng(0)
     real = rng.standard_normal((16, 2))
