@@ -18,7 +18,8 @@ from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.compiled import Compiled
 from towers.step.compiling import FROM_COMPILE
-from towers.step.parts import join_cluster, make_step
+from towers.step.custom import OwnStepLoss
+from towers.step.parts import PlacementName, join_cluster, make_step
 from towers.step.xla import JitCompile
 from towers.training.loop import Trainer
 
@@ -30,23 +31,21 @@ class Towers(Trainer):
       model: a Keras model, or a zero-arg function that builds one (called
         under ``variable_device``, where the variables must live).
       loss, optimizer: a ``keras.losses.Loss``, a loss name or a function
-        ``(y_true, y_pred) -> per-example losses``; a Keras optimizer, its
-        name, or a zero-arg function that makes one (its slots live with the
-        variables). Default: the model's compile's; a model given neither
-        only predicts (``towers/step/compiling.py``).
+        ``(y_true, y_pred) -> per-example losses``; a Keras optimizer, its name
+        or a zero-arg function making one (slots live with the variables).
+        Default: the model's compile's; neither: it predicts (step/compiling.py).
       devices: one device per tower; default every GPU, else the CPU.
       variable_device: where variables live, gradients are combined and applied.
-      metrics, weighted_metrics, loss_weights: as ``model.compile`` takes them
-        (the model is compiled with them); metrics see every tower's
-        predictions, so they equal the full batch's.
+      metrics, weighted_metrics, loss_weights: as ``model.compile`` takes them;
+        metrics see every tower's predictions: the full batch's.
       moving_statistics: how BatchNormalization's moving statistics move once
         a step: ``"batch"``, ``"tower0"``, ``"mean"`` (``step/batchnorm.py``).
       batch_statistics: BatchNormalization normalises with each tower's shard
         (``"tower"``) or the whole batch's statistics (``"global"``).
-      on_nonfinite: a combined gradient with inf or NaN is applied (``"ignore"``,
-        as Keras), or nothing is (``"skip"``; ``"raise"`` then names it).
-      accumulate_steps: apply once every k steps the examples-weighted mean of
-        their gradients: exactly one step on the k batches together.
+      on_nonfinite: a gradient with inf or NaN is applied (``"ignore"``, as
+        Keras), or nothing is (``"skip"``; ``"raise"`` then names it).
+      accumulate_steps: apply once every k steps their examples-weighted mean
+        gradient: exactly one step on the k batches together.
       reducer: how dense gradients are summed (``towers/reducers.py``).
       placement: ``"central"``, ``"balanced"``, ``"replicated"``, ``"independent"``.
       cluster: ``"auto"`` (the cluster ``TF_CONFIG`` names), a
@@ -54,10 +53,11 @@ class Towers(Trainer):
       jit_compile: each tower's pass as XLA computations: True, False, or
         ``"auto"``; None: the compiled model's (``towers/step/xla.py``).
       coupled_losses: a loss term coupling the batch's examples is made exact
-        (``"exact"``), taken per tower with a warning (``"per_tower"``), or
-        refused (``"refuse"``) (``towers/step/coupled.py``).
+        (``"exact"``), taken per tower (``"per_tower"``) or refused (step/coupled.py).
       steps_per_execution: fit's steps per call (a loop in the graph), as
         ``compile`` takes it; None: the compiled model's, else 1.
+      own_step_loss: a model's own ``train_step``'s loss is a ``"mean"`` over its
+        batch (towers weighted by share) or a ``"sum"`` (step/custom.py).
 
     Attributes:
       model, optimizer: the Keras model and optimizer (tower 0's, with a copy
@@ -65,8 +65,8 @@ class Towers(Trainer):
       placement, update, step, workers: the parts (``docs/architecture.md``).
 
     Raises:
-      ValueError: unknown devices, not a Keras model (or builder), variables
-        off their placement, an option refused: each names what it received.
+      ValueError: unknown devices, not a Keras model (or builder), variables off
+        their placement, an option refused: each names what it received.
 
     Example:
       >>> import keras, numpy as np, towers
@@ -78,8 +78,8 @@ class Towers(Trainer):
       >>> sorted(logs), int(eng.optimizer.iterations.numpy())
       (['loss'], 1)
 
-      ``fit``, ``evaluate``, ``predict`` come from :class:`Trainer`; other
-      examples use ``make_engine(**options)``: this engine, with ``options``.
+      ``fit``, ``evaluate``, ``predict``: :class:`Trainer`'s; other examples use
+      ``make_engine(**options)``: this engine, with ``options``.
     """
 
     def __init__(
@@ -95,15 +95,14 @@ class Towers(Trainer):
         on_nonfinite: NonfinitePolicy = "ignore",
         accumulate_steps: int = 1,
         reducer: Any = "per_tensor",
-        placement: Literal[
-            "central", "balanced", "replicated", "independent"
-        ] = "central",
+        placement: PlacementName = "central",
         cluster: Cluster | str | None = "auto",
         loss_weights: Any = None,
         weighted_metrics: Sequence[Any] | None = None,
         jit_compile: JitCompile = None,
         coupled_losses: Literal["exact", "per_tower", "refuse"] = "exact",
         steps_per_execution: int | None = None,
+        own_step_loss: OwnStepLoss = "mean",
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -116,6 +115,7 @@ class Towers(Trainer):
             batch_statistics=batch_statistics, on_nonfinite=on_nonfinite,
             accumulate_steps=accumulate_steps, jit_compile=jit_compile,
             coupled_losses=coupled_losses, steps_per_execution=steps_per_execution,
+            own_step_loss=own_step_loss,
         )  # fmt: skip
         where = (self.devices, self.variable_device, self.reducer, placement)
         self.step = make_step(model, loss, optimizer, *where, self.cluster, options)

@@ -88,6 +88,56 @@ def test_the_guides_train_step_trains_as_keras_fit(num_towers):
     np.testing.assert_allclose(got["mae"], want["mae"], rtol=1e-12)
 
 
+class SumStep(keras.Model):
+    """A step whose loss sums over its batch, returned as it is."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.sum(keras.ops.square(self(x, training=True) - y))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"total": loss}
+
+
+def sum_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(7, activation="tanh")(inputs)
+    model = SumStep(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    return model
+
+
+@pytest.mark.parametrize("own_step_loss", ["sum", "mean"])
+def test_a_step_whose_loss_is_a_sum_trains_as_keras_fit_when_said(own_step_loss):
+    x, y = regression(23)
+    engine = Towers(sum_model(), devices=devices(3), own_step_loss=own_step_loss)
+    reference = sum_model()
+    before = reference.get_weights()
+
+    history = engine.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+    if own_step_loss == "mean":  # each tower's sum weighted by its share
+        moved = engine.model.get_weights()[0] - before[0]
+        want = reference.get_weights()[0] - before[0]
+        assert np.abs(moved - want).max() > 0.1 * np.abs(want).max()
+        return
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["total"], expected.history["total"], rtol=1e-12
+    )
+
+
+def test_an_unknown_own_step_loss_is_named():
+    with pytest.raises(ValueError, match="own_step_loss must be 'mean' or 'sum'; "):
+        Towers(sum_model(), devices=devices(2), own_step_loss="total")
+    plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="received 'total'"):  # any model
+        Towers(plain, "mse", "sgd", devices=devices(2), own_step_loss="total")
+
+
 def test_a_tracker_fed_each_shards_mean_is_one_devices_on_equal_shards():
     x, y = regression(24)  # batches of 8: 4 + 4 on 2 towers
     engine = Towers(guide_model(), devices=devices(2))

@@ -21,7 +21,9 @@ reads are traced after the apply, and TensorFlow runs a variable's reads and
 assignments in the order they were traced). So a generator whose loss is
 computed through the discriminator after the discriminator's update trains
 to one device's weights. A step's loss is a mean over its batch, as Keras'
-losses are: each tower's gradient is weighted by ``n_t / B``.
+losses are: each tower's gradient is weighted by ``n_t / B``; with
+``Towers(own_step_loss="sum")``, a sum over it: the towers' gradients (and
+returned values) are added up unweighted.
 
 What the step updates besides (Keras' loss tracker, ``compute_metrics``, the
 model's own ``keras.metrics.Mean`` trackers) every tower updates in the same
@@ -41,7 +43,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import keras
 import tensorflow as tf
@@ -53,6 +55,9 @@ from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
 from towers.step.batches import HOST
 from towers.step.lockstep import Rendezvous, in_lockstep, kept
+
+# How a model's own train_step reduces its loss over its batch.
+OwnStepLoss = Literal["mean", "sum"]
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
@@ -89,6 +94,7 @@ class CustomStep:
       placement: where the variables live (one model the towers share).
       count_step: advances the engine's steps counter, once per step.
       kinds: the steps that are the model's own (``kinds_of``).
+      loss: the step's loss is a ``"mean"`` over its batch or a ``"sum"``.
     """
 
     def __init__(
@@ -96,10 +102,12 @@ class CustomStep:
         placement: Placement,
         count_step: Callable[[], None],
         kinds: frozenset[str],
+        loss: OwnStepLoss = "mean",
     ):
         self.placement = placement
         self.count_step = count_step
         self.kinds = kinds
+        self.loss = loss
         self.applies: list[str] = []  # what the towers met at, when traced
 
     @property
@@ -148,8 +156,7 @@ class CustomStep:
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
             def run() -> Any:
-                share = _share(shards, t)
-                _seat.tower = (meet, rank, share)
+                _seat.tower = (meet, rank, self._weight(shards, t))
                 try:
                     device = self.placement.devices[t]
                     with tf.device(device), tf.name_scope(f"tower_{t}"):
@@ -199,6 +206,10 @@ class CustomStep:
         finally:
             _seat.tower = seat
 
+    def _weight(self, shards: Shards, t: int) -> Any:
+        """Tower ``t``'s weight in the sums: its share, or 1 for a sum loss."""
+        return _share(shards, t) if self.loss == "mean" else 1.0
+
     def _read_logs(self, logs: list[Any], shards: Shards) -> dict[str, Any]:
         """The step's logs: a metric's result read after every tower updated
         it; any other value weighted by the towers' shares."""
@@ -222,7 +233,7 @@ class CustomStep:
                 parts = []
                 for log, t in zip(logs, working):
                     part = tf.convert_to_tensor(log[key])
-                    parts.append(part * in_dtype(_share(shards, t), part.dtype))
+                    parts.append(part * in_dtype(self._weight(shards, t), part.dtype))
                 read[key] = tf.add_n(parts)
             else:
                 read[key] = value

@@ -10,7 +10,7 @@ its own loss, loss weights, optimizer and metrics; what is passed explicitly win
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Literal
 
 import keras
 
@@ -36,6 +36,7 @@ from towers.step.metrics import Metrics
 from towers.step.step import Step
 from towers.step.tower import Tower
 
+PlacementName = Literal["central", "balanced", "replicated", "independent"]
 PLACEMENTS: dict[str, type[Placement]] = {
     cls.name: cls for cls in (Central, Balanced, Replicated, Independent)
 }
@@ -137,6 +138,11 @@ def make_step(
     per_tower = batch_norm and moving.statistics == "tower"
     workers = join_workers(cluster, where, per_tower, variable_device)
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
+    if options.get("own_step_loss", "mean") not in ("mean", "sum"):
+        raise ValueError(
+            "own_step_loss must be 'mean' or 'sum'; received "
+            f"{options['own_step_loss']!r}"
+        )
     hooks = custom_hooks(where.model)
     kinds = kinds_of(hooks)
     if trains and "train" not in kinds:
@@ -153,7 +159,9 @@ def make_step(
     step = Step(where, tower, update, metrics, moving, workers)
     if hooks:
         refuse_with_hooks(hooks, where, options, workers, jit, moving)
-        step.custom = CustomStep(where, update.count_step, kinds)
+        step.custom = CustomStep(
+            where, update.count_step, kinds, options.get("own_step_loss", "mean")
+        )
         coupled.own_step = "train" in kinds
         if "train" in kinds and not own_loss:  # its own data to its model
             coupled.probed = []
