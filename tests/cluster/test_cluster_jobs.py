@@ -168,6 +168,25 @@ def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path
     assert result(tmp_path / "job", 0)["steps"] == result(ref, 0)["steps"]
 
 
+def test_a_contrastive_compute_loss_trains_in_a_cluster_as_one_device(tmp_path):
+    # The model's compute_loss is a softmax over the whole batch: every
+    # worker's outputs are gathered through the collective runtime
+    # (towers/step/gathered.py), worker 1 joining with nothing in the batch of
+    # one; its own Sum metric counts each batch once. The reference is one
+    # tower in one process.
+    args = ["--model", "contrastive", "--optimizer", "sgd"]
+    ref = reference(tmp_path / "ref", *args, towers=1)
+    job = launch(tmp_path / "job", *args)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert_same_as(ref, tmp_path / "job")
+    expected = result(ref, 0)
+    for rank in (0, 1):
+        got = result(tmp_path / "job", rank)
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        for key, value in expected["evaluate"].items():
+            np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5)
+
+
 def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):
     # keras_hub's Mixtral block adds a load-balancing loss, a product of two
     # means over the whole batch: its token counts and router probabilities are

@@ -27,7 +27,8 @@ last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 --steps-per-execution K runs fit's steps K to a call, a loop in the graph.
 --model moe puts keras_hub's Mixtral mixture-of-experts block in, whose
 load-balancing loss couples the batch's examples (computed from the whole
-batch: the default coupled_losses="exact").
+batch: the default coupled_losses="exact"). --model contrastive overrides
+compute_loss with a contrastive term over the whole batch (gathered).
 """
 
 import argparse
@@ -103,8 +104,38 @@ class Seen(keras.layers.Layer):
         return x
 
 
+class Contrastive(keras.Sequential):
+    """The compiled loss plus an InfoNCE term between each example's outputs
+    and its one-hot label: a softmax over the whole batch (gathered from every
+    tower and worker); its own Sum metric counts the matched pairs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.matched = keras.metrics.Sum(name="matched")
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        onehot = keras.ops.one_hot(keras.ops.cast(y, "int32"), 4)
+        logits = keras.ops.matmul(y_pred, keras.ops.transpose(onehot))
+        labels = keras.ops.arange(keras.ops.shape(logits)[0])
+        found = keras.ops.cast(keras.ops.argmax(logits, axis=1), labels.dtype)
+        self.matched.update_state(keras.ops.cast(found == labels, "float32"))
+        return loss + keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(labels, logits, True)
+        )
+
+
 def build():
     width = 5 if args.model == "wider" and rank == 1 else 4
+    if args.model == "contrastive":
+        model = Contrastive(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+             keras.layers.Dense(width)]
+        )  # fmt: skip
+        model.compile(loss=classify, optimizer=optimizers[args.optimizer]())
+        return model
     if args.outputs == 2:
         inputs = keras.Input((6,))
         hidden = keras.layers.Dense(8, activation="tanh")(inputs)
@@ -149,14 +180,14 @@ optimizers = {
     "adam": lambda: keras.optimizers.Adam(0.05, epsilon=1e-3),
     "sgd": lambda: keras.optimizers.SGD(0.1),
 }
+own = args.model == "contrastive"  # compiled with its loss, in build()
 engine = towers.Towers(
     build,
-    losses,
-    optimizers[args.optimizer],
+    *(() if own else (losses, optimizers[args.optimizer])),
     devices=devices,
     loss_weights={"label": 1.0, "value": 0.3} if args.outputs == 2 else None,
     metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")]
-    if args.outputs == 1
+    if args.outputs == 1 and not own
     else None,
     cluster=cluster,
     accumulate_steps=args.accumulate,

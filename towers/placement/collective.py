@@ -159,8 +159,12 @@ class AllReduce:
                 packed = tf.concat(flat, 0)
             return packed
 
-    def _instance_key(self, instance: int) -> int:
-        """The collective's key: the group's own range, one per tensor position."""
+    def _instance_key(self, instance: Any) -> Any:
+        """The collective's key: the group's own range, one per tensor position
+        (a tensor ``(first, offset)``: the run picks one of a reserved range)."""
+        if isinstance(instance, tuple):
+            first, offset = instance
+            return self._instance_key(first) + tf.cast(offset, tf.int32)
         if instance >= _INSTANCES_PER_GROUP:
             raise ValueError(
                 f"one all-reduce group takes at most {_INSTANCES_PER_GROUP} tensors "

@@ -278,8 +278,6 @@ class CoupledLosses:
             )
         if self.own_step:
             return "from inside the model's own train_step"
-        if self.towers > self.local_towers:
-            return "across a cluster's workers yet"
         if self.accumulate_steps > 1:
             return f"over accumulate_steps={self.accumulate_steps} micro-batches"
         return "with jit_compile=True (pass False)" if jit else ""

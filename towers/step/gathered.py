@@ -30,11 +30,20 @@ its assignments, every other one's is dropped (``ReadScope.forgetting``), so a
 metric is updated once, with the whole batch, as on one device. Evaluation
 takes ``w_t · L``, one computation per tower.
 
+In a cluster, each tower's shard is gathered over the towers first, then
+over the workers through the collective runtime: every worker's rows are
+put at its offset in zeros (padded to a power of two rows: a collective's key
+fixes its shapes, ``lockstep.SIZE_BUCKETS``) and the workers' summed. Each
+worker's loss is a mean over its own ``B_w`` examples, weighted by them when
+the workers' gradients are summed, so a tower's term is
+``(B / B_w) · (L_t − L_s) + (n_t / B_w) · L_s``: worth ``(n_t / B_w) · L``, the
+same gradients as above once weighted. Only worker 0's tower 0 keeps what
+``compute_loss`` assigns.
+
 Costs: every tower computes the loss twice on the whole batch (the model's
 passes are not repeated), and the towers are traced side by side. Not built:
-across a cluster's workers (uneven shards to gather), ``accumulate_steps``,
-XLA, and a model's own ``train_step`` calling its ``compute_loss``: refused
-by name there (``coupled.py``).
+``accumulate_steps``, XLA, and a model's own ``train_step`` calling its
+``compute_loss``: refused by name there (``coupled.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +54,10 @@ from typing import Any
 import tensorflow as tf
 
 from towers._keras import ReadScope, compute_loss
+from towers.split import batch_size_of
 from towers.step import lockstep
+
+LOG2 = 0.6931471805599453  # ln 2
 
 
 def gathered_loss(
@@ -57,23 +69,80 @@ def gathered_loss(
 ) -> tf.Tensor:
     """Tower ``t``'s term of the model's ``compute_loss`` over the whole batch
     (the module docstring): ``batch`` is its ``(x, y, y_pred, sample_weight)``,
-    ``share`` its ``w_t``, ``scope`` the scope its pass runs in. In a tower
-    traced in lockstep only."""
-    seat = lockstep.current()
-    handed = seat.meet.exchange(seat.rank, batch)
-    x, y, _, sample_weight = (whole([h[i] for h in handed]) for i in (0, 1, 2, 3))
-    live = whole(
-        [h[2] if r == seat.rank else _stopped(h[2]) for r, h in enumerate(handed)]
-    )
-    kept = contextlib.nullcontext() if seat.rank == 0 else scope.forgetting()
-    with kept:
+    ``share`` its ``w_t`` (of its worker's examples), ``scope`` the scope its
+    pass runs in. In a tower traced in lockstep only."""
+    meet, rank = lockstep.current().meet, lockstep.current().rank
+    handed = meet.exchange(rank, batch)
+    local = [concat_rows([h[i] for h in handed]) for i in (0, 1, 2, 3)]
+    local[2] = _stopped(local[2])
+    # The rows before this tower's: the worker's, then its earlier towers'.
+    whole, offset, scale = local, 0, 1.0
+    if meet.worker is not None:
+        whole, offset, scale = _over_workers(meet, rank, local)
+    x, y, stopped, sample_weight = (_rows_unknown(part) for part in whole)
+    start = offset + sum(batch_size_of(h[0]) for h in handed[:rank])
+    live = _rows_unknown(_spliced(whole[2], batch[2], start))
+    first = rank == 0 and (meet.worker is None or meet.worker[0] == 0)
+    with contextlib.nullcontext() if first else scope.forgetting():
         loss = compute_loss(model, x, y, live, sample_weight, training)
+    share = tf.cast(share, loss.dtype)
     if not training:
-        return loss * tf.cast(share, loss.dtype)
-    stopped = whole([_stopped(h[2]) for h in handed])
+        return loss * share
     with scope.forgetting():
         direct = compute_loss(model, x, y, stopped, sample_weight, training)
-    return loss - (1 - tf.cast(share, loss.dtype)) * direct
+    return tf.cast(scale, loss.dtype) * (loss - direct) + share * direct
+
+
+def _over_workers(meet: Any, rank: int, local: list[Any]) -> tuple:
+    """The cluster's batch from every worker's ``local`` one (in worker
+    order: each worker's rows put at its offset in zeros, the workers' summed),
+    this worker's offset, and B / B_w (0 for a worker without examples)."""
+
+    def gather() -> tuple:
+        index, workers = meet.worker
+        rows = tf.shape(tf.nest.flatten(local[0])[0])[0]
+        mine = tf.one_hot(index, workers, dtype=tf.float64) * tf.cast(rows, tf.float64)
+        sizes = tf.cast(meet.across(mine, False), tf.int32)
+        offset, total = tf.reduce_sum(sizes[:index]), tf.reduce_sum(sizes)
+
+        # Padded to a power of two rows: a collective's key fixes its shapes
+        # (lockstep.SIZE_BUCKETS), so each power takes its own.
+        bucket = tf.cast(
+            tf.math.ceil(tf.math.log(tf.cast(tf.maximum(total, 1), tf.float64)) / LOG2),
+            tf.int32,
+        )
+        capacity = tf.bitwise.left_shift(1, bucket)
+
+        def spread(leaf: tf.Tensor) -> tf.Tensor:
+            value = leaf if leaf.dtype.is_floating else tf.cast(leaf, tf.float64)
+            pads = [[offset, capacity - offset - rows]]
+            pads += [[0, 0]] * (leaf.shape.rank - 1)
+            summed = meet.across(tf.pad(value, pads), False, bucket)
+            return tf.cast(summed[:total], leaf.dtype)
+
+        whole = [
+            None if part is None else tf.nest.map_structure(spread, part)
+            for part in local
+        ]
+        return (
+            whole,
+            offset,
+            tf.math.divide_no_nan(
+                tf.cast(total, tf.float64), tf.cast(rows, tf.float64)
+            ),
+        )
+
+    return meet.exchange(rank, gather() if rank == 0 else None)[0]
+
+
+def _spliced(stopped: Any, live: Any, start: Any) -> Any:
+    """``stopped`` with rows ``start:start + n`` replaced by ``live``'s n."""
+
+    def splice(whole: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+        end = start + tf.shape(rows)[0]
+        return tf.concat([whole[:start], rows, whole[end:]], axis=0)
+
+    return tf.nest.map_structure(splice, stopped, live)
 
 
 def concat_rows(parts: list[Any]) -> Any:
@@ -93,11 +162,10 @@ def _join(*parts: Any) -> Any:
     return tf.concat(parts, axis=0)
 
 
-def whole(parts: list[Any]) -> Any:
-    """The towers' nests joined along the examples, the batch dimension
-    unknown to the graph as in the batches of Keras' fit: Keras' per-output
-    loss trackers weigh a batch by its static size, so they count it once, as
-    there."""
+def _rows_unknown(nest: Any) -> Any:
+    """``nest`` with its batch dimension unknown to the graph, as in the
+    batches of Keras' fit: Keras' per-output loss trackers weigh a batch by
+    its static size, so they count it once, as there."""
 
     def unknown(value: Any) -> Any:
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
@@ -105,9 +173,8 @@ def whole(parts: list[Any]) -> Any:
         shape = [None, *value.shape[1:]]
         return tf.compat.v1.placeholder_with_default(value, shape)
 
-    joined = concat_rows(parts)
-    return None if joined is None else tf.nest.map_structure(unknown, joined)
+    return None if nest is None else tf.nest.map_structure(unknown, nest)
 
 
 def _stopped(outputs: Any) -> Any:
-    return tf.nest.map_structure(tf.stop_gradient, outputs)
+    return None if outputs is None else tf.nest.map_structure(tf.stop_gradient, outputs)

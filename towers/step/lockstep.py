@@ -41,6 +41,10 @@ import tensorflow as tf
 from towers._keras import loss_ids_kept
 
 T = TypeVar("T")
+# A collective's key fixes the shapes it carries: a tensor whose rows only the
+# run knows (a gathered batch) is padded to a power of two and takes one of
+# this many keys reserved for it, by that power.
+SIZE_BUCKETS = 32
 # How long a tower waits at a rendezvous while tracing before giving up: tracing
 # a large model's towers can take minutes on a busy machine, a deadlock forever.
 TRACE_TIMEOUT_SECONDS = 600.0
@@ -77,8 +81,11 @@ class Rendezvous:
         timeout: float = TRACE_TIMEOUT_SECONDS,
         across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
         keep: Callable[[], Callable[[], None]] | None = None,
+        worker: tuple[int, int] | None = None,
     ):
         self.size = size
+        # In a cluster: (this worker's index, the number of workers).
+        self.worker = worker
         # keep(): what a tower's thread keeps of shared Python state while the
         # others take their turns; it returns the call that puts it back.
         self.keep = keep
@@ -166,6 +173,22 @@ class Seat:
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
         return _total(self.meet, self.rank, value, backward)
+
+
+def meeting(size: int, placement: Any, workers: Any, across: Any = None) -> Rendezvous:
+    """The rendezvous of ``size`` towers of ``placement`` (and ``workers``'
+    sums, ``across``: ``across_workers``' when None)."""
+    if across is None:
+        across, _ = across_workers(workers)
+    keep = kept(placement.models)
+    return Rendezvous(size, across=across, keep=keep, worker=where(workers))
+
+
+def where(workers: Any) -> tuple[int, int] | None:
+    """This worker's index and the number of workers (None: no cluster)."""
+    if workers is None:
+        return None
+    return workers.cluster.index, workers.cluster.num_workers
 
 
 def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
@@ -275,7 +298,12 @@ def across_workers(workers: Any) -> tuple[Callable | None, dict]:
     weight: dict[str, Any] = {}
     instances = itertools.count()
 
-    def across(value: tf.Tensor, backward: bool) -> tf.Tensor:
+    def across(value: tf.Tensor, backward: bool, bucket: Any = None) -> tf.Tensor:
+        if bucket is not None:  # a size only the run knows: see SIZE_BUCKETS
+            first = next(instances)
+            for _ in range(SIZE_BUCKETS - 1):
+                next(instances)
+            return workers.sum_statistics(value, (first, bucket))
         scale = weight.get("examples") if backward else None
         if scale is None:  # the forward's statistics, or a sum loss
             return workers.sum_statistics(value, next(instances))
@@ -309,7 +337,7 @@ def compute(
     which makes every worker's share of the cross-worker terms exact.
     """
     across, weight = across_workers(workers)
-    meet = Rendezvous(len(working), across=across, keep=kept(placement.models))
+    meet = meeting(len(working), placement, workers, across)
 
     def on_tower(t: int, work: Callable[[], T]) -> Callable[[], T]:
         def traced() -> T:

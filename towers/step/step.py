@@ -293,11 +293,9 @@ class Step:
                 return work(model, *shards.parts[t], shards.normaliser)
 
         works = [partial(run, t) for t in self.placement.working_towers(shards)]
-        if self.tower.coupled.gathered and len(works) > 1:
-            keep = lockstep.kept(self.placement.models)
-            return lockstep.in_lockstep(
-                works, lockstep.Rendezvous(len(works), keep=keep)
-            )
+        if self.tower.coupled.gathered and (len(works) > 1 or self.workers):
+            meet = lockstep.meeting(len(works), self.placement, self.workers)
+            return lockstep.in_lockstep(works, meet)
         return [run() for run in works]
 
     def _divisors(self, passes: list) -> list[Any]:
