@@ -187,6 +187,26 @@ def test_a_contrastive_compute_loss_trains_in_a_cluster_as_one_device(tmp_path):
             np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5)
 
 
+def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
+    # Its train_step applies twice, with two optimizers, the second through
+    # the first's update: at each apply the towers' gradients are combined,
+    # then summed over the workers weighted by their examples, and applied on
+    # every worker; the metrics it updates are summed over the workers.
+    # Worker 1 has nothing in the batch of one. The reference: one tower.
+    args = ["--model", "twoapplies", "--optimizer", "sgd"]
+    ref = reference(tmp_path / "ref", *args, towers=1)
+    job = launch(tmp_path / "job", *args)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert_same_as(ref, tmp_path / "job")
+    expected = result(ref, 0)
+    for rank in (0, 1):
+        got = result(tmp_path / "job", rank)
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        np.testing.assert_allclose(got["acc"], expected["acc"], rtol=1e-6)
+        for key, value in expected["evaluate"].items():
+            np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5)
+
+
 def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):
     # keras_hub's Mixtral block adds a load-balancing loss, a product of two
     # means over the whole batch: its token counts and router probabilities are

@@ -28,7 +28,8 @@ last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 --model moe puts keras_hub's Mixtral mixture-of-experts block in, whose
 load-balancing loss couples the batch's examples (computed from the whole
 batch: the default coupled_losses="exact"). --model contrastive overrides
-compute_loss with a contrastive term over the whole batch (gathered).
+compute_loss with a contrastive term over the whole batch (gathered);
+--model twoapplies has its own train_step, applying twice with two optimizers.
 """
 
 import argparse
@@ -127,8 +128,45 @@ class Contrastive(keras.Sequential):
         )
 
 
+class TwoApplies(keras.Sequential):
+    """A model's own train_step that applies twice: its first layer with the
+    compiled optimizer, then, through the updated layer, its last layer with
+    a second optimizer of its own (as a GAN's generator after its
+    discriminator); its metrics updated as Keras' guide updates them."""
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.second = keras.optimizers.SGD(0.05, momentum=0.5)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        for layer, optimizer in ((0, self.optimizer), (-1, self.second)):
+            variables = self.layers[layer].trainable_variables
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x, y, y_pred, sample_weight)
+            optimizer.apply(tape.gradient(loss, variables), variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss, sample_weight=tf.shape(y)[0])
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
 def build():
     width = 5 if args.model == "wider" and rank == 1 else 4
+    if args.model == "twoapplies":
+        model = TwoApplies(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+             keras.layers.Dense(width)]
+        )  # fmt: skip
+        model.compile(
+            loss=classify,
+            optimizer=optimizers[args.optimizer](),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+        )
+        return model
     if args.model == "contrastive":
         model = Contrastive(
             [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
@@ -180,7 +218,7 @@ optimizers = {
     "adam": lambda: keras.optimizers.Adam(0.05, epsilon=1e-3),
     "sgd": lambda: keras.optimizers.SGD(0.1),
 }
-own = args.model == "contrastive"  # compiled with its loss, in build()
+own = args.model in ("contrastive", "twoapplies")  # compiled in build()
 engine = towers.Towers(
     build,
     *(() if own else (losses, optimizers[args.optimizer])),

@@ -141,6 +141,10 @@ class Workers:
         """Asks every worker to stop after the next step (see ``Summed.stop``)."""
         self._stop.assign(1.0)
 
+    def stop_flag(self) -> tf.Tensor:
+        """1.0 once this worker was asked to stop (:meth:`request_stop`)."""
+        return self._stop.read_value()
+
     def start_together(self, variables: Sequence[Any]) -> None:
         """Every worker checks it built the chief's model, then takes its values.
 

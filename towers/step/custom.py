@@ -33,9 +33,13 @@ tracker fed each shard's mean gives the mean of the towers' means (as
 MirroredStrategy does). The logs are what the step returns: a value that is
 a metric's result is read after every tower has updated it; any other value
 (a loss the step returns as it is) is the towers' values weighted by their
-shares. A random draw in the step (``keras.random`` with the model's
-``SeedGenerator``) advances the generator's state tower after tower:
-deterministic for a seed, but not one device's draws.
+shares. In a cluster, the first tower sums the combined gradients of each
+apply over the workers, each weighted by its share of the global batch
+(``B_w / B``), before applying; the metrics are summed over the workers after
+the step, and the other values weighted alike. A random draw in the step
+(``keras.random`` with the model's ``SeedGenerator``) advances the
+generator's state tower after tower: deterministic for a seed, but not one
+device's draws.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
 from towers.step.batches import HOST
-from towers.step.lockstep import Rendezvous, in_lockstep, kept
+from towers.step.lockstep import across_workers, in_lockstep, meeting
 
 # How a model's own train_step reduces its loss over its batch.
 OwnStepLoss = Literal["mean", "sum"]
@@ -103,12 +107,18 @@ class CustomStep:
         count_step: Callable[[], None],
         kinds: frozenset[str],
         loss: OwnStepLoss = "mean",
+        workers: Any = None,
     ):
         self.placement = placement
         self.count_step = count_step
         self.kinds = kinds
         self.loss = loss
+        self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
         self.applies: list[str] = []  # what the towers met at, when traced
+        # In a cluster, while a step is traced: the workers' sum, and this
+        # worker's weight in it (B_w / B, 0 without examples).
+        self._across: Any = None
+        self._weight_here: Any = None
 
     @property
     def model(self) -> keras.Model:
@@ -119,7 +129,10 @@ class CustomStep:
         Returns ``{"logs": what the step returned, read as described}``."""
         logs = self._each_tower("train_step", x, y, sample_weight)
         self.count_step()
-        return {"logs": logs}
+        if self.workers is None:
+            return {"logs": logs}
+        stop = self._across(self.workers.stop_flag(), False)
+        return {"logs": logs, "stop": stop}
 
     def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> dict:
         """The model's ``test_step`` on every tower; returns its logs."""
@@ -141,14 +154,45 @@ class CustomStep:
 
     def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
         shards = self._split(x, y, sample_weight)
+        self._across, _ = across_workers(self.workers)
+        before = None
+        if self.workers is not None:
+            with tf.device(self.placement.variable_device):
+                before = [tf.identity(v) for v in self._metric_variables()]
+                self._weight_here = self._workers_weight(shards)
         logs = self._run(hook, shards)
+        if before is not None:  # every worker's changes, summed
+            with tf.device(self.placement.variable_device):
+                for v, b in zip(self._metric_variables(), before):
+                    mine = tf.math.multiply_no_nan(
+                        v - b, tf.cast(self._weight_here > 0, v.dtype)
+                    )
+                    v.assign(b + self._across(mine, False))
         return self._read_logs(logs, shards)
+
+    def _metric_variables(self) -> list[Any]:
+        return [v for metric in self.model.metrics for v in metric.variables]
+
+    def _workers_weight(self, shards: Shards) -> Any:
+        """This worker's weight in the workers' sums: B_w / B for a mean loss
+        (0 for a worker without examples), 1 for a sum (0 without)."""
+        mine = tf.cast(shards.size, tf.float64)
+        if self.loss == "sum":
+            return tf.cast(mine > 0, tf.float64)
+        return tf.math.divide_no_nan(mine, self._across(mine, False))
+
+    def _over_workers(self, value: tf.Tensor) -> tf.Tensor:
+        """``value`` weighted by this worker's weight, summed over the workers
+        (a worker without examples adds zeros, whatever its value)."""
+        value = tf.convert_to_tensor(value)
+        weight = tf.cast(self._weight_here, value.dtype)
+        return self._across(tf.math.multiply_no_nan(value, weight), False)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
         """``model.<hook>(data)`` on every working tower's shard, traced in
         lockstep, meeting at each apply; their results in tower order."""
         working = self.placement.working_towers(shards)
-        meet = Rendezvous(len(working), keep=kept(self.placement.models))
+        meet = meeting(len(working), self.placement, self.workers, self._across)
         self.applies = []
 
         def tower(rank: int, t: int) -> Callable[[], Any]:
@@ -201,6 +245,12 @@ class CustomStep:
                         reduction="sum",
                         reducer=self.placement.reducer,
                     )
+                if self.workers is not None:
+                    with tf.name_scope("across_workers/"):
+                        combined = [
+                            None if g is None else self._over_workers(g)
+                            for g in combined
+                        ]
                 with tf.name_scope("apply/"):
                     return apply(combined, variables)
         finally:
@@ -235,6 +285,8 @@ class CustomStep:
                     part = tf.convert_to_tensor(log[key])
                     parts.append(part * in_dtype(self._weight(shards, t), part.dtype))
                 read[key] = tf.add_n(parts)
+                if self.workers is not None:
+                    read[key] = self._over_workers(read[key])
             else:
                 read[key] = value
         return read
@@ -266,17 +318,15 @@ def refuse_with_hooks(
         (copies, f"placement={placement.name!r}", "a model "
          "copy per tower; the towers' steps share one model: use placement="
          "'central' or 'balanced'"),
-        (workers is not None, "a cluster (TF_CONFIG)", "towers runs it on one "
-         "worker's towers for now"),
         (options["accumulate_steps"] > 1, "accumulate_steps="
          f"{options['accumulate_steps']}", "the step applies as it goes"),
         (options["on_nonfinite"] != "ignore", f"on_nonfinite="
          f"{options['on_nonfinite']!r}", "the step applies as it goes"),
         (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
          "stops at its applies; pass jit_compile=False"),
-        (bool(moving.layers) and more, f"{len(moving.layers)} "
-         "BatchNormalization layers", "each tower's step would move their "
-         "moving statistics once, T times a step"),
+        (bool(moving.layers) and (more or workers is not None), f"{len(moving.layers)} "
+         "BatchNormalization layers", "each tower's (and worker's) step would "
+         "move their moving statistics once, T times a step"),
     ]  # fmt: skip
     for refuse, what, why in refused:
         if refuse:
@@ -296,9 +346,9 @@ def refuse_with_hooks(
 def _share(shards: Shards, t: int) -> Any:
     """Tower ``t``'s share of the step's examples, ``n_t / B``."""
     if shards.sizes is not None and isinstance(shards.size, int):
-        return shards.sizes[t] / shards.size
+        return shards.sizes[t] / shards.normaliser  # B, or 1 when empty
     n_t = tf.cast(batch_size_of(shards.parts[t]), tf.float64)
-    return n_t / tf.cast(shards.size, tf.float64)
+    return n_t / tf.cast(shards.normaliser, tf.float64)
 
 
 def _check_same(handed: list[tuple]) -> None:

@@ -160,7 +160,11 @@ def make_step(
     if hooks:
         refuse_with_hooks(hooks, where, options, workers, jit, moving)
         step.custom = CustomStep(
-            where, update.count_step, kinds, options.get("own_step_loss", "mean")
+            where,
+            update.count_step,
+            kinds,
+            options.get("own_step_loss", "mean"),
+            workers,
         )
         coupled.own_step = "train" in kinds
         if "train" in kinds and not own_loss:  # its own data to its model
