@@ -168,13 +168,13 @@ def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path
     assert result(tmp_path / "job", 0)["steps"] == result(ref, 0)["steps"]
 
 
-def test_a_contrastive_compute_loss_trains_in_a_cluster_as_one_device(tmp_path):
-    # The model's compute_loss is a softmax over the whole batch: every
+def test_a_clip_dual_encoder_trains_in_a_cluster_as_one_device(tmp_path):
+    # Its compute_loss is a softmax over the whole batch's similarities: every
     # worker's outputs are gathered through the collective runtime
     # (towers/step/gathered.py), worker 1 joining with nothing in the batch of
     # one; its own Sum metric counts each batch once. The reference is one
     # tower in one process.
-    args = ["--model", "contrastive", "--optimizer", "sgd"]
+    args = ["--model", "clip", "--optimizer", "sgd"]
     ref = reference(tmp_path / "ref", *args, towers=1)
     job = launch(tmp_path / "job", *args)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]

@@ -27,8 +27,8 @@ last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 --steps-per-execution K runs fit's steps K to a call, a loop in the graph.
 --model moe puts keras_hub's Mixtral mixture-of-experts block in, whose
 load-balancing loss couples the batch's examples (computed from the whole
-batch: the default coupled_losses="exact"). --model contrastive overrides
-compute_loss with a contrastive term over the whole batch (gathered);
+batch: the default coupled_losses="exact"). --model clip is a CLIP-style dual
+encoder whose compute_loss is over the whole batch's similarities (gathered);
 --model twoapplies has its own train_step, applying twice with two optimizers.
 """
 
@@ -105,27 +105,35 @@ class Seen(keras.layers.Layer):
         return x
 
 
-class Contrastive(keras.Sequential):
-    """The compiled loss plus an InfoNCE term between each example's outputs
-    and its one-hot label: a softmax over the whole batch (gathered from every
-    tower and worker); its own Sum metric counts the matched pairs."""
+class Clip(keras.Model):
+    """A CLIP-style dual encoder: an image and a text encoder (the inputs'
+    first and last three features), the symmetric cross-entropy over the
+    batch's similarity matrix with a learned temperature, plus the image
+    embedding classifying the label; a softmax over the whole batch (gathered
+    from every tower and worker). Its own Sum metric counts matched pairs."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.scale = self.add_weight(shape=(), initializer="zeros", name="scale")
         self.matched = keras.metrics.Sum(name="matched")
 
     def compute_loss(
         self, x=None, y=None, y_pred=None, sample_weight=None, training=True
     ):
-        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
-        onehot = keras.ops.one_hot(keras.ops.cast(y, "int32"), 4)
-        logits = keras.ops.matmul(y_pred, keras.ops.transpose(onehot))
-        labels = keras.ops.arange(keras.ops.shape(logits)[0])
-        found = keras.ops.cast(keras.ops.argmax(logits, axis=1), labels.dtype)
-        self.matched.update_state(keras.ops.cast(found == labels, "float32"))
-        return loss + keras.ops.mean(
-            keras.losses.sparse_categorical_crossentropy(labels, logits, True)
-        )
+        images, texts = y_pred
+        label = keras.ops.mean(classify(y, images))
+        images = images / keras.ops.norm(images, axis=1, keepdims=True)
+        texts = texts / keras.ops.norm(texts, axis=1, keepdims=True)
+        logits = keras.ops.matmul(images, keras.ops.transpose(texts))
+        logits = logits * keras.ops.exp(self.scale) * 5.0
+        pairs = keras.ops.arange(keras.ops.shape(logits)[0])
+        found = keras.ops.cast(keras.ops.argmax(logits, axis=1), pairs.dtype)
+        self.matched.update_state(keras.ops.cast(found == pairs, "float32"))
+        crossed = [
+            keras.losses.sparse_categorical_crossentropy(pairs, z, from_logits=True)
+            for z in (logits, keras.ops.transpose(logits))
+        ]
+        return label + keras.ops.mean(crossed[0] + crossed[1]) / 2
 
 
 class TwoApplies(keras.Sequential):
@@ -167,12 +175,14 @@ def build():
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
         )
         return model
-    if args.model == "contrastive":
-        model = Contrastive(
-            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
-             keras.layers.Dense(width)]
-        )  # fmt: skip
-        model.compile(loss=classify, optimizer=optimizers[args.optimizer]())
+    if args.model == "clip":
+        inputs = keras.Input((6,))
+        encoded = [
+            keras.layers.Dense(4)(keras.layers.Dense(8, activation="tanh")(part))
+            for part in (inputs[:, :3], inputs[:, 3:])
+        ]
+        model = Clip(inputs, encoded)
+        model.compile(optimizer=optimizers[args.optimizer]())
         return model
     if args.outputs == 2:
         inputs = keras.Input((6,))
@@ -218,7 +228,7 @@ optimizers = {
     "adam": lambda: keras.optimizers.Adam(0.05, epsilon=1e-3),
     "sgd": lambda: keras.optimizers.SGD(0.1),
 }
-own = args.model in ("contrastive", "twoapplies")  # compiled in build()
+own = args.model in ("clip", "twoapplies")  # compiled in build()
 engine = towers.Towers(
     build,
     *(() if own else (losses, optimizers[args.optimizer])),
