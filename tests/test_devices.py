@@ -1,3 +1,4 @@
+import keras
 import pytest
 import tensorflow as tf
 
@@ -64,6 +65,21 @@ def test_resolve_devices_unknown_device_names_it_and_lists_available():
 
     message = str(error.value)
     assert "received '/gpu:7'" in message
+    assert "available: ['/device:CPU:0'" in message
+
+
+def test_an_unknown_variable_device_is_named_as_variable_device():
+    with pytest.raises(ValueError) as error:
+        towers.Towers(
+            lambda: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
+            "mse",
+            "sgd",
+            devices=["/cpu:0", "/cpu:1"],
+            variable_device="/cpu:99",
+        )
+
+    message = str(error.value)
+    assert message.startswith("variable_device must exist; received '/cpu:99'")
     assert "available: ['/device:CPU:0'" in message
 
 

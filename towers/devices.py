@@ -112,11 +112,12 @@ def local_name(name: str) -> str:
     return f"/device:{spec.device_type}:{spec.device_index}"
 
 
-def canonical_device(name: str) -> str:
+def canonical_device(name: str, argument: str = "devices") -> str:
     """Returns the canonical local name of ``name``, checking that it exists.
 
     Args:
       name: a device name such as ``"/cpu:0"``, ``"GPU:1"`` or ``"/device:CPU:2"``.
+      argument: the argument ``name`` was given as, for the error.
 
     Returns:
       The name as TensorFlow lists it, e.g. ``"/device:CPU:0"``.
@@ -131,7 +132,8 @@ def canonical_device(name: str) -> str:
     available = available_devices()
     if not isinstance(name, str):
         raise ValueError(
-            f"a device name must be a string; received {name!r}, available: {available}"
+            f"{argument} must name a device with a string; received {name!r}, "
+            f"available: {available}"
         )
     try:
         spec = tf.DeviceSpec.from_string(name if "/" in name else "/" + name)
@@ -140,12 +142,12 @@ def canonical_device(name: str) -> str:
     is_local = spec is not None and spec.job in (None, "localhost")
     if spec is None or not spec.device_type or not is_local:
         raise ValueError(
-            f"devices must exist; received {name!r}, available: {available}"
+            f"{argument} must exist; received {name!r}, available: {available}"
         )
     canonical = f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
     if canonical not in available:
         raise ValueError(
-            f"devices must exist; received {name!r}, available: {available}"
+            f"{argument} must exist; received {name!r}, available: {available}"
         )
     return canonical
 

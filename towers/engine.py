@@ -107,7 +107,7 @@ class Towers(Trainer):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
         self.devices = resolve_devices(devices)
-        self.variable_device = canonical_device(variable_device)
+        self.variable_device = canonical_device(variable_device, "variable_device")
         self.reducer = get_reducer(reducer)
         options = dict(
             metrics=metrics, weighted_metrics=weighted_metrics,

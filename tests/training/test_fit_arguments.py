@@ -137,6 +137,7 @@ def test_verbose_2_prints_one_line_per_epoch(capsys):
         ({"validation_freq": 0}, r"validation_freq must be a positive integer"),
         ({"validation_steps": 0}, r"validation_steps must be a positive integer"),
         ({"shuffle": "batch"}, r"shuffle must be True, False or a seed .* 'batch'"),
+        ({"epochs": 2.5}, r"epochs must be an integer >= 0; received 2.5"),
     ],
 )
 def test_bad_fit_arguments_are_refused_before_training(options, message):
@@ -145,6 +146,29 @@ def test_bad_fit_arguments_are_refused_before_training(options, message):
     with pytest.raises(ValueError, match=message):
         engine.fit(x, y, **options)
     assert engine.steps_done == 0
+
+
+def test_inputs_that_are_none_are_named_before_anything_runs():
+    engine, _ = pair()
+    x, y = arrays()
+    before = engine.model.get_weights()
+    expected = r"must be the inputs \(arrays, tensors, .*\); received None"
+    calls = {
+        "x": lambda: engine.fit(None, y, verbose=0),
+        "validation_data's x": lambda: engine.fit(
+            x, y, validation_data=(None, y), verbose=0
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"^{name} {expected}"):
+            call()
+    with pytest.raises(ValueError, match=f"^x {expected}"):
+        engine.evaluate(None, y, verbose=0)
+    with pytest.raises(ValueError, match=f"^x {expected}"):
+        engine.predict(None, verbose=0)
+    assert engine.steps_done == 0
+    for got, was in zip(engine.model.get_weights(), before):
+        np.testing.assert_array_equal(got, was)
 
 
 def test_validation_split_of_a_dataset_is_refused_naming_the_fix():

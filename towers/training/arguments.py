@@ -46,14 +46,32 @@ def shuffle_seed(shuffle: bool | int, checkpoint: TrainingCheckpoint, workers) -
     return seed
 
 
+def check_inputs(x: Any, name: str = "x") -> None:
+    """Refuses inputs that are None, by ``name``.
+
+    >>> check_inputs(None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: x must be the inputs (arrays, tensors, ...); received None
+    """
+    if x is None:
+        raise ValueError(
+            f"{name} must be the inputs (arrays, tensors, a dict or list of them, "
+            "a tf.data.Dataset, a generator or a keras.utils.PyDataset); "
+            "received None"
+        )
+
+
 def check_fit_arguments(
     verbose: Any,
     validation_split: Any,
     initial_epoch: Any,
     validation_freq: Any,
     shuffle: Any,
+    epochs: Any = 1,
 ) -> int:
     """Refuses what Keras' ``fit`` refuses; returns ``verbose`` as 0, 1 or 2."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an integer >= 0; received {epochs!r}")
     if not isinstance(shuffle, (bool, int)) or (
         not isinstance(shuffle, bool) and shuffle < 0
     ):

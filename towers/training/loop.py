@@ -21,6 +21,7 @@ from towers._keras import leaf_metrics, metrics_in_order
 from towers.training.arguments import (
     check_fit_arguments,
     check_fit_extras,
+    check_inputs,
     check_positive,
     check_verbose,
     should_validate,
@@ -182,8 +183,9 @@ class Trainer(ModelMetrics, abc.ABC):
           True
         """
         self.require_compiled("fit")
+        check_inputs(x)
         check_fit_arguments(
-            verbose, validation_split, initial_epoch, validation_freq, shuffle
+            verbose, validation_split, initial_epoch, validation_freq, shuffle, epochs
         )
         callbacks = list(callbacks or [])
         check_fit_extras(
@@ -206,6 +208,7 @@ class Trainer(ModelMetrics, abc.ABC):
         validation = None
         if validation_data is not None:
             val_x, val_y, val_sample_weight = unpack(validation_data)
+            check_inputs(val_x, "validation_data's x")
             validation = source_of(
                 val_x, val_y, val_sample_weight, validation_batch_size or batch_size,
                 validation_steps,
@@ -312,6 +315,7 @@ class Trainer(ModelMetrics, abc.ABC):
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)
+        check_inputs(x)
         source = source_of(x, y, sample_weight, batch_size, steps)
         if not self.model.variables:
             self.prepare(*unpack(source.sample()))
@@ -356,6 +360,7 @@ class Trainer(ModelMetrics, abc.ABC):
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)
+        check_inputs(x)
         batches = Epochs(source_of(x, None, None, batch_size, steps), steps)
         callbacks = make_callbacks(self, callbacks, verbose, 1, batches.steps)
         return predict_loop(self, batches, callbacks)
