@@ -272,3 +272,33 @@ def test_a_list_of_arrays_is_several_inputs_as_in_keras_fit():
     assert_same_weights(engine, reference)
     shuffled = engine.fit([first, second], y, epochs=1)  # the shuffled path too
     assert np.isfinite(shuffled["loss"]).all()
+
+
+def test_a_target_dict_with_a_wrong_or_missing_output_name_is_named():
+    def two_outputs():
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(5)(inputs)
+        cls = keras.layers.Dense(3, name="cls")(hidden)
+        return keras.Model(
+            inputs, {"cls": cls, "reg": keras.layers.Dense(1, name="reg")(hidden)}
+        )
+
+    losses = {"cls": keras.losses.SparseCategoricalCrossentropy(True), "reg": "mse"}
+    engine = Towers(two_outputs, losses, "sgd", devices=devices(2))
+    before = engine.model.get_weights()
+    x, labels, values = np.ones((16, 4), "f4"), np.zeros(16), np.ones((16, 1))
+
+    with pytest.raises(ValueError) as wrong:
+        engine.fit(x, {"cls": labels, "regr": values}, verbose=0)
+    with pytest.raises(ValueError) as missing:
+        engine.evaluate(x, {"cls": labels}, verbose=0)
+
+    assert str(wrong.value) == (
+        "y as a dict needs a target for each output with a loss (['cls', 'reg']), "
+        "keyed by the model's output names ['cls', 'reg']; received keys "
+        "['cls', 'regr']: ['regr'] name no output; missing ['reg']"
+    )
+    assert str(missing.value).endswith("received keys ['cls']; missing ['reg']")
+    assert engine.steps_done == 0
+    for got, was in zip(engine.model.get_weights(), before):
+        np.testing.assert_array_equal(got, was)

@@ -8,6 +8,7 @@ A ``tf.SparseTensor`` or ``tf.RaggedTensor`` leaf counts its rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -76,6 +77,18 @@ def check_targets(loss: Any, y: Any) -> None:
     ...
     ValueError: loss mse compares predictions with targets; received a batch ...
     """
+    names = loss.output_names or []
+    if isinstance(y, Mapping) and len(names) > 1:
+        unknown = sorted(set(y) - set(names))
+        missing = [n for n in loss.output_names_with_losses() if n not in y]
+        if unknown or missing:
+            raise ValueError(
+                f"y as a dict needs a target for each output with a loss "
+                f"({loss.output_names_with_losses()}), keyed by the model's output "
+                f"names {names}; received keys {sorted(y)}"
+                + (f": {unknown} name no output" if unknown else "")
+                + (f"; missing {missing}" if missing else "")
+            )
     name = None if y is not None else loss.needs_targets()
     if name is not None:
         raise ValueError(
