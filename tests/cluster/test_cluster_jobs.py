@@ -168,20 +168,26 @@ def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path
     assert result(tmp_path / "job", 0)["steps"] == result(ref, 0)["steps"]
 
 
+def as_one_tower(tmp_path, model):
+    """``--model model`` with SGD on 2 workers of 2 towers and on one tower in
+    one process: their weights compared (assert_same_as); the reference's
+    result and each worker's."""
+    args = ["--model", model, "--optimizer", "sgd"]
+    ref = reference(tmp_path / "ref", *args, towers=1)
+    job = launch(tmp_path / "job", *args)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert_same_as(ref, tmp_path / "job")
+    return result(ref, 0), [result(tmp_path / "job", rank) for rank in (0, 1)]
+
+
 def test_a_clip_dual_encoder_trains_in_a_cluster_as_one_device(tmp_path):
     # Its compute_loss is a softmax over the whole batch's similarities: every
     # worker's outputs are gathered through the collective runtime
     # (towers/step/gathered.py), worker 1 joining with nothing in the batch of
     # one; its own Sum metric counts each batch once. The reference is one
     # tower in one process.
-    args = ["--model", "clip", "--optimizer", "sgd"]
-    ref = reference(tmp_path / "ref", *args, towers=1)
-    job = launch(tmp_path / "job", *args)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert_same_as(ref, tmp_path / "job")
-    expected = result(ref, 0)
-    for rank in (0, 1):
-        got = result(tmp_path / "job", rank)
+    expected, results = as_one_tower(tmp_path, "clip")
+    for got in results:
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
         for key, value in expected["evaluate"].items():
             np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5)
@@ -193,14 +199,8 @@ def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
     # then summed over the workers weighted by their examples, and applied on
     # every worker; the metrics it updates are summed over the workers.
     # Worker 1 has nothing in the batch of one. The reference: one tower.
-    args = ["--model", "twoapplies", "--optimizer", "sgd"]
-    ref = reference(tmp_path / "ref", *args, towers=1)
-    job = launch(tmp_path / "job", *args)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert_same_as(ref, tmp_path / "job")
-    expected = result(ref, 0)
-    for rank in (0, 1):
-        got = result(tmp_path / "job", rank)
+    expected, results = as_one_tower(tmp_path, "twoapplies")
+    for got in results:
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
         np.testing.assert_allclose(got["acc"], expected["acc"], rtol=1e-6)
         for key, value in expected["evaluate"].items():
@@ -213,12 +213,6 @@ def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):
     # summed over the towers and the workers' collective runtime
     # (towers/step/coupled.py), worker 1 joining with nothing in the batch of
     # one. The reference is one tower in one process: one device's update.
-    args = ["--model", "moe", "--optimizer", "sgd"]
-    ref = reference(tmp_path / "ref", *args, towers=1)
-    job = launch(tmp_path / "job", *args)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert_same_as(ref, tmp_path / "job")
-    expected = result(ref, 0)
-    for rank in (0, 1):
-        got = result(tmp_path / "job", rank)
+    expected, results = as_one_tower(tmp_path, "moe")
+    for got in results:
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)

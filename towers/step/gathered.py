@@ -71,7 +71,8 @@ def gathered_loss(
     (the module docstring): ``batch`` is its ``(x, y, y_pred, sample_weight)``,
     ``share`` its ``w_t`` (of its worker's examples), ``scope`` the scope its
     pass runs in. In a tower traced in lockstep only."""
-    meet, rank = lockstep.current().meet, lockstep.current().rank
+    seat = lockstep.current()
+    meet, rank = seat.meet, seat.rank
     handed = meet.exchange(rank, batch)
     local = [concat_rows([h[i] for h in handed]) for i in (0, 1, 2, 3)]
     local[2] = _stopped(local[2])
