@@ -168,11 +168,11 @@ def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path
     assert result(tmp_path / "job", 0)["steps"] == result(ref, 0)["steps"]
 
 
-def as_one_tower(tmp_path, model):
-    """``--model model`` with SGD on 2 workers of 2 towers and on one tower in
-    one process: their weights compared (assert_same_as); the reference's
-    result and each worker's."""
-    args = ["--model", model, "--optimizer", "sgd"]
+def as_one_tower(tmp_path, model, *more):
+    """``--model model`` (and ``more`` arguments) with SGD on 2 workers of 2
+    towers and on one tower in one process: their weights compared
+    (assert_same_as); the reference's result and each worker's."""
+    args = ["--model", model, "--optimizer", "sgd", *more]
     ref = reference(tmp_path / "ref", *args, towers=1)
     job = launch(tmp_path / "job", *args)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
@@ -205,6 +205,21 @@ def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
         np.testing.assert_allclose(got["acc"], expected["acc"], rtol=1e-6)
         for key, value in expected["evaluate"].items():
             np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5)
+
+
+def test_a_models_own_step_with_batchnorm_trains_in_a_cluster_as_one_device(
+    tmp_path,
+):
+    # The same step with a BatchNormalization layer it runs twice a step, under
+    # global batch statistics: each call's moments are summed over the towers
+    # and the workers, and the first tower of each worker moves the moving
+    # statistics at once; in the backward pass each worker's (and tower's)
+    # upstream gradient is weighted by its examples. The reference: one tower.
+    expected, results = as_one_tower(
+        tmp_path, "twoapplies_bn", "--batch-statistics", "global"
+    )
+    for got in results:
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
 
 
 def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):

@@ -29,7 +29,9 @@ last worker's share), --policy (a Keras dtype policy, e.g. mixed_float16).
 load-balancing loss couples the batch's examples (computed from the whole
 batch: the default coupled_losses="exact"). --model clip is a CLIP-style dual
 encoder whose compute_loss is over the whole batch's similarities (gathered);
---model twoapplies has its own train_step, applying twice with two optimizers.
+--model twoapplies has its own train_step, applying twice with two optimizers;
+--model twoapplies_bn the same with a BatchNormalization layer (run twice a
+step: pass --batch-statistics global).
 """
 
 import argparse
@@ -164,11 +166,13 @@ class TwoApplies(keras.Sequential):
 
 def build():
     width = 5 if args.model == "wider" and rank == 1 else 4
-    if args.model == "twoapplies":
-        model = TwoApplies(
-            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
-             keras.layers.Dense(width)]
-        )  # fmt: skip
+    if args.model in ("twoapplies", "twoapplies_bn"):
+        hidden = [keras.layers.Dense(8, activation="tanh")]
+        if args.model == "twoapplies_bn":
+            hidden = [keras.layers.Dense(8, use_bias=False),
+                      keras.layers.BatchNormalization(momentum=0.5),
+                      keras.layers.Activation("tanh")]  # fmt: skip
+        model = TwoApplies([keras.Input((6,)), *hidden, keras.layers.Dense(width)])
         model.compile(
             loss=classify,
             optimizer=optimizers[args.optimizer](),
@@ -228,7 +232,7 @@ optimizers = {
     "adam": lambda: keras.optimizers.Adam(0.05, epsilon=1e-3),
     "sgd": lambda: keras.optimizers.SGD(0.1),
 }
-own = args.model in ("clip", "twoapplies")  # compiled in build()
+own = args.model in ("clip", "twoapplies", "twoapplies_bn")  # compiled in build()
 engine = towers.Towers(
     build,
     *(() if own else (losses, optimizers[args.optimizer])),

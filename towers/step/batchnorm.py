@@ -18,7 +18,10 @@ with Keras' own rule ``moving = moving * momentum + stat * (1 - momentum)``, whe
   (what MirroredStrategy's MEAN-aggregated assignment gives).
 
 The update runs with the optimizer's apply, so a skipped step leaves the moving
-statistics unchanged too.
+statistics unchanged too. A model's own ``train_step`` (``towers/step/custom.py``)
+may call a layer more than once a step, each call moving the statistics on one
+device: there every call in training mode is a meeting, where the first tower
+moves them at once by the same policy (``moving_at_once``).
 
 What each tower normalises with is ``batch_statistics``:
 
@@ -36,6 +39,7 @@ What each tower normalises with is ``batch_statistics``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -124,14 +128,32 @@ class MovingStatistics:
           training mode; ``count`` is the number of values each mean was taken over.
         """
         moments: dict[int, tuple] = {}
+        with self._patched(moments):
+            yield moments
+
+    @contextlib.contextmanager
+    def moving_at_once(self, device: Any) -> Iterator[None]:
+        """Within (a tower's thread in lockstep, ``towers/step/lockstep.py``),
+        every call of a layer in training mode is a meeting: the towers hand
+        in their moments, and the first moves the layer's moving statistics
+        at once, as the policy says, on ``device``. So a model's own step that
+        calls a layer twice moves them twice, in the order one device would,
+        and a read after a move (the layer's next call) sees it."""
+        with self._patched(device):
+            yield
+
+    @contextlib.contextmanager
+    def _patched(self, record: Any) -> Iterator[None]:
+        """Within, this thread's tower records its moments in ``record`` (a
+        dict), or moves the statistics at once on ``record`` (a device)."""
         with self._lock:  # towers traced in lockstep record at the same time
             if not self._users:
                 for index, layer in enumerate(self.layers):
                     self._patch(layer, index)
             self._users += 1
-        self._local.moments = moments
+        self._local.moments = record
         try:
-            yield moments
+            yield
         finally:
             self._local.moments = None
             with self._lock:
@@ -154,18 +176,22 @@ class MovingStatistics:
                     f"moving_statistics='batch' and batch_statistics='global' need "
                     f"unmasked inputs; received a mask in layer {layer.name!r}"
                 )
-            if index in moments:
+            if isinstance(moments, dict) and index in moments:
                 raise ValueError(
                     f"BatchNormalization layer {layer.name!r} ran twice in one "
                     "tower's step; towers updates each layer's moving statistics "
                     "once per step"
                 )
             if self.statistics == "global" and lockstep.current() is not None:
-                moments[index] = _global_moments(layer, inputs)
+                taken = _global_moments(layer, inputs)
             else:
                 mean, variance = moments_fn(inputs, mask)
-                moments[index] = (mean, variance, _count(inputs, mean))
-            return moments[index][:2]
+                taken = (mean, variance, _count(inputs, mean))
+            if not isinstance(moments, dict):  # a device: move them at once
+                self._move_at_once(layer, taken, moments)
+                return taken[:2]
+            moments[index] = taken
+            return taken[:2]
 
         # Instance attributes shadow the class's methods while recording.
         object.__setattr__(layer, "_moments", recorded_moments)
@@ -183,14 +209,17 @@ class MovingStatistics:
             per_tower = [m[index] for m in tower_moments if index in m]
             if not per_tower:
                 continue  # the layer did not run in training mode
-            mean, variance = self._statistics(per_tower)
-            momentum = layer.momentum
-            for moving, stat in [
-                (layer.moving_mean, mean),
-                (layer.moving_variance, variance),
-            ]:
-                stat = tf.cast(stat, moving.dtype)
-                moving.assign(moving * momentum + stat * (1.0 - momentum))
+            _move(layer, *self._statistics(per_tower))
+
+    def _move_at_once(self, layer, moments: tuple, device: Any) -> None:
+        """Hands this tower's ``moments`` to the others; the first tower moves
+        ``layer``'s statistics from every tower's."""
+        seat = lockstep.current()
+        handed = seat.meet.exchange(seat.rank, tf.nest.map_structure(
+            tf.stop_gradient, moments))  # fmt: skip
+        if seat.rank == 0:
+            with tf.device(device), tf.name_scope("moving_statistics/"):
+                _move(layer, *self._statistics(handed), patched=True)
 
     def _statistics(self, per_tower: list[tuple]) -> tuple[tf.Tensor, tf.Tensor]:
         means = [mean for mean, _, _ in per_tower]
@@ -213,6 +242,17 @@ class MovingStatistics:
             / total
         )
         return mean, variance
+
+
+def _move(layer, mean: Any, variance: Any, patched: bool = False) -> None:
+    """Keras' rule, ``moving = moving * momentum + stat * (1 - momentum)``;
+    ``patched``: the layer's own assignments are dropped (``_skip_assign``),
+    so the variable's class assigns."""
+    momentum = layer.momentum
+    for moving, stat in [(layer.moving_mean, mean), (layer.moving_variance, variance)]:
+        value = moving * momentum + tf.cast(stat, moving.dtype) * (1.0 - momentum)
+        assign = functools.partial(type(moving).assign, moving)
+        (assign if patched else moving.assign)(value)
 
 
 def _count(inputs: tf.Tensor, mean: tf.Tensor) -> tf.Tensor:

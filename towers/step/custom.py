@@ -39,11 +39,16 @@ apply over the workers, each weighted by its share of the global batch
 the step, and the other values weighted alike. A random draw in the step
 (``keras.random`` with the model's ``SeedGenerator``) advances the
 generator's state tower after tower: deterministic for a seed, but not one
-device's draws.
+device's draws. Each call of a BatchNormalization layer in training mode is
+a meeting too: the first tower moves its moving statistics at once, from
+every tower's moments (``MovingStatistics.moving_at_once``); under global
+batch statistics each tower's upstream gradient through the moments is
+weighted by its share (``lockstep.Seat``), as its gradients are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -108,12 +113,14 @@ class CustomStep:
         kinds: frozenset[str],
         loss: OwnStepLoss = "mean",
         workers: Any = None,
+        moving: Any = None,
     ):
         self.placement = placement
         self.count_step = count_step
         self.kinds = kinds
         self.loss = loss
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
+        self.moving = moving  # BatchNormalization's (towers/step/batchnorm.py)
         self.applies: list[str] = []  # what the towers met at, when traced
         # In a cluster, while a step is traced: the workers' sum, and this
         # worker's weight in it (B_w / B, 0 without examples).
@@ -154,12 +161,15 @@ class CustomStep:
 
     def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
         shards = self._split(x, y, sample_weight)
-        self._across, _ = across_workers(self.workers)
+        self._across, weight = across_workers(self.workers)
         before = None
         if self.workers is not None:
             with tf.device(self.placement.variable_device):
                 before = [tf.identity(v) for v in self._metric_variables()]
                 self._weight_here = self._workers_weight(shards)
+            # A backward sum over the workers (global batch statistics')
+            # weighs each worker's upstream gradient as its gradients are.
+            weight["examples"] = self._weight_here
         logs = self._run(hook, shards)
         if before is not None:  # every worker's changes, summed
             with tf.device(self.placement.variable_device):
@@ -203,7 +213,11 @@ class CustomStep:
                 _seat.tower = (meet, rank, self._weight(shards, t))
                 try:
                     device = self.placement.devices[t]
-                    with tf.device(device), tf.name_scope(f"tower_{t}"):
+                    with (
+                        tf.device(device),
+                        tf.name_scope(f"tower_{t}"),
+                        self._moving_at_once(len(working)),
+                    ):
                         return getattr(self.model, hook)(data)
                 finally:
                     _seat.tower = None
@@ -212,13 +226,25 @@ class CustomStep:
 
         try:
             with routed_applies(self._meet):
-                return in_lockstep([tower(r, t) for r, t in enumerate(working)], meet)
+                works = [tower(r, t) for r, t in enumerate(working)]
+                weights = [self._weight(shards, t) for t in working]
+                return in_lockstep(works, meet, weights)
         except threading.BrokenBarrierError as error:
             raise ValueError(
                 f"the towers' {hook} did not make the same applies on every "
                 f"shard ({error}); a step must, as the towers meet at each. "
                 "Nothing was updated."
             ) from error
+
+    def _moving_at_once(self, working: int) -> Any:
+        """Where BatchNormalization layers meet at each call in training mode
+        (more than one tower, or a cluster): the first tower moves their
+        moving statistics at once (``MovingStatistics.moving_at_once``)."""
+        if self.moving is None or not self.moving.layers:
+            return contextlib.nullcontext()
+        if working == 1 and self.workers is None:
+            return contextlib.nullcontext()  # the layers move them, as Keras'
+        return self.moving.moving_at_once(self.placement.variable_device)
 
     def _meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
         """An ``optimizer.apply(grads, variables)`` inside a tower's step: the
@@ -296,23 +322,20 @@ def refuse_with_hooks(
     hooks: list[str],
     placement: Placement,
     options: dict[str, Any],
-    workers: Any,
     jit: Any,
-    moving: Any,
 ) -> None:
     """Refuses, by name and before any step, what a model's own steps cannot
     run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
 
     Raises:
-      ValueError: a cluster; with the model's own train step, a copy of the
-        model per tower (``placement``), micro-batches, a non-finite policy,
-        ``jit_compile=True``, or BatchNormalization on more than one tower.
+      ValueError: with the model's own train step, a copy of the model per
+        tower (``placement``), micro-batches, a non-finite policy or
+        ``jit_compile=True``.
     """
     model = type(placement.model).__name__
-    more = len(placement.devices) > 1
     copies = len(placement.models) > 1
     if "train" not in kinds_of(hooks):  # evaluation or prediction alone
-        more, copies, jit = False, False, xla.OFF  # nothing trains in them
+        copies, jit = False, xla.OFF  # nothing trains in them
         options = {"accumulate_steps": 1, "on_nonfinite": "ignore"}
     refused = [
         (copies, f"placement={placement.name!r}", "a model "
@@ -324,9 +347,6 @@ def refuse_with_hooks(
          f"{options['on_nonfinite']!r}", "the step applies as it goes"),
         (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
          "stops at its applies; pass jit_compile=False"),
-        (bool(moving.layers) and (more or workers is not None), f"{len(moving.layers)} "
-         "BatchNormalization layers", "each tower's (and worker's) step would "
-         "move their moving statistics once, T times a step"),
     ]  # fmt: skip
     for refuse, what, why in refused:
         if refuse:

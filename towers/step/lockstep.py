@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from towers._keras import loss_ids_kept
+from towers.combine import in_dtype
 
 T = TypeVar("T")
 # A collective's key fixes the shapes it carries: a tensor whose rows only the
@@ -166,13 +167,24 @@ class Rendezvous:
 
 
 class Seat:
-    """Tower ``rank``'s place at ``meet``: what :func:`total` sums through."""
+    """Tower ``rank``'s place at ``meet``: what :func:`total` sums through.
 
-    def __init__(self, meet: Rendezvous, rank: int):
-        self.meet, self.rank = meet, rank
+    ``weight``: the tower's weight in the step's gradient when its loss is a
+    mean over its own shard (a model's own step, ``towers/step/custom.py``):
+    a backward sum then weighs each tower's upstream gradient by its weight,
+    and hands back the sum over this tower's weight, so the weighted combine
+    gives one device's. None: the towers' losses are shares of the step's
+    already."""
+
+    def __init__(self, meet: Rendezvous, rank: int, weight: Any = None):
+        self.meet, self.rank, self.weight = meet, rank, weight
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-        return _total(self.meet, self.rank, value, backward)
+        if not backward or self.weight is None:
+            return _total(self.meet, self.rank, value, backward)
+        weight = in_dtype(self.weight, value.dtype)  # a float64 model's digits
+        summed = _total(self.meet, self.rank, value * weight, backward)
+        return summed / weight  # only towers with examples run
 
 
 def meeting(size: int, placement: Any, workers: Any, across: Any = None) -> Rendezvous:
@@ -241,9 +253,14 @@ def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
     return current().total(value, backward)
 
 
-def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
+def in_lockstep(
+    works: Sequence[Callable[[], T]],
+    meet: Rendezvous,
+    weights: Sequence[Any] | None = None,
+) -> list[T]:
     """Traces ``works`` (one per tower, rank order) each in its own thread into
     the current graph, meeting at ``meet``; returns their results.
+    ``weights``: each tower's weight in its :class:`Seat`.
 
     Raises:
       The first error a tower raised (the others are woken and stopped).
@@ -264,7 +281,8 @@ def in_lockstep(works: Sequence[Callable[[], T]], meet: Rendezvous) -> list[T]:
 
     def trace(rank: int, work: Callable[[], T]) -> None:
         try:
-            with seated(Seat(meet, rank)):
+            weight = None if weights is None else weights[rank]
+            with seated(Seat(meet, rank, weight)):
                 meet.start(rank)
                 with graph.as_default():
                     results[rank] = work()

@@ -158,13 +158,14 @@ def make_step(
     tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
     step = Step(where, tower, update, metrics, moving, workers)
     if hooks:
-        refuse_with_hooks(hooks, where, options, workers, jit, moving)
+        refuse_with_hooks(hooks, where, options, jit)
         step.custom = CustomStep(
             where,
             update.count_step,
             kinds,
             options.get("own_step_loss", "mean"),
             workers,
+            moving,
         )
         coupled.own_step = "train" in kinds
         if "train" in kinds and not own_loss:  # its own data to its model
