@@ -35,7 +35,6 @@ statistics both say ``trainable=False``; the layers' ``_trainable_variables``
 tell them apart, so a layer unfrozen between steps has its optimizer slots.
 
 Validation split: the last examples, by Keras' helper (``training/data.py``).
-
 Input as Keras' fit takes it. Keras picks a data adapter for what ``fit``,
 ``evaluate`` and ``predict`` are given (arrays, pandas, tf.data, generators,
 ``PyDataset``) and turns it into a tf.data pipeline; towers takes the same
@@ -52,9 +51,11 @@ the model's ``_initial_epoch``, as Keras' own fit reads it
 
 A model's own train_step: its applies end in ``BaseOptimizer.apply`` (or a
 ``LossScaleOptimizer``'s), where the towers meet (``towers/step/custom.py``).
-
-Progress. Keras' ``Progbar`` rewrites its line on any POSIX system, a log file
+Progress: Keras' ``Progbar`` rewrites its line on any POSIX system, a log file
 included; towers' (Keras' own) only on a terminal (``training/progress.py``).
+Data that does not fit the model is run through it symbolically, by shapes, as
+Keras builds a model (``backend.compute_output_spec``): Keras' own error, with
+the shapes the user gave named beside it (``towers/training/fits.py``).
 
 Each layer's own loss terms. ``model.losses`` does not say which layer added
 which term; ``Layer._get_own_losses`` does (``towers/step/coupled.py``). In a
@@ -87,7 +88,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.backend import get_keras_mask
+from keras.src.backend import compute_output_spec, get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -113,6 +114,7 @@ __all__ = [
     "LossFunctionWrapper",
     "PyDatasetAdapter",
     "apply_mask",
+    "compute_output_spec",
     "get_data_adapter",
     "get_keras_mask",
     "is_binary_or_sparse_categorical",
@@ -283,8 +285,7 @@ def host_tensors(data: Any) -> Any:
 
 
 def examples_of(adapter: Any) -> int:
-    """How many examples an ``ArrayDataAdapter`` holds."""
-    return int(adapter._num_samples)
+    return int(adapter._num_samples)  # an ArrayDataAdapter's examples
 
 
 def adapter_dataset(adapter: PyDatasetAdapter, like: PyDatasetAdapter) -> Any:

@@ -21,6 +21,7 @@ from towers.step.compiling import FROM_COMPILE
 from towers.step.custom import OwnStepLoss
 from towers.step.parts import PlacementName, join_cluster, make_step
 from towers.step.xla import JitCompile
+from towers.training.fits import named_misfits
 from towers.training.loop import Trainer
 
 
@@ -132,8 +133,7 @@ class Towers(Trainer):
         """How many towers (devices) each step is split over.
 
         >>> make_engine().num_towers
-        2
-        """
+        2"""
         return len(self.devices)
 
     @property
@@ -144,8 +144,7 @@ class Towers(Trainer):
         >>> for batch in (4, 4, 5):
         ...     _ = eng.train_step(np.ones((batch, 3), "f4"), np.ones((batch, 1), "f4"))
         >>> eng.trace_count  # batches of 4 share a trace; 5 needs its own
-        2
-        """
+        2"""
         return self._compiled.train_traces
 
     @property
@@ -173,9 +172,9 @@ class Towers(Trainer):
           ``{"loss": the batch's loss before the update, metric: running value}``.
 
         Raises:
-          ValueError: x, y and sample_weight disagree on B, B == 0, the loss
-            is not one value per example, or a term couples the examples
-            (``towers/step/probe.py``); nothing is updated.
+          ValueError: x, y and sample_weight disagree on B, B == 0, the batch
+            does not fit the model (``towers/training/fits.py``), or a term
+            couples the examples (``step/probe.py``); nothing is updated.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 
@@ -201,8 +200,9 @@ class Towers(Trainer):
         (3, 1)
         """
         prepared = [self._training_batch("train_step", *b) for b in batches]
-        self.step.probe(*prepared[0])
-        return self._compiled.train_on(prepared, self._call)["logs"]
+        with named_misfits(self.model, prepared[0]):
+            self.step.probe(*prepared[0])
+            return self._compiled.train_on(prepared, self._call)["logs"]
 
     def evaluate_step(
         self, x: Any, y: Any = None, sample_weight: Any = None
@@ -253,8 +253,7 @@ class Towers(Trainer):
 
         >>> x, y, sw = make_engine().prepare(np.ones((2, 3)), np.ones((2, 1)))
         >>> x.device, tuple(y.shape), sw
-        ('/job:localhost/replica:0/task:0/device:CPU:0', (2, 1), None)
-        """
+        ('/job:localhost/replica:0/task:0/device:CPU:0', (2, 1), None)"""
         batch = self.step.prepare(x, y, sample_weight)
         self.model = self.placement.model  # a balanced placement builds anew
         return batch
@@ -294,7 +293,8 @@ class Towers(Trainer):
         self.placement.after_restore()
 
     def _run(self, kind: str, *batch: Any) -> Any:
-        return self._compiled.run(kind, self._call, *batch)
+        with named_misfits(self.model, (*batch, None, None)[:3]):
+            return self._compiled.run(kind, self._call, *batch)
 
-    def _call(self, step: Any, *batch: Any) -> Any:
+    def _call(self, step: Any, *batch: Any) -> Any:  # in a cluster, all together
         return self.workers.run(step, *batch) if self.workers else step(*batch)

@@ -257,7 +257,7 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(tmp_path):
                 4
             ),
             {},
-            r"the dataset is empty",
+            r"x holds no examples: received a dataset of 0 batches",
         ),
         (
             tf.data.Dataset.from_tensor_slices(np.zeros((8, 6))).batch(4),

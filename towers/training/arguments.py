@@ -4,7 +4,7 @@ seed of ``fit``'s shuffle (``towers/training/loop.py``)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
@@ -114,6 +114,7 @@ def check_fit_extras(
     for name, value in steps.items():
         if value is not None:
             check_positive(name, value)
+    check_callbacks(callbacks)
     if checkpoint_dir is not None and any(
         isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks
     ):
@@ -122,6 +123,35 @@ def check_fit_extras(
             f"checkpoint_dir={checkpoint_dir!r}; they would each restore the "
             "run. Use checkpoint_dir alone (it also resumes inside an epoch, "
             "at the position in the data) or BackupAndRestore alone."
+        )
+
+
+def check_callbacks(callbacks: Sequence[Any]) -> None:
+    """Refuses a callback that is not a ``keras.callbacks.Callback``.
+
+    >>> check_callbacks([print])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: callbacks must be keras.callbacks.Callback objects; received ...
+    """
+    for callback in callbacks:
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise ValueError(
+                "callbacks must be keras.callbacks.Callback objects; received "
+                f"{callback!r} (a {type(callback).__name__}) among them"
+            )
+
+
+def check_class_weight(class_weight: Any) -> None:
+    """Refuses a ``class_weight`` that is not a dict of class index to weight.
+
+    >>> check_class_weight([1.0, 2.0])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: class_weight must be a dict {class index: weight}; received a list
+    """
+    if class_weight is not None and not isinstance(class_weight, Mapping):
+        raise ValueError(
+            "class_weight must be a dict {class index: weight}; received a "
+            f"{type(class_weight).__name__}"
         )
 
 

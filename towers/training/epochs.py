@@ -18,8 +18,11 @@ is saved with each checkpoint and a resumed run starts there
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import tensorflow as tf
 
 from towers._keras import warn_ran_out
 from towers.training.inputs import Source
@@ -54,6 +57,7 @@ class Epochs:
         self.num_batches = source.num_batches  # learned when a pass runs out
         self.pass_number = first_pass - 1
         self.read = 0  # batches read from the current pass
+        self.yielded = False  # whether any pass has given a batch
         self.iterator: Iterator | None = None
         self.on_new_pass = on_new_pass
 
@@ -135,7 +139,12 @@ class Epochs:
                     warn_ran_out()
                 break
             self.read += 1
-            batch = next(self.iterator, _END)
+            batch = self._next_batch()
+            if batch is _END and not self.yielded:
+                raise ValueError(  # a generator or filtered dataset of nothing
+                    "x holds no examples: received input that yields no batch; "
+                    "at least one is needed"
+                )
             if batch is _END:  # ran out: an unknown length is now known
                 if self.num_batches is None:
                     self.num_batches = self.read
@@ -143,6 +152,7 @@ class Epochs:
                 self._next_pass()
                 self.source.epoch_end()
                 return
+            self.yielded = True
             yield step, batch
             step += 1
         if self._pass_used():
@@ -153,6 +163,24 @@ class Epochs:
                 next(self.iterator, None)
             self._next_pass()
         self.source.epoch_end()
+
+    def _next_batch(self) -> Any:
+        """The pass's next batch, or ``_END``; an error of Keras' class_weight
+        mapping (a label it has no weight for) names class_weight."""
+        try:
+            return next(self.iterator, _END)
+        except tf.errors.InvalidArgumentError as error:
+            weights = self.source.class_weight
+            if weights is None:
+                raise
+            said = re.search(r"indices\[\d+\] = -?\d+ is not in \[0, \d+\)", str(error))
+            raise ValueError(
+                f"class_weight has no weight for a label in batch {self.read} of "
+                f"the pass: it weighs classes {sorted(weights)}, and Keras' "
+                "mapping of a dataset's labels needs every label among them "
+                f"({said.group(0) if said else error.message}). Nothing of "
+                "that batch has trained."
+            ) from error
 
     def _pass_used(self) -> bool:
         """Whether a new epoch needs a new pass: without ``steps_per_epoch``

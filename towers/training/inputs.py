@@ -43,6 +43,7 @@ from towers._keras import (
     peeked_batch,
     train_validation_split,
 )
+from towers.training.fits import check_numbers, describe
 
 Positioning = Literal["iterator", "index", "replay"]
 
@@ -69,6 +70,8 @@ class Source:
         first pass (``fit`` draws it, or takes a checkpoint's).
       epoch_begin, epoch_end: the hooks Keras' ``EpochIterator`` calls around
         each epoch (a ``PyDataset``'s own ``on_epoch_begin``/``on_epoch_end``).
+      class_weight: ``fit``'s, which Keras' adapter maps onto each batch as
+        it is read (not up front, as for arrays): an error there names it.
     """
 
     adapter: Any
@@ -82,6 +85,7 @@ class Source:
     seed: int | None = None
     epoch_begin: Callable[[], None] = lambda: None
     epoch_end: Callable[[], None] = lambda: None
+    class_weight: Mapping[int, float] | None = None
 
 
 def source_of(
@@ -92,6 +96,7 @@ def source_of(
     steps: int | None = None,
     shuffle: bool = False,
     class_weight: Mapping[int, float] | None = None,
+    argument: str = "",
 ) -> Source:
     """The :class:`Source` of Keras-form input, through Keras' own adapter.
 
@@ -104,10 +109,12 @@ def source_of(
       shuffle: whether the passes of arrays and a ``PyDataset`` are shuffled
         (from ``Source.seed``, which the caller sets before the first pass);
         a dataset or generator comes as it is, with Keras' warning.
+      argument: how errors name the input (``"validation_data's "``).
 
     Raises:
       ValueError: Keras' own errors for input its fit refuses; a
-        ``batch_size`` that is not a positive integer; an empty dataset.
+        ``batch_size`` that is not a positive integer; arrays of strings;
+        no examples (empty arrays or a dataset of 0 batches).
 
     Example:
       >>> source = source_of(np.zeros((5, 2)), np.ones(5), batch_size=2)
@@ -123,16 +130,24 @@ def source_of(
     arrays = is_array_input((x, y, sample_weight))
     if arrays and sample_weight is not None and y is None:
         raise ValueError("sample_weight weighs targets; received it with y=None")
+    check_numbers((x, y, sample_weight), argument)
     # Arrays are shuffled here (seeded, by pass), not by the adapter.
     adapter = get_data_adapter(
         x, y, sample_weight, batch_size, steps, shuffle and not arrays, class_weight
     )
     if arrays:
+        if not examples_of(adapter):
+            raise ValueError(
+                f"{argument}x holds no examples: received "
+                f"{describe(x, argument + 'x')}; at least one is needed"
+            )
         return _array_source(adapter, shuffle)
     # Input is prepared on the host while the towers compute the step before.
     dataset = adapter.get_tf_dataset().prefetch(tf.data.AUTOTUNE)
     if isinstance(x, tf.data.Dataset) and dataset.cardinality() == 0:
-        raise ValueError("the dataset is empty; received a dataset with 0 batches")
+        raise ValueError(
+            f"{argument}x holds no examples: received a dataset of 0 batches"
+        )
     # A tf.data pipeline's position is tried on its first pass's iterator
     # (fit, with checkpoints): an iterator made only to try it would take a
     # reshuffling pipeline's next seed, which its checkpoint then saves.
@@ -151,6 +166,7 @@ def source_of(
         why_replay=why,
         epoch_begin=adapter.on_epoch_begin,
         epoch_end=adapter.on_epoch_end,
+        class_weight=class_weight,
     )
 
 

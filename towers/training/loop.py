@@ -19,6 +19,7 @@ import keras
 from towers._keras import initial_epoch as restored_epoch
 from towers._keras import leaf_metrics, metrics_in_order
 from towers.training.arguments import (
+    check_class_weight,
     check_fit_arguments,
     check_fit_extras,
     check_inputs,
@@ -29,6 +30,7 @@ from towers.training.arguments import (
 )
 from towers.training.checkpoint import TrainingCheckpoint
 from towers.training.epochs import Epochs
+from towers.training.fits import check_form, check_validation, named_misfits
 from towers.training.inputs import source_of, split_validation, unpack
 from towers.training.model_metrics import ModelMetrics
 from towers.training.preemption import Preemption
@@ -197,6 +199,7 @@ class Trainer(ModelMetrics, abc.ABC):
             callbacks,
             checkpoint_dir,
         )
+        check_class_weight(class_weight)
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = split_validation(
                 x, y, sample_weight, validation_split
@@ -207,11 +210,12 @@ class Trainer(ModelMetrics, abc.ABC):
         )  # fmt: skip
         validation = None
         if validation_data is not None:
+            check_form(validation_data, "validation_data")
             val_x, val_y, val_sample_weight = unpack(validation_data)
             check_inputs(val_x, "validation_data's x")
             validation = source_of(
                 val_x, val_y, val_sample_weight, validation_batch_size or batch_size,
-                validation_steps,
+                validation_steps, argument="validation_data's ",
             )  # fmt: skip
         if not _is_chief(self):
             # In a cluster the chief alone reports and writes; every worker trains.
@@ -222,7 +226,10 @@ class Trainer(ModelMetrics, abc.ABC):
             self.prepare(*unpack(source.sample()))
         # The compiled metrics too, which a checkpoint saves, from the
         # batches' shapes (nothing read), as Keras' fit builds them.
-        self.build_metrics(*unpack(source.spec()))
+        with named_misfits(self.model, unpack(source.spec()), (x, y, sample_weight)):
+            self.build_metrics(*unpack(source.spec()))
+        if validation is not None:  # before any update, by shapes
+            check_validation(self.model, source, validation, validation_data)
         checkpoint = TrainingCheckpoint(
             self,
             checkpoint_dir,
@@ -319,7 +326,8 @@ class Trainer(ModelMetrics, abc.ABC):
         source = source_of(x, y, sample_weight, batch_size, steps)
         if not self.model.variables:
             self.prepare(*unpack(source.sample()))
-        self.build_metrics(*unpack(source.spec()))
+        with named_misfits(self.model, unpack(source.spec()), (x, y, sample_weight)):
+            self.build_metrics(*unpack(source.spec()))
         batches = Epochs(source, steps)
         logs = evaluate_loop(
             self, batches, make_callbacks(self, callbacks, verbose, 1, batches.steps)

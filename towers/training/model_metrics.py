@@ -12,6 +12,7 @@ import keras
 
 from towers._keras import loss_tracker, pythonify_logs
 from towers.step.compiling import require_compiled
+from towers.training.fits import named_misfits
 
 
 class ModelMetrics:
@@ -90,5 +91,6 @@ class ModelMetrics:
         model compiled and its metrics built."""
         self.require_compiled(method)
         batch = self.prepare(*batch)
-        self.build_metrics(*batch)
+        with named_misfits(self.model, batch):
+            self.build_metrics(*batch)
         return batch

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from towers._keras import pythonify_logs
 from towers.step.custom import own
+from towers.training.arguments import check_callbacks
 from towers.training.checkpoint import (
     TrainingCheckpoint,
     data_position_saveable,
@@ -206,6 +207,7 @@ def make_callbacks(
     """Keras' ``CallbackList``, with towers' progress bar (``verbose``)
     unless the callbacks hold a progress bar of their own."""
     callbacks = list(callbacks or [])
+    check_callbacks(callbacks)
     if verbose and not any(
         isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks
     ):
