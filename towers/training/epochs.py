@@ -94,6 +94,7 @@ class Epochs:
                 for _ in range(read):
                     next(self.iterator, None)
         self.pass_number, self.read = number, read
+        self.yielded = self.yielded or bool(number or read)  # a run resumed
 
     def executions(
         self, first_step: int = 0, per_execution: int = 1

@@ -19,7 +19,9 @@ training data does).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import compute_loss, compute_output_spec, overrides
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def misfit(
@@ -43,12 +47,14 @@ def misfit(
       >>> print(misfit(model, (np.zeros((4, 5)), None, None)))
       ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
       x does not fit the model: received float64 (4, 5); the model takes
-      float32 (None, 3). Keras: Input 0 of layer "dense" is incompatible ...
+      float32 (None, 3). Keras: Input 0 ... of layer ... is incompatible ...
       received input with shape (None, 5)
     """
-    x, y, sample_weight = batch
     shown_x, shown_y, _ = _shown(batch, shown)
-    x, y, sample_weight = keras.tree.map_structure(_symbolic, (x, y, sample_weight))
+    try:
+        x, y, sample_weight = keras.tree.map_structure(_symbolic, batch)
+    except Exception:  # noqa: BLE001 - leaves without a shape: nothing to say
+        return None
     try:
         y_pred = compute_output_spec(model, x, training=False)
     except ValueError as error:
@@ -58,6 +64,8 @@ def misfit(
             f"{argument}x does not fit the model: received {describe(shown_x)}; "
             f"the model takes {takes}. Keras: {keras_words(error)}"
         )
+    except Exception:  # noqa: BLE001 - not a misfit this can name
+        return None
     if y is None or overrides(model, "compute_loss"):
         return None
     try:
@@ -73,6 +81,8 @@ def misfit(
             f"{describe(shown_y)}; the model outputs {describe(y_pred)}. Keras: "
             f"{keras_words(error)}"
         )
+    except Exception:  # noqa: BLE001 - not a misfit this can name
+        return None
     return None
 
 
@@ -104,6 +114,8 @@ def named_misfits(
     try:
         yield
     except ValueError as error:
+        if _raised_here(error):
+            raise  # towers' own checks name what they found already
         message = misfit(model, batch, shown=shown)
         if message is None:
             raise
@@ -206,6 +218,13 @@ def keras_words(error: BaseException) -> str:
         if line.strip() and not line.startswith("Exception encountered")
     ]
     return " ".join(lines)
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether ``error`` was raised in towers' own code (not Keras' or
+    TensorFlow's)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
 def _shown(batch: tuple, shown: Any) -> tuple:
