@@ -264,3 +264,100 @@ def test_a_class_weight_missing_a_later_batchs_label_trains_only_before_it():
     with pytest.raises(ValueError, match=r"label in batch 2 of the pass"):
         engine.fit(dataset(X, labels), class_weight={0: 1.0, 1: 2.0}, verbose=0)
     assert int(engine.model.optimizer.iterations) == 1
+
+
+def two_towers(**options):
+    return lambda model: Towers(model, devices=devices(2), **options)
+
+
+CONSTRUCTORS = {
+    "a device that does not exist": (
+        lambda m: Towers(m, devices=["/gpu:9"]),
+        r"devices must exist; received '/gpu:9', available: \['/device:CPU:0'",
+    ),
+    "no devices": (
+        lambda m: Towers(m, devices=[]),
+        r"devices must name at least one device; received devices=\[\]",
+    ),
+    "a device twice": (
+        lambda m: Towers(m, devices=["/cpu:0", "/cpu:0"]),
+        r"devices must not repeat; received '/cpu:0' and '/cpu:0'",
+    ),
+    "a layer as the model (item 3)": (
+        lambda m: Towers(keras.layers.Dense(3), "mse", "sgd", devices=devices(2)),
+        r"model must be a keras.Model, or a zero-argument function that builds "
+        r"one; received a Dense layer",
+    ),
+    "a function of inputs as the model (item 3)": (
+        lambda m: Towers(lambda inputs: inputs, "mse", "sgd", devices=devices(2)),
+        r"received a function that takes arguments",
+    ),
+    "an unknown placement": (
+        two_towers(placement="everywhere"),
+        r"unknown placement; received 'everywhere', expected one of \['central'",
+    ),
+    "an unknown reducer": (
+        two_towers(reducer="fast"),
+        r"unknown reducer; received 'fast', expected a reducer object or one of",
+    ),
+    "an unknown non-finite policy": (
+        two_towers(on_nonfinite="maybe"),
+        r"on_nonfinite must be one of \['ignore', 'raise', 'skip'\]; received 'maybe'",
+    ),
+    "accumulate_steps 0": (
+        two_towers(accumulate_steps=0),
+        r"accumulate_steps must be a positive integer; received 0",
+    ),
+    "an unknown variable_device (item 5)": (
+        two_towers(variable_device="/cpu:99"),
+        r"variable_device must exist; received '/cpu:99'",
+    ),
+}
+
+
+@pytest.mark.parametrize("make, message", CONSTRUCTORS.values(), ids=CONSTRUCTORS)
+def test_a_wrong_engine_is_named_before_anything_is_built(make, message):
+    model = classifier()
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=message):
+        make(model)
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_model_without_loss_or_optimizer_asks_for_them_when_fit():
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(3)])
+    engine = Towers(model, devices=devices(2))
+    with pytest.raises(ValueError, match=r"Towers.fit needs a loss and an optimizer"):
+        engine.fit(X, Y, verbose=0)
+
+
+def test_a_generator_failing_mid_epoch_leaves_the_steps_before_it_and_no_more(
+    tmp_path,
+):
+    def batches():
+        for start in (0, 8):
+            yield X[start : start + 4], Y[start : start + 4]
+        raise OSError("the disk went away")
+
+    engine = Towers(classifier(), devices=devices(2))
+    # Read through tf.data, as Keras' fit reads a generator: its error comes
+    # wrapped (as in Keras' own fit), its text kept.
+    with pytest.raises(tf.errors.UnknownError, match="the disk went away"):
+        engine.fit(batches(), epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    assert int(engine.model.optimizer.iterations) == 2
+    assert engine.steps_done == 2
+    assert not list(tmp_path.rglob("*.index"))  # no checkpoint of a torn epoch
+
+
+def test_a_non_finite_gradient_with_raise_changes_nothing():
+    engine = Towers(classifier(), devices=devices(2), on_nonfinite="raise")
+    before = state(engine)
+    x = X.copy()
+    x[3, 2] = np.nan
+    with pytest.raises(FloatingPointError, match=r"not finite"):
+        engine.fit(x, Y, batch_size=16, verbose=0)
+    weights, optimizer = state(engine)
+    for got, want in zip(weights, before[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert int(engine.model.optimizer.iterations) == 0
