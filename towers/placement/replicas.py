@@ -55,13 +55,29 @@ class Copies(Placement):
         self.sync()
 
     def sync(self) -> None:
-        """Copies copy 0's variables and optimizer state to every other copy."""
-        first = self.models[0].variables + _variables(self.optimizers[0])
+        """Copies copy 0's variables and optimizer state to every other copy
+        (the optimizers a model holds as its own attributes too, once built:
+        a model's own train_step applies with them)."""
+        first = _state(self.models[0], self.optimizers[0])
         for model, optimizer in zip(self.models[1:], self.optimizers[1:]):
-            for source, target in zip(first, model.variables + _variables(optimizer)):
+            for source, target in zip(first, _state(model, optimizer), strict=True):
                 target.assign(source)
 
     def after_restore(self) -> None:
+        """Brings every copy to the restored copy 0.
+
+        Raises:
+          ValueError: copy 0 holds an optimizer of its own not built yet:
+            its restored state would reach it alone, at its first apply.
+        """
+        unbuilt = [o.name for o in own_optimizers(self.models[0]) if not o.built]
+        if unbuilt:
+            raise ValueError(
+                f"placement={self.name!r} cannot resume a model whose own "
+                f"optimizers ({', '.join(unbuilt)}) are built at their first "
+                "apply: their restored state would reach copy 0 alone. Resume "
+                "with placement='central' or 'balanced'."
+            )
         self.sync()  # the checkpoint holds copy 0
 
     def follow_trainable(self) -> None:
@@ -144,7 +160,9 @@ class Replicated(Copies):
         dense = []
         for t, device in enumerate(self.devices):
             with tf.device(device):
-                dense.append([_dense(tower_grads[t][v], variables[t][v]) for v in used])
+                dense.append(
+                    [as_dense(tower_grads[t][v], variables[t][v]) for v in used]
+                )
         with tf.name_scope("all_reduce"):
             sums = self.all_reduce.all_reduce(dense)
         out = [[None] * len(variables[0]) for _ in self.devices]
@@ -176,7 +194,7 @@ class Independent(Copies):
         return "none: towers never exchange gradients"
 
 
-def _dense(grad: Any, var: Any) -> tf.Tensor:
+def as_dense(grad: Any, var: Any) -> tf.Tensor:
     if grad is None:  # this tower's examples do not reach the variable
         return tf.zeros(var.shape, var.dtype)
     return tf.convert_to_tensor(grad)
@@ -189,6 +207,23 @@ def _optimizer_for(optimizer: Any, t: int, device: str) -> keras.optimizers.Opti
         with tf.device(device):
             return type(optimizer).from_config(optimizer.get_config())
     return make_optimizer(optimizer, device)
+
+
+def own_optimizers(model: keras.Model) -> list[keras.optimizers.Optimizer]:
+    """The optimizers ``model`` holds as attributes besides its compiled one
+    (a GAN's ``d_optimizer`` and ``g_optimizer``), in attribute order."""
+    compiled = getattr(model, "optimizer", None)
+    return [
+        value
+        for value in vars(model).values()
+        if isinstance(value, keras.optimizers.Optimizer) and value is not compiled
+    ]
+
+
+def _state(model: keras.Model, optimizer: Any) -> list:
+    """A copy's variables, its engine optimizer's and its own built ones'."""
+    own = [v for o in own_optimizers(model) if o.built for v in o.variables]
+    return model.variables + _variables(optimizer) + own
 
 
 def _variables(optimizer: keras.optimizers.Optimizer | None) -> list:

@@ -12,7 +12,8 @@ assigns what the towers' passes assigned, once; ``batches.py`` checks a batch
 on the host; ``parts.py`` (with ``compiling.py``) assembles a step from
 ``Towers``' arguments and ``compiled.py`` holds it as ``tf.function``\\ s,
 ``executions.py`` as a loop of steps (``steps_per_execution``); ``custom.py``
-runs a model's own ``train_step`` on every tower, meeting at its applies.
+runs a model's own ``train_step`` on every tower, meeting at its applies
+(``custom_copies.py``: on a copy of the model per tower).
 
 May import: ``towers.cluster``, ``towers.placement`` and the top-level
 building blocks (``split``, ``combine``, ``reducers``, ``devices``, ``options``,

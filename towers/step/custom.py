@@ -57,12 +57,24 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras import overrides, routed_applies
+from towers._keras import (
+    build_compiled_metrics,
+    compiled_metrics_unbuilt,
+    overrides,
+    routed_applies,
+)
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
 from towers.step.batches import HOST
+from towers.step.custom_copies import (
+    apply_each,
+    check_same,
+    gather_metrics,
+    level_metrics,
+    metric_variables,
+)
 from towers.step.lockstep import across_workers, in_lockstep, meeting
 
 # How a model's own train_step reduces its loss over its batch.
@@ -162,6 +174,8 @@ class CustomStep:
     def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
         shards = self._split(x, y, sample_weight)
         self._across, weight = across_workers(self.workers)
+        copies = len(self.placement.models) > 1  # custom_copies.py
+        levelled = level_metrics(self.placement.models) if copies else None
         before = None
         if self.workers is not None:
             with tf.device(self.placement.variable_device):
@@ -171,6 +185,8 @@ class CustomStep:
             # weighs each worker's upstream gradient as its gradients are.
             weight["examples"] = self._weight_here
         logs = self._run(hook, shards)
+        if copies:
+            gather_metrics(self.placement.models, levelled)
         if before is not None:  # every worker's changes, summed
             with tf.device(self.placement.variable_device):
                 for v, b in zip(self._metric_variables(), before):
@@ -180,8 +196,16 @@ class CustomStep:
                     v.assign(b + self._across(mine, False))
         return self._read_logs(logs, shards)
 
+    def build_copies(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """Builds every other copy's compiled metrics from the batch's shapes
+        as copy 0's are built, so their variables line up (custom_copies.py)."""
+        for t, model in enumerate(self.placement.models[1:], start=1):
+            if compiled_metrics_unbuilt(model):
+                with tf.device(self.placement.devices[t]):
+                    build_compiled_metrics(model, (x, y, sample_weight))
+
     def _metric_variables(self) -> list[Any]:
-        return [v for metric in self.model.metrics for v in metric.variables]
+        return metric_variables(self.model)
 
     def _workers_weight(self, shards: Shards) -> Any:
         """This worker's weight in the workers' sums: B_w / B for a mean loss
@@ -218,7 +242,7 @@ class CustomStep:
                         tf.name_scope(f"tower_{t}"),
                         self._moving_at_once(len(working)),
                     ):
-                        return getattr(self.model, hook)(data)
+                        return getattr(self.placement.model_of(t), hook)(data)
                 finally:
                     _seat.tower = None
 
@@ -256,12 +280,17 @@ class CustomStep:
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
         handed = meet.exchange(rank, (optimizer, variables or [], grads, share))
-        _check_same(handed)
-        if rank != 0:
+        copies = len(self.placement.models) > 1
+        check_same(handed, copies)
+        if rank == 0:
+            self.applies.append(optimizer.name)
+        elif not copies:
             return None
-        self.applies.append(optimizer.name)
         _seat.tower = None  # the optimizer's own apply may call apply again
         try:
+            if copies:  # each tower applies to its own copy
+                number = len(self.applies) - 1
+                return apply_each(self.placement, meet, rank, handed, apply, number)
             # Out of tower 0's scope ("x/" names a scope from the top).
             with tf.device(self.placement.variable_device):
                 with tf.name_scope("combine/"):
@@ -328,19 +357,14 @@ def refuse_with_hooks(
     run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
 
     Raises:
-      ValueError: with the model's own train step, a copy of the model per
-        tower (``placement``), micro-batches, a non-finite policy or
-        ``jit_compile=True``.
+      ValueError: with the model's own train step, micro-batches, a
+        non-finite policy or ``jit_compile=True``.
     """
     model = type(placement.model).__name__
-    copies = len(placement.models) > 1
     if "train" not in kinds_of(hooks):  # evaluation or prediction alone
-        copies, jit = False, xla.OFF  # nothing trains in them
+        jit = xla.OFF  # nothing trains in them
         options = {"accumulate_steps": 1, "on_nonfinite": "ignore"}
     refused = [
-        (copies, f"placement={placement.name!r}", "a model "
-         "copy per tower; the towers' steps share one model: use placement="
-         "'central' or 'balanced'"),
         (options["accumulate_steps"] > 1, "accumulate_steps="
          f"{options['accumulate_steps']}", "the step applies as it goes"),
         (options["on_nonfinite"] != "ignore", f"on_nonfinite="
@@ -369,23 +393,6 @@ def _share(shards: Shards, t: int) -> Any:
         return shards.sizes[t] / shards.normaliser  # B, or 1 when empty
     n_t = tf.cast(batch_size_of(shards.parts[t]), tf.float64)
     return n_t / tf.cast(shards.normaliser, tf.float64)
-
-
-def _check_same(handed: list[tuple]) -> None:
-    """Refuses towers that met at different applies (another optimizer, or
-    other variables), naming the two."""
-    optimizer, variables, *_ = handed[0]
-    for other, (theirs, their_variables, *_) in enumerate(handed[1:], start=1):
-        same = theirs is optimizer and [id(v) for v in their_variables] == [
-            id(v) for v in variables
-        ]
-        if not same:
-            raise ValueError(
-                "the towers' train_step reached different applies: tower 0 "
-                f"applied {optimizer.name} to {len(variables)} variables, tower "
-                f"{other} {theirs.name} to {len(their_variables)}. A step must "
-                "make the same applies on every shard; nothing was updated."
-            )
 
 
 def _is_float(value: Any) -> bool:

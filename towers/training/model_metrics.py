@@ -85,6 +85,8 @@ class ModelMetrics:
         ['loss', 'compile_metrics']
         """
         self.step.build_metrics(x, y, sample_weight)
+        if self.step.custom is not None:  # a copy per tower: each copy's too
+            self.step.custom.build_copies(x, y, sample_weight)
 
     def _training_batch(self, method: str, *batch: Any) -> tuple:
         """A training or evaluation batch, prepared (``prepare``), with the
