@@ -7,7 +7,10 @@ reading the graphs TensorFlow actually placed on devices (``placed_graphs``,
 for ``towers explain``), finding the traced graph of a function a step calls
 (``called_graph``: a tower traced once is a call, whose ops the placed graphs
 name ``tower_1/StatefulPartitionedCall/...``), and asking whether op
-determinism is on (``op_determinism``, for ``jit_compile="auto"``).
+determinism is on (``op_determinism``, for ``jit_compile="auto"``). And one
+attribute of a function the runtime reads with no public name: ``_noinline``
+(``NO_INLINE``), which keeps a tower's traced pass a call of its own instead
+of inlining it into the step's graph (``Towers(tower_functions="call")``).
 
 Starting TensorFlow's collective runtime:
 
@@ -34,6 +37,8 @@ from collections.abc import Iterator, Sequence
 import tensorflow as tf
 
 JOB = "worker"
+# A tf.function's attribute that keeps its calls from being inlined.
+NO_INLINE = {"_noinline": True}
 
 
 def _context():

@@ -49,8 +49,7 @@ class Towers(Trainer):
         gradient: exactly one step on the k batches together.
       reducer: how dense gradients are summed (``towers/reducers.py``).
       placement: ``"central"``, ``"balanced"``, ``"replicated"``, ``"independent"``.
-      cluster: ``"auto"`` (the cluster ``TF_CONFIG`` names), a
-        :class:`towers.Cluster`, or None (:func:`towers.shard` feeds it).
+      cluster: ``"auto"`` (``TF_CONFIG``'s), a :class:`towers.Cluster` or None.
       jit_compile: each tower's pass as XLA computations: True, False, or
         ``"auto"``; None: the compiled model's (``towers/step/xla.py``).
       coupled_losses: a loss term coupling the batch's examples is made exact
@@ -59,10 +58,12 @@ class Towers(Trainer):
         ``compile`` takes it; None: the compiled model's, else 1.
       own_step_loss: a model's own ``train_step``'s loss is a ``"mean"`` over its
         batch (towers weighted by share) or a ``"sum"`` (step/custom.py).
+      tower_functions: each tower's pass ``"inline"`` in the step's graph (the
+        fastest steps) or a ``"call"`` of its own: quicker to a first step with
+        many towers, slower after (step/once.py, docs/sync-cost.md).
 
     Attributes:
-      model, optimizer: the Keras model and optimizer (tower 0's, with a copy
-        per tower); ``metrics``: the model's own, as ``model.metrics``.
+      model, optimizer, metrics: the Keras model, optimizer (tower 0's), metrics.
       placement, update, step, workers: the parts (``docs/architecture.md``).
 
     Raises:
@@ -104,6 +105,7 @@ class Towers(Trainer):
         coupled_losses: Literal["exact", "per_tower", "refuse"] = "exact",
         steps_per_execution: int | None = None,
         own_step_loss: OwnStepLoss = "mean",
+        tower_functions: Literal["inline", "call"] = "inline",
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -116,7 +118,7 @@ class Towers(Trainer):
             batch_statistics=batch_statistics, on_nonfinite=on_nonfinite,
             accumulate_steps=accumulate_steps, jit_compile=jit_compile,
             coupled_losses=coupled_losses, steps_per_execution=steps_per_execution,
-            own_step_loss=own_step_loss,
+            own_step_loss=own_step_loss, tower_functions=tower_functions,
         )  # fmt: skip
         where = (self.devices, self.variable_device, self.reducer, placement)
         self.step = make_step(model, loss, optimizer, *where, self.cluster, options)
@@ -181,11 +183,9 @@ class Towers(Trainer):
         Example:
           >>> eng = make_engine()
           >>> x, y = np.zeros((5, 3), "float32"), np.ones((5, 1), "float32")
-          >>> float(eng.train_step(x, y)["loss"])  # the bias starts at 0: errors of 1
-          1.0
-          >>> eng.steps_done, int(eng.optimizer.iterations)
-          (1, 1)
-        """
+          >>> loss = float(eng.train_step(x, y)["loss"])  # the bias starts at 0
+          >>> loss, eng.steps_done, int(eng.optimizer.iterations)  # errors of 1
+          (1.0, 1, 1)"""
         return self.train_steps([(x, y, sample_weight)])
 
     def train_steps(self, batches: list[tuple]) -> dict[str, tf.Tensor]:

@@ -7,6 +7,9 @@ would find Keras' and TensorFlow's caches warm), from the engine's construction
 
 - ``keras``: Keras' own ``fit`` on one device, one step (the reference);
 - ``tower`` and ``global``: towers with that ``batch_statistics``;
+- ``tower_call``: towers with tower statistics and
+  ``tower_functions="call"`` (each tower's pass a call of its own, not
+  inlined into one graph of T copies for TensorFlow to optimise);
 - ``mirrored``: Keras' ``fit`` under a ``MirroredStrategy`` on the same devices
   (a peer, which also traces the model once per device).
 
@@ -30,7 +33,7 @@ from typing import Any
 
 from towers.bench.timing import ratio, round_order
 
-CONTENDERS = ("keras", "tower", "global", "mirrored")
+CONTENDERS = ("keras", "tower", "tower_call", "global", "mirrored")
 # keras.applications models at 32x32 (their smallest input), random weights.
 MODELS = {"MobileNetV2": {"alpha": 0.35}, "ResNet50": {}}
 BATCH = 32
@@ -104,7 +107,8 @@ def first_step(model: str, towers: int, contender: str) -> float:
             loss,
             keras.optimizers.SGD(0.01),
             devices=devices,
-            batch_statistics=contender,
+            batch_statistics="global" if contender == "global" else "tower",
+            tower_functions="call" if contender == "tower_call" else "inline",
         )
         float(engine.train_step(x, y)["loss"])
     return time.perf_counter() - started

@@ -89,7 +89,7 @@ def compute(
             ]
             return tower.gradients(recorded, divisors, scale), recorded.states
 
-        return xla.function(tower_pass, jit)
+        return xla.function(tower_pass, jit, tower.inline)
 
     try:
         return held.run(working, shards, one_tower, _scale(tower))

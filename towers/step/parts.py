@@ -156,6 +156,7 @@ def make_step(
         )
     metrics = Metrics(lambda: where.model, variable_device)
     tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
+    tower.inline = _tower_functions(options.get("tower_functions", "inline"))
     step = Step(where, tower, update, metrics, moving, workers)
     if hooks:
         refuse_with_hooks(hooks, where, options, jit)
@@ -259,3 +260,17 @@ def _compiled_optimizer(last_built: Any) -> Any:
     that gives the optimizer the model just built was compiled with (None for
     a model that was not compiled)."""
     return lambda: compile_arguments(last_built()).get("optimizer")
+
+
+def _tower_functions(value: Any) -> bool:
+    """Whether the towers' passes are inlined in the step's graph
+    (``Towers(tower_functions=...)``).
+
+    >>> _tower_functions("call")
+    False
+    """
+    if value not in ("inline", "call"):
+        raise ValueError(
+            f"tower_functions must be 'inline' or 'call'; received {value!r}"
+        )
+    return value == "inline"

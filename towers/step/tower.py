@@ -180,6 +180,7 @@ class Tower:
         self.own_loss = own_loss
         self.jit = jit
         self.coupled = coupled or CoupledLosses(None, towers=1)
+        self.inline = True  # the towers' traced passes inlined (once.py)
 
     def forward(
         self,

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from towers import _runtime
 from towers._keras import layers_of
+from towers._runtime import NO_INLINE
 
 JitCompile = bool | Literal["auto"] | None
 
@@ -103,10 +104,13 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
     return Jit(enabled=True, strict=False)
 
 
-def function(work: Callable[..., Any], jit: bool) -> Callable[..., Any]:
+def function(
+    work: Callable[..., Any], jit: bool, inline: bool = True
+) -> Callable[..., Any]:
     """``work`` as a ``tf.function`` (one XLA computation with ``jit``) whose
     result may hold Python values: dataclasses, numbers, variables. Its
-    tensors come out of the call; the rest is kept from the trace.
+    tensors come out of the call; the rest is kept from the trace. Not
+    ``inline``: called from a step as a function of its own (``NO_INLINE``).
 
     >>> double = function(lambda x: {"twice": 2 * x, "note": "kept"}, jit=True)
     >>> out = double(tf.constant(3.0))
@@ -121,7 +125,10 @@ def function(work: Callable[..., Any], jit: bool) -> Callable[..., Any]:
         return leaves
 
     body.__name__ = getattr(work, "__name__", "tower")  # names the XLA call
-    traced = tf.function(body, autograph=False, jit_compile=jit)
+    attributes = None if inline else NO_INLINE
+    traced = tf.function(
+        body, autograph=False, jit_compile=jit, experimental_attributes=attributes
+    )
 
     def call(*args: Any) -> Any:
         leaves = traced(*args)
