@@ -34,6 +34,16 @@ def dataset(x, y, batch=8):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
 
 
+class Batches(keras.utils.PyDataset):
+    """X and Y in two batches of 8."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return X[8 * index : 8 * index + 8], Y[8 * index : 8 * index + 8]
+
+
 def state(engine):
     """Weights, optimizer variables (slots, iterations) once built."""
     optimizer = [v.numpy().copy() for v in engine.model.optimizer.variables]
@@ -59,6 +69,10 @@ CASES = {
     "validation dataset features (item 1)": (
         lambda e: e.fit(X, Y, batch_size=8, validation_data=dataset(X[:, :7], Y)),
         r"validation_data's x does not fit the model: received float32 \(None, 7\)",
+    ),
+    "validation features beside a PyDataset (item 1)": (
+        lambda e: e.fit(Batches(), validation_data=(X[:, :7], Y)),
+        r"validation_data's x does not fit the model: received float32 \(16, 7\)",
     ),
     "validation targets (item 1)": (
         lambda e: e.fit(X, Y, batch_size=8, validation_data=(X, np.zeros((16, 4)))),

@@ -128,8 +128,8 @@ def check_validation(
     """Checks ``validation_data`` (``given``; its ``Source``, ``validation``)
     against the model by shapes (``check_fits``) when its batches' shapes or
     dtypes differ from the training ones' (``training``: a ``Source``)."""
-    spec = validation.spec()
-    if spec is None or _signature(spec) == _signature(training.spec()):
+    spec, known = validation.spec(), training.spec()
+    if spec is None or (known is not None and _signature(spec) == _signature(known)):
         return
     spec = keras.utils.unpack_x_y_sample_weight(spec)
     shown = given if isinstance(given, (tuple, list)) else spec
@@ -140,6 +140,8 @@ def _signature(spec: Any) -> Any:
     """A batches' spec without the batch size: what decides if they fit."""
     return [
         (tuple(tf.TensorShape(leaf.shape)[1:]), str(leaf.dtype), type(leaf))
+        if hasattr(leaf, "shape")
+        else repr(leaf)
         for leaf in keras.tree.flatten(spec)
     ]
 
