@@ -57,12 +57,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras import (
-    build_compiled_metrics,
-    compiled_metrics_unbuilt,
-    overrides,
-    routed_applies,
-)
+from towers._keras import overrides, routed_applies
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
@@ -83,6 +78,13 @@ OwnStepLoss = Literal["mean", "sum"]
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
 _seat = threading.local()  # the tower this thread traces, while it meets
+
+
+def seat() -> tuple[Any, int, Any, str] | None:
+    """Where this thread's tower meets the others in a model's own step:
+    ``(rendezvous, rank, weight, own_step_loss)``; None outside one."""
+    here = getattr(_seat, "tower", None)
+    return None if here is None else (*here, _seat.loss)
 
 
 def custom_hooks(model: keras.Model) -> list[str]:
@@ -196,14 +198,6 @@ class CustomStep:
                     v.assign(b + self._across(mine, False))
         return self._read_logs(logs, shards)
 
-    def build_copies(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        """Builds every other copy's compiled metrics from the batch's shapes
-        as copy 0's are built, so their variables line up (custom_copies.py)."""
-        for t, model in enumerate(self.placement.models[1:], start=1):
-            if compiled_metrics_unbuilt(model):
-                with tf.device(self.placement.devices[t]):
-                    build_compiled_metrics(model, (x, y, sample_weight))
-
     def _metric_variables(self) -> list[Any]:
         return metric_variables(self.model)
 
@@ -235,6 +229,7 @@ class CustomStep:
 
             def run() -> Any:
                 _seat.tower = (meet, rank, self._weight(shards, t))
+                _seat.loss = self.loss
                 try:
                     device = self.placement.devices[t]
                     with (

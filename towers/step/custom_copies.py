@@ -25,6 +25,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import build_compiled_metrics, compiled_metrics_unbuilt
 from towers.combine import combine_gradients
 from towers.placement.replicas import as_dense
 
@@ -85,6 +86,15 @@ def _all_reduced(placement: Any, handed: list, number: int) -> list[list]:
         for i, total in zip(used, sums[t]):
             out[t][i] = total
     return out
+
+
+def build_copies(placement: Any, x: Any, y: Any = None, sample_weight: Any = None):
+    """Builds every other copy's compiled metrics from the batch's shapes as
+    copy 0's are built, so their variables line up."""
+    for t, model in enumerate(placement.models[1:], start=1):
+        if compiled_metrics_unbuilt(model):
+            with tf.device(placement.devices[t]):
+                build_compiled_metrics(model, (x, y, sample_weight))
 
 
 def level_metrics(models: list[keras.Model]) -> list[tf.Tensor]:

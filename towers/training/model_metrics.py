@@ -12,6 +12,7 @@ import keras
 
 from towers._keras import loss_tracker, pythonify_logs
 from towers.step.compiling import require_compiled
+from towers.step.custom_copies import build_copies
 from towers.training.fits import named_misfits
 
 
@@ -86,7 +87,7 @@ class ModelMetrics:
         """
         self.step.build_metrics(x, y, sample_weight)
         if self.step.custom is not None:  # a copy per tower: each copy's too
-            self.step.custom.build_copies(x, y, sample_weight)
+            build_copies(self.placement, x, y, sample_weight)
 
     def _training_batch(self, method: str, *batch: Any) -> tuple:
         """A training or evaluation batch, prepared (``prepare``), with the

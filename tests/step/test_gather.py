@@ -1,0 +1,105 @@
+"""towers.gather inside a model's own train_step: a contrastive loss over the
+whole batch's similarity matrix (SimCLR's, computed in the step, not in
+compute_loss) trains to Keras' own fit's weights on one device, where gather
+returns its tensor as it is (towers/step/gather.py). Float64, uneven shards."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import towers
+from tests.step.test_custom_steps import assert_same_updates
+from tests.test_equivalence import devices
+from towers import Towers
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+
+
+class ContrastiveStep(keras.Model):
+    """Two views of each example (the first and last 3 features) encoded by
+    one encoder; the loss is the symmetric cross-entropy of the batch's
+    similarity matrix, sharpened by a learned temperature."""
+
+    def __init__(self, gathered=True):
+        super().__init__()
+        self.gathered = gathered
+        self.encoder = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(6, activation="tanh"),
+             keras.layers.Dense(4)]
+        )  # fmt: skip
+        self.log_scale = self.add_weight(shape=(), initializer="zeros", name="scale")
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def call(self, x):
+        return self.encoder(x[:, :3]), self.encoder(x[:, 3:])
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        with tf.GradientTape() as tape:
+            a, b = self(x, training=True)
+            if self.gathered:
+                a, b = towers.gather(a), towers.gather(b)
+            a, b = tf.math.l2_normalize(a, 1), tf.math.l2_normalize(b, 1)
+            logits = tf.matmul(a, b, transpose_b=True) * tf.exp(self.log_scale)
+            labels = tf.range(tf.shape(logits)[0])
+            cross = tf.nn.sparse_softmax_cross_entropy_with_logits
+            loss = tf.reduce_mean(cross(labels, logits)) + tf.reduce_mean(
+                cross(labels, tf.transpose(logits))
+            )
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def contrastive(gathered=True):
+    keras.utils.set_random_seed(5)
+    model = ContrastiveStep(gathered)
+    model.compile(optimizer=keras.optimizers.Adam(0.02))
+    model(np.zeros((1, 6)))
+    return model
+
+
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_a_contrastive_loss_in_the_step_trains_as_keras_fit_when_gathered(num_towers):
+    x = np.random.default_rng(0).standard_normal((23, 6))  # batches 8, 8, 7
+    engine = Towers(contrastive(), devices=devices(num_towers))
+    reference = contrastive()
+    before = reference.get_weights()
+
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = engine.fit(x, **fit)
+    expected = reference.fit(x, **fit)
+
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["loss"], expected.history["loss"], rtol=1e-10
+    )
+
+
+def test_without_gather_each_tower_sees_its_shard_alone():
+    x = np.random.default_rng(0).standard_normal((16, 6))
+    engine = Towers(contrastive(gathered=False), devices=devices(2))
+    reference = contrastive(gathered=False)
+    engine.fit(x, batch_size=8, shuffle=False, verbose=0)
+    reference.fit(x, batch_size=8, shuffle=False, verbose=0)
+    apart = [np.abs(a - b).max() for a, b in zip(engine.model.get_weights(),
+                                                 reference.get_weights())]  # fmt: skip
+    assert max(apart) > 1e-3
+
+
+def test_gather_with_a_sum_loss_is_refused_by_name():
+    x = np.random.default_rng(0).standard_normal((8, 6))
+    engine = Towers(contrastive(), devices=devices(2), own_step_loss="sum")
+    with pytest.raises(
+        ValueError,
+        match="towers.gather runs in one process with "
+        "own_step_loss='mean' for now; received own_step_loss='sum'",
+    ):
+        engine.fit(x, batch_size=8, verbose=0)
+    assert int(engine.model.optimizer.iterations) == 0
