@@ -73,6 +73,22 @@ def test_independent_copies_each_train_on_their_own_shard():
     assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(first, second))
 
 
+def test_independent_copies_with_batchnorm_each_move_their_own_statistics():
+    from tests.step.test_custom_steps_batchnorm import NormalisedGAN
+
+    rng = np.random.default_rng(0)
+    real, z = rng.standard_normal((16, 2)), rng.standard_normal((16, 3))
+    build = lambda: gan(cls=NormalisedGAN)  # noqa: E731
+    engine = Towers(build, devices=devices(2), placement="independent")
+    history = engine.fit(real, z, batch_size=8, shuffle=False, verbose=0)
+    assert all(np.isfinite(v).all() for v in history.history["d_loss"])
+    means = [
+        [v.numpy() for v in m.weights if v.name == "moving_mean"]
+        for m in engine.placement.models
+    ]
+    assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(*means))
+
+
 def test_a_replicated_gan_is_refused_by_name_where_it_cannot_resume(tmp_path):
     rng = np.random.default_rng(0)
     real, z = rng.standard_normal((16, 2)), rng.standard_normal((16, 3))

@@ -261,6 +261,8 @@ class CustomStep:
         moving statistics at once (``MovingStatistics.moving_at_once``)."""
         if self.moving is None or not self.moving.layers:
             return contextlib.nullcontext()
+        if len(self.placement.models) > 1:
+            return contextlib.nullcontext()  # independent copies: each its own
         if working == 1 and self.workers is None:
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
