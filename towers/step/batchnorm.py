@@ -222,26 +222,26 @@ class MovingStatistics:
                 _move(layer, *self._statistics(handed), patched=True)
 
     def _statistics(self, per_tower: list[tuple]) -> tuple[tf.Tensor, tf.Tensor]:
-        means = [mean for mean, _, _ in per_tower]
-        variances = [variance for _, variance, _ in per_tower]
-        if self.policy == "tower0":
-            return means[0], variances[0]
+        """The ``stat`` the policy takes from the towers' ``(mean, variance,
+        count)``. The towers' moments are stacked, so a layer's update is a few
+        ops whatever the number of towers (a graph of ops per tower grows the
+        trace and TensorFlow's optimisation of the step with T)."""
+        if self.policy == "tower0" or len(per_tower) == 1:
+            return per_tower[0][0], per_tower[0][1]
+        if self.statistics == "global" and self.policy == "batch":
+            # Every tower holds the whole batch's moments already.
+            return per_tower[0][0], per_tower[0][1]
+        means = tf.stack([mean for mean, _, _ in per_tower])
+        variances = tf.stack([variance for _, variance, _ in per_tower])
         if self.policy == "mean":
-            return tf.add_n(means) / len(means), tf.add_n(variances) / len(variances)
+            return tf.reduce_mean(means, 0), tf.reduce_mean(variances, 0)
         # "batch": weights n_t / n; variance = E[var_t] + E[(mean_t - mean)^2].
-        counts = [count for _, _, count in per_tower]
-        total = tf.add_n(counts)
-        mean = tf.add_n([c * m for c, m in zip(counts, means)]) / total
-        variance = (
-            tf.add_n(
-                [
-                    c * (v + tf.square(m - mean))
-                    for c, m, v in zip(counts, means, variances)
-                ]
-            )
-            / total
-        )
-        return mean, variance
+        counts = tf.stack([count for _, _, count in per_tower])
+        counts = tf.reshape(counts, [-1] + [1] * (len(means.shape) - 1))
+        total = tf.reduce_sum(counts, 0)
+        mean = tf.reduce_sum(counts * means, 0) / total
+        spread = variances + tf.math.squared_difference(means, mean)
+        return mean, tf.reduce_sum(counts * spread, 0) / total
 
 
 def _move(layer, mean: Any, variance: Any, patched: bool = False) -> None:
