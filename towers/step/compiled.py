@@ -83,7 +83,10 @@ class Compiled:
             tower's pass; the error names the layer. Nothing was updated.
         """
         try:
-            return call(self._function(kind), *batch)
+            function = self._function(kind)
+            if self.step.tower.jit.enabled:
+                xla.warm_up(function, *batch)  # one compilation per shard shape
+            return call(function, *batch)
         except tf.errors.InvalidArgumentError as error:
             tower = self.step.tower
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)
