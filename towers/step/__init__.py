@@ -6,7 +6,7 @@ the divisors, combine, apply, metrics); ``tower.py`` is one tower's work and
 ``losses.py`` makes T shards' losses add up to the batch's; ``batchnorm.py`` and
 ``lockstep.py`` serve BatchNormalization (moving statistics once per step, the
 whole batch's statistics), with ``cut.py`` and ``segments.py`` cutting a
-tower's pass into XLA computations where the towers meet; ``metrics.py``
+tower's pass, traced once, into phases where the towers meet; ``metrics.py``
 updates the model's own metrics from every tower's predictions; ``state.py``
 assigns what the towers' passes assigned, once; ``batches.py`` checks a batch
 on the host; ``parts.py`` (with ``compiling.py``) assembles a step from

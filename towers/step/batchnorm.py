@@ -29,11 +29,12 @@ What each tower normalises with is ``batch_statistics``:
   and MirroredStrategy do. The gradients are then not the full batch's.
 - ``"global"``: the whole batch's, count-weighted over the towers that have
   examples, with the backward pass flowing through them as on one device: the
-  towers are traced in lockstep and meet at every layer (``towers/step/lockstep.py``),
-  so a BatchNormalization model trains to one device's weights and moving
-  statistics (with XLA, each tower's pass is cut at those meetings into XLA
-  computations: ``towers/step/segments.py``). Every policy above then moves
-  them toward the same numbers.
+  towers meet at every layer, so a BatchNormalization model trains to one
+  device's weights and moving statistics. The tower's pass is traced once and
+  cut at those meetings into phases (with XLA, XLA computations:
+  ``towers/step/segments.py``); a pass that cannot be cut is traced tower by
+  tower in lockstep (``towers/step/lockstep.py``). Every policy above then
+  moves them toward the same numbers.
 """
 
 from __future__ import annotations

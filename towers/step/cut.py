@@ -11,10 +11,11 @@ recorded as an :class:`Exchange`. The graph is then cut by phase:
 - any other op has its inputs' latest phase.
 
 The ops of one phase need only earlier phases and the sums between, so each
-phase becomes one function (with XLA, one computation), its ops imported from
-the traced graph. Independent sums (a ResNet's shortcut and main branch)
-share a phase. A :class:`Plan` holds the phases; ``towers/step/segments.py``
-runs every tower's, phase by phase, with the sums between.
+phase becomes one function (with XLA, one computation; without, a function
+inlined into the step's graph), its ops imported from the traced graph.
+Independent sums (a ResNet's shortcut and main branch) share a phase. A
+:class:`Plan` holds the phases; ``towers/step/segments.py`` runs every
+tower's, phase by phase, with the sums between.
 
 Constants are copied into every phase that reads them; an op that reads
 another phase's tensor keeps the static shape it had in the trace (a

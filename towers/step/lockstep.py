@@ -6,7 +6,10 @@ traced that way: every tower's BatchNormalization layer needs every other
 tower's partial sums before it can normalise, and in the backward pass each
 tower's gradient needs the others' gradients with respect to those sums.
 
-So those towers are traced in lockstep: one Python thread per working tower,
+Where the tower's pass cannot be traced once and cut where the towers meet
+(``towers/step/segments.py``, the first choice for global statistics), and
+for every other meeting (a loss over the gathered batch, a model's own
+step's applies), the towers are traced in lockstep: one Python thread per working tower,
 each building its own ops (under its own device and name scope) into the one
 graph, and a :class:`Rendezvous` where they meet: each hands in a tensor, waits
 until all have, and takes every tower's. Nothing runs in those threads; they

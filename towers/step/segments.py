@@ -1,5 +1,5 @@
-"""Global batch statistics under XLA: each tower's pass in phases, the towers'
-sums between them.
+"""Global batch statistics: each tower's pass in phases, the towers' sums
+between them.
 
 With ``batch_statistics="global"`` the towers meet inside their pass: every
 BatchNormalization layer sums its moments over the towers twice on the way
@@ -19,6 +19,16 @@ workers in a cluster. The phases hold the ops a lockstep trace makes, cut
 where its towers would wait: one device's numbers with
 ``batch_statistics="global"``. Towers with shards of one shape call the same
 functions (one trace per shard shape, as in ``towers/step/once.py``).
+
+Without XLA the same phases are plain functions, inlined into the step's
+graph: the tower's pass is traced once per shard shape instead of once per
+tower in lockstep, which at 8 towers was most of the first step's extra time
+over tower statistics. A pass that cannot be cut so (a seed state that the
+next tower reads before this one has made it, traces that differ with the
+shard's shape) falls back to the
+lockstep (``towers/step/lockstep.py``), which traces every tower; so does a
+step whose towers gather a loss's rows (``towers/step/gathered.py``), since the
+cut knows sums only.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ def run(
     """
     _check_alike(plans)
     chain = chain or {}
+    _check_chain(plans, chain)
     values: list[dict[str, Any]] = []
     links: list[dict[str, str]] = []
     for i, (plan, args) in enumerate(zip(plans, calls)):
@@ -110,9 +121,11 @@ def compute(
     divisors_of: Callable[[list], list[Any]],
     workers: Any = None,
     weight_of: Callable[[list], Any] | None = None,
+    fallback: Callable[..., list[TowerResult]] | None = None,
 ) -> list[TowerResult]:
-    """``Step.compute`` for global batch statistics under XLA: each working
-    tower's loss share and gradients, its pass cut where the towers meet.
+    """``Step.compute`` for global batch statistics: each working tower's loss
+    share and gradients, its pass cut where the towers meet; ``fallback``
+    (called with the same arguments) where it cannot be cut, None: the error.
 
     ``divisors_of(passes)``: the step's checks on the towers' passes (given
     one). A divisor from sample weights or a mask is summed over the towers
@@ -121,6 +134,22 @@ def compute(
     states are handed from tower to tower as ``towers/step/once.py`` hands
     them: tower ``t`` starts where tower ``t - 1`` ended.
     """
+    arguments = (placement, tower, shards, working, divisors_of, workers, weight_of)
+    if fallback is not None and tower.coupled.exact:  # a loss over the batch's rows
+        return fallback(*arguments)  # exchanges more than sums
+    try:
+        return _compute(*arguments)
+    except Uncuttable:
+        if fallback is None:
+            raise
+    return fallback(*arguments)
+
+
+class Uncuttable(ValueError):
+    """The towers' passes cannot run as one traced pass cut into phases."""
+
+
+def _compute(placement, tower, shards, working, divisors_of, workers, weight_of):
     model = placement.model_of(working[0])
     examples = shards.normaliser
     traced: list[Any] = []
@@ -149,7 +178,7 @@ def compute(
         key = xla.signature(args)
         if key not in plans:
             with tf.name_scope(f"tower_{t}"):
-                plans[key] = cut.trace(tower_pass, args, jit=True)
+                plans[key] = cut.trace(tower_pass, args, tower.jit.enabled)
         chosen.append(plans[key])
         calls.append(args)
     if workers is not None:
@@ -171,9 +200,22 @@ def _value(plan: Plan, known: dict[str, Any], name: str) -> Any:
     return plan.constants[name] if name in plan.constants else known[name]
 
 
+def _check_chain(plans: list[Plan], chain: dict[int, int]) -> None:
+    """Raises :func:`_chained`'s error before the step's graph holds a phase:
+    a tower reads an input the tower before it makes in a later phase."""
+    for before, plan in zip(plans, plans[1:]):
+        made = {name: k for k, p in enumerate(before.phases) if p for name in p.outputs}
+        for n, r in chain.items():
+            reads = [
+                k for k, p in enumerate(plan.phases) if p and plan.inputs[n] in p.inputs
+            ]
+            if reads and made.get(before.results[r], -1) > reads[0]:
+                _chained({}, before.results[r], reads[0])
+
+
 def _chained(before: dict[str, Any], name: str, k: int) -> Any:
     if name not in before:
-        raise ValueError(
+        raise Uncuttable(
             "batch_statistics='global' with jit_compile: a layer's seed state "
             f"is read in phase {k} of a tower's pass before the tower before "
             "it has made it; received a model whose random draws follow a sum "
@@ -207,7 +249,7 @@ def _check_alike(plans: list[Plan]) -> None:
     for plan in plans[1:]:
         other = [(e.phase, e.backward, e.value.dtype) for e in plan.exchanges]
         if other != first:
-            raise ValueError(
+            raise Uncuttable(
                 "batch_statistics='global' with jit_compile: the towers' passes "
                 f"meet {len(first)} and {len(other)} times, or at different "
                 "phases, on shards of different shapes; received a model whose "

@@ -209,8 +209,7 @@ class Step:
         once for every tower when they can share it (``towers/step/once.py``)."""
         working = self.placement.working_towers(shards)
         if self._in_lockstep(working):
-            meet = segments.compute if self.tower.jit.enabled else lockstep.compute
-            return meet(
+            return segments.compute(
                 self.placement,
                 self.tower,
                 shards,
@@ -218,6 +217,7 @@ class Step:
                 self._divisors,
                 self.workers,
                 lambda passes: self._weight(passes, shards),
+                None if self.tower.jit.enabled else lockstep.compute,
             )
         if self.tower.jit.enabled or once.shareable(self.placement, shards, working):
             results = once.compute(

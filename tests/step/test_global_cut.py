@@ -1,0 +1,89 @@
+"""Global batch statistics without XLA trace a tower's pass once per shard
+shape and cut it where the towers meet (``towers/step/segments.py``), as the
+XLA path does; a pass that cannot be cut falls back to the lockstep, which
+traces every tower. The cut pass gives the lockstep's numbers, random draws
+after the towers' sums included."""
+
+import keras
+import numpy as np
+import pytest
+
+from towers import Towers
+from towers.step import lockstep, segments
+
+
+class Counting(keras.layers.Layer):
+    """The identity, counting how many times Python runs its ``call``."""
+
+    calls = 0
+
+    def call(self, x):
+        Counting.calls += 1
+        return x
+
+
+def model(dropout: bool):
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(8, use_bias=False)(Counting()(inputs))
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization(momentum=0.5)(x))
+    if dropout:  # draws after the towers' sums
+        x = keras.layers.Dropout(0.3, seed=3)(x)
+    return keras.Model(inputs, keras.layers.Dense(1)(x))
+
+
+def trained(statistics, towers, dropout=False, examples=12):
+    keras.utils.set_random_seed(1)
+    Counting.calls = 0
+    engine = Towers(
+        model(dropout),
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=[f"/cpu:{t}" for t in range(towers)],
+        batch_statistics=statistics,
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = (rng.standard_normal((examples, 5)) * 3 + 1).astype("float32")
+        engine.train_step(x, rng.standard_normal((examples, 1)).astype("float32"))
+    return Counting.calls, [v.numpy() for v in engine.model.variables]
+
+
+@pytest.fixture
+def lockstep_only(monkeypatch):
+    """Every pass as if it could not be cut: the lockstep's numbers."""
+    monkeypatch.setattr(segments, "_compute", _uncuttable)
+
+
+def test_global_statistics_trace_the_pass_once_per_shard_shape():
+    tower_traces, _ = trained("tower", 4)
+    global_traces, _ = trained("global", 4)
+    assert global_traces == tower_traces  # not once per tower
+
+
+def test_the_lockstep_traces_every_tower(lockstep_only):
+    tower_traces, _ = trained("tower", 4)
+    global_traces, _ = trained("global", 4)
+    assert global_traces == tower_traces + 3
+
+
+@pytest.mark.parametrize("towers, examples", [(3, 12), (4, 10)])
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "draws"])
+def test_the_cut_pass_gives_the_locksteps_numbers(
+    monkeypatch, towers, examples, dropout
+):
+    fallbacks = []
+    fallback = lockstep.compute
+    monkeypatch.setattr(
+        lockstep, "compute", lambda *a: fallbacks.append(1) or fallback(*a)
+    )
+    _, cut = trained("global", towers, dropout, examples)
+    assert not fallbacks  # the seed states are handed on within a phase
+    monkeypatch.setattr(segments, "_compute", _uncuttable)
+    _, lockstep_numbers = trained("global", towers, dropout, examples)
+    assert len(fallbacks) == 1
+    for ours, theirs in zip(cut, lockstep_numbers, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def _uncuttable(*arguments):
+    raise segments.Uncuttable("forced by the test")
