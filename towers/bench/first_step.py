@@ -10,8 +10,19 @@ would find Keras' and TensorFlow's caches warm), from the engine's construction
 - ``tower_call``: towers with tower statistics and
   ``tower_functions="call"`` (each tower's pass a call of its own, not
   inlined into one graph of T copies for TensorFlow to optimise);
+- ``xla``: towers with tower statistics and ``jit_compile=True``: TensorFlow
+  compiles the tower's pass once per device;
+- ``xla_cached``: the same with TensorFlow's persistent XLA cache on (a fresh
+  directory per process, so nothing carries over from an earlier run): each
+  shard shape compiles once and the other towers load it
+  (``towers/step/xla.py``);
 - ``mirrored``: Keras' ``fit`` under a ``MirroredStrategy`` on the same devices
-  (a peer, which also traces the model once per device).
+  (a peer, which also traces the model once per device);
+- ``floor``: the first-step floor: one ``tf.function`` holding the model's pass
+  (loss and gradients) traced once and called on every device's shard, nothing
+  combined and nothing applied. What TensorFlow charges for T copies of one
+  pass in one graph (building, optimising and placing them), which any engine
+  that runs the towers in one graph pays before the first step.
 
 Run one contender as ``python -m towers.bench.first_step SPEC_JSON`` (prints
 one JSON line); :func:`measure` runs several, in turns, round after round.
@@ -28,12 +39,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from towers.bench.timing import ratio, round_order
 
-CONTENDERS = ("keras", "tower", "tower_call", "global", "mirrored")
+CONTENDERS = (
+    "keras", "tower", "tower_call", "global", "xla", "xla_cached", "mirrored", "floor"
+)  # fmt: skip
 # keras.applications models at 32x32 (their smallest input), random weights.
 MODELS = {"MobileNetV2": {"alpha": 0.35}, "ResNet50": {}}
 BATCH = 32
@@ -56,9 +70,12 @@ def measure(
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     command = [sys.executable, "-m", "towers.bench.first_step", json.dumps(spec)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=env
-    )
+    with tempfile.TemporaryDirectory() as cache:
+        if spec["contender"] == "xla_cached":
+            env["TF_XLA_FLAGS"] = f"--tf_xla_persistent_cache_directory={cache}"
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=env
+        )
     if done.returncode:
         raise RuntimeError(
             f"first step of {spec} failed with status {done.returncode}:\n"
@@ -97,7 +114,9 @@ def first_step(model: str, towers: int, contender: str) -> float:
     y = rng.integers(0, 10, BATCH)
     loss = keras.losses.SparseCategoricalCrossentropy()
     started = time.perf_counter()
-    if contender in ("keras", "mirrored"):
+    if contender == "floor":
+        float(_floor_pass(net, loss, devices)(x, y))
+    elif contender in ("keras", "mirrored"):
         with scope():
             net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -109,9 +128,35 @@ def first_step(model: str, towers: int, contender: str) -> float:
             devices=devices,
             batch_statistics="global" if contender == "global" else "tower",
             tower_functions="call" if contender == "tower_call" else "inline",
+            jit_compile=contender.startswith("xla"),
         )
         float(engine.train_step(x, y)["loss"])
     return time.perf_counter() - started
+
+
+def _floor_pass(net: Any, loss: Any, devices: list[str]) -> Any:
+    """The first-step floor's function (see the module docstring): its loss
+    read back is the sum of the towers' losses."""
+    import tensorflow as tf
+
+    @tf.function
+    def one_pass(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, net(x, training=True))
+        return value, tape.gradient(value, net.trainable_weights)
+
+    @tf.function
+    def passes(x, y):
+        total, gradients = 0.0, []
+        for device, xs, ys in zip(
+            devices, tf.split(x, len(devices)), tf.split(y, len(devices))
+        ):
+            with tf.device(device):
+                value, grads = one_pass(xs, ys)
+            total, gradients = total + value, gradients + grads
+        return total + 0.0 * tf.add_n([tf.reduce_sum(g) for g in gradients])
+
+    return passes
 
 
 def main(argv: list[str]) -> int:
