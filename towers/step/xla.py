@@ -175,8 +175,9 @@ def warm_up(function: Any, *args: Any) -> None:
     if not cached_on_disk() or not hasattr(function, "get_concrete_function"):
         return
     function.get_concrete_function(*args)
-    while _WARM_UPS:
-        _WARM_UPS.pop(0)()
+    queued, _WARM_UPS[:] = list(_WARM_UPS), []  # none left behind by a failure
+    for run in queued:
+        run()
 
 
 def _queue_warm_up(traced: Any, args: tuple, device: str) -> None:
