@@ -25,10 +25,9 @@ graph: the tower's pass is traced once per shard shape instead of once per
 tower in lockstep, which at 8 towers was most of the first step's extra time
 over tower statistics. A pass that cannot be cut so (a seed state that the
 next tower reads before this one has made it, traces that differ with the
-shard's shape) falls back to the
-lockstep (``towers/step/lockstep.py``), which traces every tower; so does a
-step whose towers gather a loss's rows (``towers/step/gathered.py``), since the
-cut knows sums only.
+shard's shape) falls back to the lockstep (``towers/step/lockstep.py``),
+which traces every tower; so does a step whose towers gather a loss's rows
+(``towers/step/gathered.py``), since the cut knows sums only.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def function(
 
 
 _WARM_UPS: list[Callable[[], None]] = []
-_READS = {"ReadVariableOp", "VarHandleOp", "Placeholder"}
+_READS = {"ReadVariableOp", "VarHandleOp"}  # the stateful ops a warm-up may run
 
 
 def cached_on_disk() -> bool:
