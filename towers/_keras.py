@@ -89,6 +89,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras.src.backend import compute_output_spec, get_keras_mask
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -117,6 +119,7 @@ __all__ = [
     "compute_output_spec",
     "get_data_adapter",
     "get_keras_mask",
+    "in_stateless_scope",
     "is_binary_or_sparse_categorical",
     "pythonify_logs",
     "squeeze_or_expand_to_same_rank",
@@ -398,3 +401,35 @@ def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
     finally:
         for cls, own in originals.items():
             cls.apply = own
+
+
+@contextlib.contextmanager
+def routed_assignments(route: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Within, a Keras variable's ``assign`` (``assign_add`` and ``assign_sub``
+    call it) calls ``route(variable, value, assign)`` (``assign``: Keras' own,
+    bound); yields Keras' own, unbound, for the router's own assignments."""
+    own = KerasVariable.assign
+    KerasVariable.assign = lambda self, value: route(
+        self, value, functools.partial(own, self)
+    )
+    try:
+        yield own
+    finally:
+        KerasVariable.assign = own
+
+
+@contextlib.contextmanager
+def routed_updates(metrics: list[Any], route: Callable[..., Any]) -> Iterator[None]:
+    """Within, each of ``metrics``' ``update_state`` calls ``route(metric,
+    update, args, kwargs)`` (``update``: its own)."""
+    for metric in metrics:
+        own = type(metric).update_state.__get__(metric)
+        routed = lambda *args, metric=metric, own=own, **kwargs: route(  # noqa: E731
+            metric, own, args, kwargs
+        )
+        object.__setattr__(metric, "update_state", routed)  # not tracked
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            vars(metric).pop("update_state", None)

@@ -62,6 +62,7 @@ from towers.combine import combine_gradients, in_dtype
 from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
+from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import (
     apply_each,
@@ -243,8 +244,12 @@ class CustomStep:
 
             return run
 
+        assignments = Assignments(
+            self.placement.models, seat, self.workers, self.moving
+        )
+        assignments.worker_weight = self._weight_here
         try:
-            with routed_applies(self._meet):
+            with routed_applies(self._meet), assignments.routed():
                 works = [tower(r, t) for r, t in enumerate(working)]
                 weights = [self._weight(shards, t) for t in working]
                 return in_lockstep(works, meet, weights)

@@ -26,6 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import in_dtype
+from towers.step.assignments import met_for
 from towers.step.custom import seat
 
 
@@ -54,8 +55,11 @@ def gather(value: Any) -> Any:
         )
     value = tf.convert_to_tensor(value)
     rows = meet.exchange(rank, tf.stop_gradient(value))
+    meeting = rows[0].ref()  # the same tensor on every tower
     rows[rank] = _gradient_over(value, share)
-    return tf.concat(rows, axis=0)
+    gathered = tf.concat(rows, axis=0)
+    met_for([gathered], meeting)  # the same value on every tower
+    return gathered
 
 
 def _gradient_over(value: tf.Tensor, share: Any) -> tf.Tensor:

@@ -1,0 +1,293 @@
+"""What a model's own train_step changes besides its applies, on towers,
+against Keras' own fit on one device (float64, uneven shards): a variable the
+step assigns moves once, to one device's value, or the step is refused by name
+before any update; a tracker fed the step's batch means reports the batch's
+(towers/step/assignments.py)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import towers
+from tests.step.test_custom_steps import FLOAT64_RTOL, regression
+from tests.test_equivalence import devices
+from towers import Towers
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+
+def assert_every_variable_moved_alike(model, reference, before):
+    """Every variable's update (after - before), the untrained ones too."""
+    for got, want, b, var in zip(
+        [v.numpy() for v in model.variables],
+        [v.numpy() for v in reference.variables],
+        before,
+        reference.variables,
+    ):
+        np.testing.assert_allclose(
+            got - b, want - b, rtol=FLOAT64_RTOL, atol=1e-13, err_msg=var.path
+        )
+
+
+def network(width=6):
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(width, activation="tanh"),
+         keras.layers.Dense(2)]
+    )  # fmt: skip
+
+
+class EMAStep(keras.Model):
+    """keras.io's DDIM shape: the network trains, an EMA copy follows it
+    after the apply; the tracker is fed the step's batch mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.network = network()
+        self.ema_network = network()
+        self.ema_network.set_weights(self.network.get_weights())
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def call(self, x):
+        return self.ema_network(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self.network(x, training=True) - y) ** 2)
+        weights = self.network.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        for w, ew in zip(self.network.weights, self.ema_network.weights):
+            ew.assign(0.9 * ew + 0.1 * w)
+        self.tracker.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class BYOLStep(keras.Model):
+    """BYOL's shape: the online network's loss reads a target network, which
+    is moved towards the online one after the apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = network()
+        self.target = network()
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def call(self, x):
+        return self.online(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            guess = self.online(x, training=True)
+            loss = keras.ops.mean((guess - self.target(x) - y) ** 2)
+        weights = self.online.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        for w, tw in zip(self.online.weights, self.target.weights):
+            tw.assign(0.7 * tw + 0.3 * w)
+        self.tracker.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def built(cls, seed=3):
+    keras.utils.set_random_seed(seed)
+    model = cls()
+    model.compile(optimizer=keras.optimizers.Adam(0.02))
+    model(np.zeros((1, 5)))
+    return model
+
+
+@pytest.mark.parametrize("cls", [EMAStep, BYOLStep], ids=["ema", "byol"])
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_a_network_the_step_assigns_moves_once_as_on_one_device(cls, num_towers):
+    x, y = regression(23)  # batches 8, 8, 7: uneven on 2 and 3 towers
+    engine = Towers(built(cls), devices=devices(num_towers))
+    reference = built(cls)
+    before = [v.numpy() for v in reference.variables]
+
+    history = engine.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **FIT)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    # The tracker fed each step's batch mean: the batch's, on uneven shards.
+    np.testing.assert_allclose(
+        history.history["loss"], expected.history["loss"], rtol=FLOAT64_RTOL
+    )
+
+
+def test_the_optimizer_gets_slots_for_what_the_step_applies_to_only():
+    x, y = regression(16)
+    engine = Towers(built(EMAStep), devices=devices(2))
+    reference = built(EMAStep)
+    engine.fit(x, y, **FIT)
+    reference.fit(x, y, **FIT)
+    # Keras' optimizer is built by the step's first apply, over the network's
+    # weights: the EMA copy gets no moments.
+    got = sorted(tuple(v.shape) for v in engine.model.optimizer.variables)
+    want = sorted(tuple(v.shape) for v in reference.optimizer.variables)
+    assert got == want
+
+
+class AugmentStep(keras.Model):
+    """GAN-ADA's shape: a probability assigned from a statistic of the
+    batch (the share of positive predictions), which the step reads."""
+
+    def __init__(self, gathered=False):
+        super().__init__()
+        self.gathered = gathered
+        self.network = network()
+        self.p = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="p"
+        )
+
+    def call(self, x):
+        return self.network(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self.network(x, training=True) * (1.0 + self.p)
+            loss = keras.ops.mean((y_pred - y) ** 2)
+        weights = self.network.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        signs = y_pred[:, 0]
+        if self.gathered:
+            signs = towers.gather(signs)
+        accuracy = keras.ops.mean(keras.ops.cast(signs > 0, "float64"))
+        self.p.assign(keras.ops.clip(self.p + 0.3 * (accuracy - 0.4), 0.0, 1.0))
+        return {"p": self.p}
+
+
+class QueueStep(keras.Model):
+    """MoCo's shape: a queue of keys, rolled with the batch's keys in
+    example order; the loss reads the queue."""
+
+    def __init__(self, gathered=False, size=10):
+        super().__init__()
+        self.gathered = gathered
+        self.network = network(4)
+        self.queue = self.add_weight(
+            shape=(size, 2), initializer="ones", trainable=False, name="queue"
+        )
+
+    def call(self, x):
+        return self.network(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            keys = self.network(x, training=True)
+            read = keras.ops.mean(keras.ops.matmul(keys, keras.ops.transpose(self.queue)))
+            loss = keras.ops.mean((keys - y) ** 2) + 0.1 * read
+        weights = self.network.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        keys = tf.stop_gradient(keys)
+        if self.gathered:
+            keys = towers.gather(keys)
+        rows = keras.ops.shape(keys)[0]
+        self.queue.assign(keras.ops.concatenate([keys, self.queue[: 10 - rows]], 0))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("cls", [AugmentStep, QueueStep], ids=["p", "queue"])
+def test_a_value_of_each_shard_assigned_in_the_step_is_refused_by_name(cls):
+    x, y = regression(16)
+    engine = Towers(built(cls), devices=devices(2))
+    before = [v.numpy() for v in engine.model.variables]
+    assigned = "p" if cls is AugmentStep else "queue"
+    with pytest.raises(ValueError, match=f"assigns the variable '.*{assigned}'.*towers.gather"):
+        engine.fit(x, y, **FIT)
+    for b, v in zip(before, engine.model.variables):
+        np.testing.assert_array_equal(v.numpy(), b, err_msg=v.path)
+    assert int(engine.model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("cls", [AugmentStep, QueueStep], ids=["p", "queue"])
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_a_value_of_the_gathered_batch_assigned_in_the_step_is_one_devices(
+    cls, num_towers
+):
+    x, y = regression(23)
+    engine = Towers(built(lambda: cls(gathered=True)), devices=devices(num_towers))
+    reference = built(lambda: cls(gathered=True))
+    before = [v.numpy() for v in reference.variables]
+
+    history = engine.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **FIT)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    key = "p" if cls is AugmentStep else "loss"
+    np.testing.assert_allclose(
+        history.history[key], expected.history[key], rtol=FLOAT64_RTOL
+    )
+
+
+class CountStep(keras.Model):
+    """A step that counts its examples in a variable made to add up."""
+
+    def __init__(self):
+        super().__init__()
+        self.network = network()
+        self.seen = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, aggregation="sum"
+        )
+
+    def call(self, x):
+        return self.network(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self.network(x, training=True) - y) ** 2)
+        weights = self.network.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        self.seen.assign_add(keras.ops.cast(keras.ops.shape(x)[0], "float64"))
+        return {"seen": self.seen}
+
+
+def test_a_variable_made_to_sum_adds_the_towers_changes():
+    x, y = regression(23)
+    engine = Towers(built(CountStep), devices=devices(3))
+    reference = built(CountStep)
+    engine.fit(x, y, **FIT)
+    reference.fit(x, y, **FIT)
+    assert float(engine.model.seen) == float(reference.seen) == 46.0
+
+
+class ExtraLogStep(keras.Model):
+    """An own test_step that adds one entry to Keras' logs."""
+
+    def test_step(self, data):
+        logs = super().test_step(data)
+        x, y = data
+        logs["spread"] = keras.ops.std(self(x) - y)
+        return logs
+
+
+def test_evaluate_returns_what_an_own_test_step_adds_to_the_logs():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        model = ExtraLogStep(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        return model
+
+    x, y = regression(16)
+    engine = Towers(build(), devices=devices(2))
+    reference = build()
+    got = engine.evaluate(x, y, batch_size=16, verbose=0)
+    want = reference.evaluate(x, y, batch_size=16, verbose=0)
+    assert len(got) == len(want) == 3
+    got = engine.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    want = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose(got["mae"], want["mae"], rtol=FLOAT64_RTOL)

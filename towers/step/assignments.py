@@ -1,0 +1,267 @@
+"""What a model's own step changes besides its applies, changed once, as one
+device changes it.
+
+Every tower runs the model's own ``train_step`` on its shard
+(``towers/step/custom.py``). Left alone, a variable the step assigns (an EMA
+copy of the network, a target network, a probability read from the batch, a
+queue of keys) would be assigned by every tower in turn, and a metric it
+updates would be updated once per tower. So each of these is a meeting, as an
+apply is: every tower hands in what it would assign, the first assigns once,
+and every tower reads the new value after.
+
+A variable the step assigns takes, by its ``aggregation`` (as tf.distribute
+reads it, ``towers/step/state.py``'s rules)::
+
+    "sum"                 v + sum_t (v_t - v)      the towers' changes add up
+    "mean"                sum_t s_t v_t            weighted by the shares s_t = n_t / B
+    "only_first_replica"  v_0
+    "none" (the default)  v_0 when every tower's value is the same value: the
+                          same ops on the same variables and constants, or on
+                          what the towers met for (``towers.gather``'s rows);
+                          anything else is refused by name before any update
+
+A metric update (``metric.update_state(...)``) is one update on the whole
+batch: a ``keras.metrics.Mean`` given one number for the batch and no sample
+weight (a tracker fed the step's mean loss) takes each tower's number as its
+shard's mean, so the towers' changes are weighted by their shares, as the
+loss is; given values per example, a weight, or to a metric that adds them
+up (``keras.metrics.Sum``), the towers' changes add up; the same values on
+every tower (gathered rows) count once.
+
+A seed generator's state is left to advance tower after tower, and
+BatchNormalization's moving statistics meet at each call
+(``MovingStatistics.moving_at_once``). With a copy of the model per tower,
+each copy changes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers._keras import (
+    in_stateless_scope,
+    routed_assignments,
+    routed_updates,
+    state_variables,
+)
+from towers.combine import in_dtype
+from towers.step.state import rule_of
+
+# Tensors the towers met for, by the meeting that made them: the same value
+# on every tower. Kept while a step's towers are traced (``routed``); the
+# towers' threads take turns, so one dict serves them all.
+_MARKS: dict[Any, Any] = {}
+
+
+def met_for(tensors: list[tf.Tensor], meeting: Any) -> None:
+    """Marks ``tensors`` as one meeting's result (``meeting``: the same on
+    every tower), the same value on every tower."""
+    for tensor in tensors:
+        _MARKS[tensor.ref()] = meeting
+
+
+class Assignments:
+    """Routes what a model's own step assigns and updates to the towers'
+    meetings while the step is traced.
+
+    Args:
+      models: the models the towers run (one: the towers share it).
+      seat: where this thread's tower meets the others, ``(rendezvous, rank,
+        share, loss)`` or None (``custom.seat``).
+      workers: a cluster's (``towers/cluster/workers.py``), or None.
+      moving: BatchNormalization's moving statistics, which meet on their own.
+    """
+
+    def __init__(self, models: list[Any], seat: Any, workers: Any, moving: Any):
+        self.models = models
+        self.seat = seat
+        self.workers = workers
+        self.worker_weight: Any = None  # B_w / B in a cluster, while traced
+        passed = [v for model in models for v in state_variables(model)]
+        if moving is not None:
+            passed += [v for layer in moving.layers
+                       for v in (layer.moving_mean, layer.moving_variance)]  # fmt: skip
+        self._passed = {id(v) for v in passed}
+        self._own: Any = None
+
+    @contextlib.contextmanager
+    def routed(self) -> Iterator[None]:
+        """Within, the towers meet at each assignment and metric update."""
+        if len(self.models) > 1:  # a copy per tower: each changes its own
+            yield
+            return
+        metrics = [m for model in self.models for m in _every_metric(model)]
+        _MARKS.clear()
+        try:
+            with routed_assignments(self._assign) as own, routed_updates(
+                metrics, self._update
+            ):
+                self._own = own
+                yield
+        finally:
+            _MARKS.clear()
+
+    def _assign(self, variable: Any, value: Any, assign: Any) -> Any:
+        here = self.seat()
+        if here is None or in_stateless_scope() or id(variable) in self._passed:
+            return assign(value)
+        meet, rank, share, _ = here
+        value = tf.convert_to_tensor(value, dtype=variable.dtype)
+        handed = meet.exchange(rank, (variable, value, share))
+        _check_same(handed, variable)
+        if rank != 0:
+            return value
+        with tf.name_scope("assignments/"):
+            return assign(self._combine(variable, handed))
+
+    def _combine(self, variable: Any, handed: list[tuple]) -> tf.Tensor:
+        """What ``variable`` takes from the towers' ``(variable, value,
+        share)``, by its aggregation (the module docstring)."""
+        values = [value for _, value, _ in handed]
+        rule = rule_of(variable)
+        if len(values) == 1 and self.workers is None:
+            return values[0]
+        if rule == "only_first_replica" or (rule == "none" and alike(values)):
+            return values[0]
+        if rule in ("sum", "mean") and self.workers is None:
+            before = tf.convert_to_tensor(variable)
+            if rule == "sum":
+                return before + tf.add_n([value - before for value in values])
+            shares = [in_dtype(share, values[0].dtype) for *_, share in handed]
+            weighted = tf.add_n([s * value for s, value in zip(shares, values)])
+            return weighted / tf.add_n(shares)
+        where = " in a cluster of workers" if self.workers is not None else ""
+        raise ValueError(
+            f"the model's own step assigns the variable {variable.path!r} a value "
+            f"that differs from tower to tower{where} (aggregation={rule!r}): "
+            "one device would assign it once, from the whole batch. Compute it "
+            "from the batch's rows with towers.gather, or create the variable "
+            "with aggregation='sum' (the towers' changes add up) or 'mean' "
+            "(weighted by their shares). Nothing was updated."
+        )
+
+    def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
+        here = self.seat()
+        if here is None or in_stateless_scope():
+            return update(*args, **kwargs)
+        meet, rank, share, _ = here
+        variables = metric.variables
+        before = [tf.convert_to_tensor(v) for v in variables]
+        after = metric.stateless_update_state(before, *args, **kwargs)
+        after = [tf.convert_to_tensor(a) for a in after]
+        handed = meet.exchange(rank, (metric, after, share))
+        _check_same(handed, metric)
+        if rank != 0:
+            return None
+        per_mean = isinstance(metric, keras.metrics.Mean) and _batch_numbers(
+            args, kwargs
+        )
+        # One update: the same on every tower only if every variable's is.
+        same = all(alike([values[i] for _, values, _ in handed])
+                   for i in range(len(variables)))  # fmt: skip
+        with tf.name_scope("metrics/"):
+            for i, (variable, old) in enumerate(zip(variables, before)):
+                changes = [values[i] - old for _, values, _ in handed]
+                if per_mean and tf.as_dtype(variable.dtype).is_floating:
+                    shares = [in_dtype(s, old.dtype) for *_, s in handed]
+                    if self.worker_weight is not None:
+                        w = in_dtype(self.worker_weight, old.dtype)
+                        shares = [s * w for s in shares]
+                    change = tf.add_n([s * c for s, c in zip(shares, changes)])
+                elif same:
+                    change = changes[0]
+                else:
+                    change = tf.add_n(changes)
+                self._own(variable, old + change)
+        return None
+
+
+def alike(values: list[tf.Tensor]) -> bool:
+    """Whether every tower's value is the first's: the same ops, with the same
+    attributes, on the same captured variables and constants, or on one
+    meeting's results; nothing random, nothing of a tower's own shard.
+
+    >>> x = tf.constant([1.0, 2.0])
+    >>> alike([x * 2.0, x * 2.0]), alike([x * 2.0, x * 3.0])
+    (True, False)
+    """
+    first, rest = values[0], values[1:]
+    return all(_same_graph(first, other) for other in rest)
+
+
+def _same_graph(a: tf.Tensor, b: tf.Tensor) -> bool:
+    if not (tf.is_symbolic_tensor(a) and tf.is_symbolic_tensor(b)):
+        return a is b or bool(tf.reduce_all(tf.equal(a, b)))
+    marks = _MARKS
+    pairs, seen = [(a, b)], set()
+    while pairs:
+        a, b = pairs.pop()
+        if a is b or (id(a), id(b)) in seen:
+            continue
+        seen.add((id(a), id(b)))
+        mark_a, mark_b = marks.get(a.ref()), marks.get(b.ref())
+        if mark_a is not None or mark_b is not None:
+            if mark_a is not None and mark_a == mark_b:
+                continue
+            return False
+        if not _same_op(a, b):
+            return False
+        pairs.extend(zip(a.op.inputs, b.op.inputs))
+    return True
+
+
+def _same_op(a: tf.Tensor, b: tf.Tensor) -> bool:
+    """The same output of ops of one type, attributes and number of inputs;
+    not a placeholder (a tower's own input: captures are shared tensors) nor
+    a random draw."""
+    op_a, op_b = a.op, b.op
+    if a.value_index != b.value_index or op_a.type != op_b.type:
+        return False
+    if op_a.type == "Placeholder" or "Random" in op_a.type:
+        return False
+    if len(op_a.inputs) != len(op_b.inputs):
+        return False
+    return _attributes(op_a) == _attributes(op_b)
+
+
+def _attributes(op: Any) -> dict:
+    # Names starting "_" are TensorFlow's own bookkeeping (colocation).
+    return {k: v.SerializeToString() for k, v in op.node_def.attr.items()
+            if not k.startswith("_")}  # fmt: skip
+
+
+def _batch_numbers(args: tuple, kwargs: dict) -> bool:
+    """Whether a metric update was given only numbers for the whole batch
+    (every value a scalar) and no sample weight."""
+    given = dict(kwargs)
+    if given.pop("sample_weight", None) is not None or len(args) > 1:
+        return False
+    leaves = keras.tree.flatten((args, given))
+    return bool(leaves) and all(len(getattr(v, "shape", ())) == 0 for v in leaves)
+
+
+def _every_metric(model: keras.Model) -> list[Any]:
+    """The model's metrics and the metrics they hold, outermost first."""
+    found, queue = [], list(model.metrics)
+    while queue:
+        metric = queue.pop(0)
+        if any(metric is m for m in found):
+            continue
+        found.append(metric)
+        queue.extend(getattr(metric, "_metrics", []))
+    return found
+
+
+def _check_same(handed: list[tuple], what: Any) -> None:
+    if any(item[0] is not what for item in handed):
+        names = [getattr(item[0], "path", getattr(item[0], "name", "?")) for item in handed]
+        raise ValueError(
+            "the towers' own steps assigned different variables or updated "
+            f"different metrics at the same point ({names}); a step must "
+            "change the same ones on every shard. Nothing was updated."
+        )
