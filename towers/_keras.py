@@ -1,82 +1,47 @@
 """The non-public parts of Keras towers uses, in one place: jobs with no public call.
 
-Loss terms. A Keras loss reduces its values over the batch it is given: a mean
-over a tower's shard. To make T shards add up to the whole batch exactly, towers
-needs the loss *before* its reduction, weighted as Keras weights it (sample
-weights, masks, their ranks matched), and what the reduction would divide by:
-``Loss.__call__``'s helpers, imported below for ``towers/step/losses.py``. A
-loss named by its function is wrapped as ``compile`` wraps it
-(``LossFunctionWrapper``: the targets squeezed or expanded to the predictions').
+Loss terms (``towers/step/losses.py``). To make T shards' losses add up to the
+batch's, towers needs a loss *before* its reduction, weighted as Keras weights
+it, and what the reduction would divide by: ``Loss.__call__``'s helpers; a loss
+named by its function is wrapped as ``compile`` wraps it
+(``LossFunctionWrapper``). Checked against Keras 3.15 (tests/step/test_losses.py).
+A model's own ``compute_loss`` is called as Keras' steps call it
+(``Model._compute_loss``, which also calls a pre-3.3 override), per tower or
+on the whole batch's outputs (``ReadScope.forgetting``; ``step/gathered.py``).
+"accuracy" becomes a loss name by Keras' rule of shapes.
 
-Checked against Keras 3.15 (tests/step/test_losses.py).
+Weights read on the tower's device (an XLA computation inside a layer cannot
+read another device's variable): each tower reads the weights once and runs
+the model in a ``keras.StatelessScope`` mapping each weight to its tensor
+(``ReadScope``). A seed generator's state assigned there is assigned at once
+(``Variable._direct_assign``), unless the caller hands it from tower to tower
+(``step/once.py``); any other assignment stays in the scope, for the step to
+assign once by its aggregation (``step/state.py``). The layers'
+``_trainable_variables`` tell a frozen layer's variables from moving
+statistics, so a layer unfrozen later has its optimizer slots.
 
-The model's own loss. A model may override Keras' ``Model.compute_loss``, and
-Keras' steps call it through ``Model._compute_loss``, which also calls an
-override written before Keras 3.3 (it takes no ``training``). towers calls it
-the same way, per tower (``towers/step/tower.py``), or on the whole batch's
-outputs with each tower's computation's assignments kept or dropped in its
-scope (``ReadScope.forgetting``, ``StatelessScope.state_mapping``;
-``towers/step/gathered.py``).
+Input as Keras' fit takes it (``training/inputs.py``, ``training/epochs.py``):
+Keras' data adapters, whose converted arrays towers gathers in its own seeded
+order (sparse ones through Keras' wrapper of their rows), a ``PyDatasetAdapter``
+handed the first pass's element signature, the validation split, the epoch
+rules and warning of ``EpochIterator``, and the epoch
+``keras.callbacks.BackupAndRestore`` sets in ``_initial_epoch``. Keras'
+``Progbar`` rewrites its line only on a terminal here (``training/progress.py``).
+Data that does not fit the model is run through it by shapes
+(``backend.compute_output_spec``) for Keras' own error (``training/fits.py``).
 
-Weights read on the tower's device. A layer may compile part of its call with
-XLA (Keras' TensorFlow backend does for a grouped convolution on CPUs), and an
-XLA computation cannot read a variable on another device. So each tower reads
-the model's weights once, on its own device, and runs the model in a
-``keras.StatelessScope`` that maps each weight to that tensor. A seed
-generator's state assigned in the scope is assigned at once, as outside it
-(``Variable._direct_assign``), so the next tower draws on from it, unless the
-caller holds the seed states to hand them from tower to tower
-(``towers/step/once.py``); any other variable the pass assigns (a layer's own
-counter, a metric it updates) is kept in the scope, and the step assigns it
-once by its aggregation (``towers/step/state.py``).
+A model's own step (``step/custom.py``, ``step/assignments.py``): its applies
+(``BaseOptimizer.apply``, a ``LossScaleOptimizer``'s), assignments
+(``Variable.assign``) and metric updates (``update_state``) are routed to where
+the towers meet while they are traced.
 
-Trainable changes. A frozen layer's variables and a BatchNormalization's moving
-statistics both say ``trainable=False``; the layers' ``_trainable_variables``
-tell them apart, so a layer unfrozen between steps has its optimizer slots.
-
-Validation split: the last examples, by Keras' helper (``training/data.py``).
-Input as Keras' fit takes it. Keras picks a data adapter for what ``fit``,
-``evaluate`` and ``predict`` are given (arrays, pandas, tf.data, generators,
-``PyDataset``) and turns it into a tf.data pipeline; towers takes the same
-adapter (``towers/training/inputs.py``). Two things it needs have no public
-call: the adapter's converted arrays, which towers gathers in its own seeded
-order of each pass (so a resumed run rebuilds it), as Keras gathers them
-(sparse ones through Keras' wrapper of their rows), and a pass's
-``PyDatasetAdapter`` handed the first one's element signature, so the batches
-Keras reads to find it are read once per fit, not once per pass. Keras' epoch
-rules (``EpochIterator``) come with its warning for data that runs out, and
-``keras.callbacks.BackupAndRestore`` tells fit the epoch to start at through
-the model's ``_initial_epoch``, as Keras' own fit reads it
-(``towers/training/epochs.py``, ``towers/training/loop.py``).
-
-A model's own train_step: its applies end in ``BaseOptimizer.apply`` (or a
-``LossScaleOptimizer``'s), where the towers meet (``towers/step/custom.py``).
-Progress: Keras' ``Progbar`` rewrites its line on any POSIX system, a log file
-included; towers' (Keras' own) only on a terminal (``training/progress.py``).
-Data that does not fit the model is run through it symbolically, by shapes, as
-Keras builds a model (``backend.compute_output_spec``): Keras' own error, with
-the shapes the user gave named beside it (``towers/training/fits.py``).
-
-Each layer's own loss terms. ``model.losses`` does not say which layer added
-which term; ``Layer._get_own_losses`` does (``towers/step/coupled.py``). In a
-``keras.StatelessScope`` a layer finds its terms by their ids
-(``Layer._loss_ids``), one set per layer that each call clears: towers traced
-in lockstep, one thread each, put their own back when their turn comes
-(``towers/step/lockstep.py``).
-
-"accuracy". Keras' ``compile`` turns the metric name ``"accuracy"`` into
-binary, sparse categorical or categorical accuracy by the shapes of the targets
-and predictions; towers uses the same rule for its loss names
-(``towers/step/losses.py``).
-
-The model's own metrics. A compiled model owns its loss tracker
-(``Trainer._loss_tracker``), its compiled metrics (``_compile_metrics``, built
-from the first batch's shapes), a loss tracker per output (``_compile_loss``'s
-metrics) and what ``model.compile`` was given (``_compile_config``, the objects
-as passed). towers updates these objects (``towers/step/metrics.py``) and builds
-them as Keras' fit does under a distribution strategy
-(``Trainer._symbolic_build``); ``evaluate`` lists its results in Keras' order
-(``Trainer._flatten_metrics_in_order``).
+Each layer's own loss terms: ``Layer._get_own_losses`` (``step/coupled.py``),
+found by ``Layer._loss_ids``, which each call clears: towers traced in lockstep
+put theirs back in turn (``step/lockstep.py``). The model's own metrics
+(``step/metrics.py``): its loss tracker, compiled metrics, per-output loss
+trackers and ``model.compile``'s arguments as passed, built as Keras' fit
+builds them under a distribution strategy (``Trainer._symbolic_build``);
+``evaluate`` lists results in Keras' order.
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ class QueueStep(keras.Model):
         x, y = data
         with tf.GradientTape() as tape:
             keys = self.network(x, training=True)
-            read = keras.ops.mean(keras.ops.matmul(keys, keras.ops.transpose(self.queue)))
+            read = keras.ops.mean(keys @ keras.ops.transpose(self.queue))
             loss = keras.ops.mean((keys - y) ** 2) + 0.1 * read
         weights = self.network.trainable_weights
         self.optimizer.apply(tape.gradient(loss, weights), weights)
@@ -204,7 +204,8 @@ def test_a_value_of_each_shard_assigned_in_the_step_is_refused_by_name(cls):
     engine = Towers(built(cls), devices=devices(2))
     before = [v.numpy() for v in engine.model.variables]
     assigned = "p" if cls is AugmentStep else "queue"
-    with pytest.raises(ValueError, match=f"assigns the variable '.*{assigned}'.*towers.gather"):
+    named = f"assigns the variable '.*{assigned}'.*towers.gather"
+    with pytest.raises(ValueError, match=named):
         engine.fit(x, y, **FIT)
     for b, v in zip(before, engine.model.variables):
         np.testing.assert_array_equal(v.numpy(), b, err_msg=v.path)

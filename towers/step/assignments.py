@@ -98,8 +98,9 @@ class Assignments:
         metrics = [m for model in self.models for m in _every_metric(model)]
         _MARKS.clear()
         try:
-            with routed_assignments(self._assign) as own, routed_updates(
-                metrics, self._update
+            with (
+                routed_assignments(self._assign) as own,
+                routed_updates(metrics, self._update),
             ):
                 self._own = own
                 yield
@@ -259,7 +260,7 @@ def _every_metric(model: keras.Model) -> list[Any]:
 
 def _check_same(handed: list[tuple], what: Any) -> None:
     if any(item[0] is not what for item in handed):
-        names = [getattr(item[0], "path", getattr(item[0], "name", "?")) for item in handed]
+        names = [getattr(item[0], "path", None) or item[0].name for item in handed]
         raise ValueError(
             "the towers' own steps assigned different variables or updated "
             f"different metrics at the same point ({names}); a step must "

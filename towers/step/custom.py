@@ -25,12 +25,9 @@ losses are: each tower's gradient is weighted by ``n_t / B``; with
 ``Towers(own_step_loss="sum")``, a sum over it: the towers' gradients (and
 returned values) are added up unweighted.
 
-What the step updates besides (Keras' loss tracker, ``compute_metrics``, the
-model's own ``keras.metrics.Mean`` trackers) every tower updates in the same
-metric objects: a streaming metric, or a tracker weighted by each shard's
-size as Keras' own step weights the loss, equals the whole batch's; a
-tracker fed each shard's mean gives the mean of the towers' means (as
-MirroredStrategy does). The logs are what the step returns: a value that is
+What the step assigns and the metrics it updates meet too, and change once,
+as on one device (``towers/step/assignments.py``). The logs are what the step
+returns: a value that is
 a metric's result is read after every tower has updated it; any other value
 (a loss the step returns as it is) is the towers' values weighted by their
 shares. In a cluster, the first tower sums the combined gradients of each
