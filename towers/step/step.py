@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import trainable_capable
+from towers._keras import overrides, trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -154,7 +154,12 @@ class Step:
         # Keras callbacks (LearningRateScheduler...) find it there, as on compile.
         self.placement.model.optimizer = self.placement.optimizer
         self.started = True
-        self.placement.build_slots()
+        custom, shared = self.custom, len(self.placement.models) == 1
+        if not (shared and custom is not None and "train" in custom.kinds):
+            # A model's own train_step builds each optimizer at its first
+            # apply, over what it is given, as in Keras' fit: an EMA network
+            # gets no slots.
+            self.placement.build_slots()
         self.update.build(trainable_capable(self.placement.model))
         self.placement.check_devices()
         if self.workers is not None:
@@ -188,9 +193,10 @@ class Step:
         check_sizes(x, y, sample_weight, allow_empty=self.workers is not None)
         x, y, sample_weight = on_host((x, y, sample_weight))
         model = self.placement.model
-        if not model.built or not model.variables:
+        if (not model.built or not model.variables) and overrides(model, "call"):
             # Built from the first batch, as Keras' fit builds it, whatever
-            # variables it made already (a weight made in __init__).
+            # variables it made already (a weight made in __init__). A model
+            # with no call() (keras.io's DCGAN) is never called, as in Keras'.
             self.placement.build_from(first_example(x))
         if not self.started:
             self.start()

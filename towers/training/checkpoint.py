@@ -323,6 +323,7 @@ class TrainingCheckpoint:
         metrics_match = _metric_shapes(saved) == _metric_shapes(mine)
         saved, mine = _without_metrics(saved), _without_metrics(mine)
         missing = sorted(set(mine) - set(saved) - {_key(n) for n in _OPTIONAL})
+        missing = _saved_elsewhere(missing, mine, saved)
         wrong = [
             f"{key}: saved {saved[key]}, this model {mine[key]}"
             for key in sorted(set(mine) & set(saved))
@@ -336,6 +337,26 @@ class TrainingCheckpoint:
                 "checkpoint_dir for a new model."
             )
         return metrics_match
+
+
+def _saved_elsewhere(missing: list[str], mine: dict, saved: dict) -> list[str]:
+    """``missing`` less the keys saved under another path. A variable's key
+    is the first path to it, so one reached first through an optimizer built
+    since (a model's own step builds each at its first apply, over the
+    variables it trains) was saved under that optimizer's path: each missing
+    key takes a saved key of its shape that this state does not have."""
+    spare: dict[str, int] = {}
+    for key in set(saved) - set(mine):
+        shape = str(saved[key])
+        spare[shape] = spare.get(shape, 0) + 1
+    left = []
+    for key in missing:
+        shape = str(mine[key])
+        if spare.get(shape, 0) > 0:
+            spare[shape] -= 1
+        else:
+            left.append(key)
+    return left
 
 
 def _metric_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:

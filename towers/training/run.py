@@ -103,10 +103,15 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
     engine.apply_accumulated()
     run.checkpoint.save(epoch + 1, 0, run.batches.position)
     results = dict(engine.model.get_metrics_result())
-    # Keras' rule for a model's own train_step: its last logs, unless they
-    # are the metrics' results.
-    logs = run.logs if own(engine.step, "train") is not None else None
-    return results if logs is None or set(logs) == set(results) else dict(logs)
+    return _metrics_or_logs(engine, "train", results, run.logs)
+
+
+def _metrics_or_logs(engine: Any, kind: str, results: dict, logs: Any) -> dict:
+    """Keras' rule for what an epoch returns: the metrics' ``results``, or
+    the last ``logs`` of a model's own ``kind`` step whose keys are not theirs."""
+    if own(engine.step, kind) is None or not isinstance(logs, dict):
+        return results
+    return results if set(logs) == set(results) else dict(logs)
 
 
 def fit_execution(
@@ -158,14 +163,16 @@ def evaluate_loop(
     callbacks.on_test_begin()
     engine.reset_metrics()
     per_execution = engine.model.steps_per_execution
+    logs = None
     for begin, end, execution in batches.executions(0, per_execution):
         callbacks.on_test_batch_begin(begin)
         for batch in execution:
             logs = engine.evaluate_step(*unpack(batch))
-        callbacks.on_test_batch_end(end, pythonify_logs(logs))
+        logs = pythonify_logs(logs)
+        callbacks.on_test_batch_end(end, logs)
         if engine.model.stop_evaluating:
             break
-    logs = engine.get_metrics_result()
+    logs = _metrics_or_logs(engine, "evaluate", engine.get_metrics_result(), logs)
     callbacks.on_test_end(logs)
     return logs
 
