@@ -197,7 +197,10 @@ def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
     # Its train_step applies twice, with two optimizers, the second through
     # the first's update: at each apply the towers' gradients are combined,
     # then summed over the workers weighted by their examples, and applied on
-    # every worker; the metrics it updates are summed over the workers.
+    # every worker; the metrics it updates are summed over the workers. What
+    # it assigns moves once: an EMA (the same on every tower), a count of
+    # examples (aggregation "sum") and a mean prediction ("mean", weighted by
+    # the global shares), among the weights compared.
     # Worker 1 has nothing in the batch of one. The reference: one tower.
     expected, results = as_one_tower(tmp_path, "twoapplies")
     for got in results:

@@ -142,11 +142,19 @@ class TwoApplies(keras.Sequential):
     """A model's own train_step that applies twice: its first layer with the
     compiled optimizer, then, through the updated layer, its last layer with
     a second optimizer of its own (as a GAN's generator after its
-    discriminator); its metrics updated as Keras' guide updates them."""
+    discriminator); its metrics updated as Keras' guide updates them. It also
+    assigns an EMA of its last kernel (the same on every tower), a count of
+    examples made to add up, and the batch's mean prediction made to average
+    (each shard's differs): each once, as one device would."""
 
     def compile(self, **kwargs):
         super().compile(**kwargs)
         self.second = keras.optimizers.SGD(0.05, momentum=0.5)
+        last = self.layers[-1].kernel
+        state = dict(initializer="zeros", trainable=False)
+        self.ema = self.add_weight(shape=last.shape, name="ema", **state)
+        self.seen = self.add_weight(shape=(), name="seen", aggregation="sum", **state)
+        self.mean = self.add_weight(shape=(), name="mean", aggregation="mean", **state)
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -156,6 +164,9 @@ class TwoApplies(keras.Sequential):
                 y_pred = self(x, training=True)
                 loss = self.compute_loss(x, y, y_pred, sample_weight)
             optimizer.apply(tape.gradient(loss, variables), variables)
+        self.ema.assign(0.9 * self.ema + 0.1 * self.layers[-1].kernel)
+        self.seen.assign_add(tf.cast(tf.shape(y)[0], self.seen.dtype))
+        self.mean.assign(tf.reduce_mean(y_pred))
         for metric in self.metrics:
             if metric.name == "loss":
                 metric.update_state(loss, sample_weight=tf.shape(y)[0])

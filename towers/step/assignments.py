@@ -73,14 +73,16 @@ class Assignments:
       models: the models the towers run (one: the towers share it).
       seat: where this thread's tower meets the others, ``(rendezvous, rank,
         share, loss)`` or None (``custom.seat``).
-      workers: a cluster's (``towers/cluster/workers.py``), or None.
+      across: in a cluster, ``across(value, backward)``: ``value`` summed
+        over the workers (one collective, in trace order on every worker);
+        None in one process.
       moving: BatchNormalization's moving statistics, which meet on their own.
     """
 
-    def __init__(self, models: list[Any], seat: Any, workers: Any, moving: Any):
+    def __init__(self, models: list[Any], seat: Any, across: Any, moving: Any):
         self.models = models
         self.seat = seat
-        self.workers = workers
+        self.across = across
         self.worker_weight: Any = None  # B_w / B in a cluster, while traced
         passed = [v for model in models for v in state_variables(model)]
         if moving is not None:
@@ -125,26 +127,38 @@ class Assignments:
         share)``, by its aggregation (the module docstring)."""
         values = [value for _, value, _ in handed]
         rule = rule_of(variable)
-        if len(values) == 1 and self.workers is None:
+        if len(values) == 1 and self.across is None:
             return values[0]
         if rule == "only_first_replica" or (rule == "none" and alike(values)):
-            return values[0]
-        if rule in ("sum", "mean") and self.workers is None:
+            return values[0]  # in a cluster, the same on every worker
+        if rule == "sum":
             before = tf.convert_to_tensor(variable)
-            if rule == "sum":
-                return before + tf.add_n([value - before for value in values])
+            change = tf.add_n([value - before for value in values])
+            return before + self._over_workers(change, by_examples=False)
+        if rule == "mean":  # over every worker's towers, by their shares
             shares = [in_dtype(share, values[0].dtype) for *_, share in handed]
             weighted = tf.add_n([s * value for s, value in zip(shares, values)])
-            return weighted / tf.add_n(shares)
-        where = " in a cluster of workers" if self.workers is not None else ""
+            total = self._over_workers(weighted, by_examples=True)
+            return total / self._over_workers(tf.add_n(shares), by_examples=True)
         raise ValueError(
             f"the model's own step assigns the variable {variable.path!r} a value "
-            f"that differs from tower to tower{where} (aggregation={rule!r}): "
-            "one device would assign it once, from the whole batch. Compute it "
+            f"that differs from tower to tower (aggregation={rule!r}): one "
+            "device would assign it once, from the whole batch. Compute it "
             "from the batch's rows with towers.gather, or create the variable "
             "with aggregation='sum' (the towers' changes add up) or 'mean' "
             "(weighted by their shares). Nothing was updated."
         )
+
+    def _over_workers(self, value: tf.Tensor, by_examples: bool) -> tf.Tensor:
+        """``value`` summed over a cluster's workers, each weighted by its
+        share of the global batch (``by_examples``) or by 1, a worker without
+        examples by 0; ``value`` itself in one process."""
+        if self.across is None:
+            return value
+        weight = in_dtype(self.worker_weight, value.dtype)
+        if not by_examples:
+            weight = tf.cast(weight > 0, value.dtype)
+        return self.across(tf.math.multiply_no_nan(value, weight), False)
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
         here = self.seat()

@@ -242,7 +242,7 @@ class CustomStep:
             return run
 
         assignments = Assignments(
-            self.placement.models, seat, self.workers, self.moving
+            self.placement.models, seat, self._across, self.moving
         )
         assignments.worker_weight = self._weight_here
         try:

@@ -1,6 +1,4 @@
-"""The data path of one step, in the order a batch takes it.
-
-::
+"""The data path of one step, in the order a batch takes it::
 
     (x, y): B examples on the host
       -> split           Shards: tower t gets n_t examples, sum_t n_t = B
@@ -31,6 +29,7 @@ from towers.split import Shards, split_for_towers
 from towers.step import lockstep, once, segments, xla
 from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
+from towers.step.custom import own
 from towers.step.gathered import concat_rows
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
@@ -154,11 +153,8 @@ class Step:
         # Keras callbacks (LearningRateScheduler...) find it there, as on compile.
         self.placement.model.optimizer = self.placement.optimizer
         self.started = True
-        custom, shared = self.custom, len(self.placement.models) == 1
-        if not (shared and custom is not None and "train" in custom.kinds):
-            # A model's own train_step builds each optimizer at its first
-            # apply, over what it is given, as in Keras' fit: an EMA network
-            # gets no slots.
+        if own(self, "train") is None or len(self.placement.models) > 1:
+            # An own train_step's optimizers build at their first apply (Keras').
             self.placement.build_slots()
         self.update.build(trainable_capable(self.placement.model))
         self.placement.check_devices()
@@ -195,8 +191,7 @@ class Step:
         model = self.placement.model
         if (not model.built or not model.variables) and overrides(model, "call"):
             # Built from the first batch, as Keras' fit builds it, whatever
-            # variables it made already (a weight made in __init__). A model
-            # with no call() (keras.io's DCGAN) is never called, as in Keras'.
+            # variables it made already; one with no call() is never called.
             self.placement.build_from(first_example(x))
         if not self.started:
             self.start()

@@ -33,8 +33,10 @@ from towers.training.checkpoint_files import (
     check_writable,
     on_disk,
     rewrite,
+    saved_elsewhere,
     state_damage,
     unreadable,
+    variable_shapes,
 )
 
 # The checkpoint's key for the running epoch's metrics.
@@ -319,11 +321,11 @@ class TrainingCheckpoint:
             for key, shape in tf.train.list_variables(path)
             if not key.startswith("data/")
         }
-        mine = _variable_shapes(self._checkpoint)
+        mine = variable_shapes(self._checkpoint)
         metrics_match = _metric_shapes(saved) == _metric_shapes(mine)
         saved, mine = _without_metrics(saved), _without_metrics(mine)
         missing = sorted(set(mine) - set(saved) - {_key(n) for n in _OPTIONAL})
-        missing = _saved_elsewhere(missing, mine, saved)
+        missing = saved_elsewhere(missing, mine, saved)
         wrong = [
             f"{key}: saved {saved[key]}, this model {mine[key]}"
             for key in sorted(set(mine) & set(saved))
@@ -339,47 +341,12 @@ class TrainingCheckpoint:
         return metrics_match
 
 
-def _saved_elsewhere(missing: list[str], mine: dict, saved: dict) -> list[str]:
-    """``missing`` less the keys saved under another path. A variable's key
-    is the first path to it, so one reached first through an optimizer built
-    since (a model's own step builds each at its first apply, over the
-    variables it trains) was saved under that optimizer's path: each missing
-    key takes a saved key of its shape that this state does not have."""
-    spare: dict[str, int] = {}
-    for key in set(saved) - set(mine):
-        shape = str(saved[key])
-        spare[shape] = spare.get(shape, 0) + 1
-    left = []
-    for key in missing:
-        shape = str(mine[key])
-        if spare.get(shape, 0) > 0:
-            spare[shape] -= 1
-        else:
-            left.append(key)
-    return left
-
-
 def _metric_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
     return {k: v for k, v in shapes.items() if k.startswith(f"{_METRICS}/")}
 
 
 def _without_metrics(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
     return {k: v for k, v in shapes.items() if not k.startswith(f"{_METRICS}/")}
-
-
-def _variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:
-    """Checkpoint key -> shape of every variable ``checkpoint`` saves.
-
-    Read off a throwaway write of the current state, so the keys are exactly the
-    ones TensorFlow would save (done once per resume, never per step).
-    """
-    with tempfile.TemporaryDirectory() as scratch:
-        path = checkpoint.write(os.path.join(scratch, "probe"))
-        return {
-            key: list(shape)
-            for key, shape in tf.train.list_variables(path)
-            if not key.startswith("data/")
-        }
 
 
 def unsaveable_warning(why: str) -> None:

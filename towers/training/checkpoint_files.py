@@ -1,5 +1,6 @@
 """The checkpoint directory's files: each checkpoint read back whole, the
-directory's room to write, and the state file (resuming without it).
+directory's room to write, the state file (resuming without it), and the
+keys a checkpoint holds (compared before a resume).
 
 ``tf.train.CheckpointManager`` keeps a small text file, ``checkpoint``, naming
 the kept checkpoints; it is rewritten after every save. A kill or a full disk
@@ -120,3 +121,38 @@ def check_writable(directory: str) -> None:
             "trained or saved. Choose a directory this process can write, with "
             "room for the model and optimizer."
         ) from None
+
+
+def variable_shapes(checkpoint: tf.train.Checkpoint) -> dict[str, list[int]]:
+    """Checkpoint key -> shape of every variable ``checkpoint`` saves.
+
+    Read off a throwaway write of the current state, so the keys are exactly the
+    ones TensorFlow would save (done once per resume, never per step).
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        path = checkpoint.write(os.path.join(scratch, "probe"))
+        return {
+            key: list(shape)
+            for key, shape in tf.train.list_variables(path)
+            if not key.startswith("data/")
+        }
+
+
+def saved_elsewhere(missing: list[str], mine: dict, saved: dict) -> list[str]:
+    """``missing`` less the keys saved under another path. A variable's key
+    is the first path to it, so one reached first through an optimizer built
+    since (a model's own step builds each at its first apply, over the
+    variables it trains) was saved under that optimizer's path: each missing
+    key takes a saved key of its shape that this state does not have."""
+    spare: dict[str, int] = {}
+    for key in set(saved) - set(mine):
+        shape = str(saved[key])
+        spare[shape] = spare.get(shape, 0) + 1
+    left = []
+    for key in missing:
+        shape = str(mine[key])
+        if spare.get(shape, 0) > 0:
+            spare[shape] -= 1
+        else:
+            left.append(key)
+    return left
