@@ -16,7 +16,7 @@ from tests.test_equivalence import devices
 from towers import Towers
 from towers.devices import canonical_device
 from towers.explain.graph import xla_calls
-from towers.step import cut, lockstep, segments
+from towers.step import cut, meetings, segments
 
 
 def residual():
@@ -152,8 +152,8 @@ def test_a_pass_is_cut_where_the_towers_meet():
     over two towers given 1 and 2, and 3 and 4."""
 
     def work(x):
-        first = lockstep.total(tf.reduce_sum(x, keepdims=True))
-        return lockstep.total(tf.reduce_sum(x * first, keepdims=True)) + 0.5
+        first = meetings.total(tf.reduce_sum(x, keepdims=True))
+        return meetings.total(tf.reduce_sum(x * first, keepdims=True)) + 0.5
 
     @tf.function(autograph=False)
     def two_towers(a, b):

@@ -50,6 +50,7 @@ from towers._keras import (
     state_variables,
 )
 from towers.combine import in_dtype
+from towers.step.meetings import own_step_seat
 from towers.step.state import rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
@@ -71,17 +72,14 @@ class Assignments:
 
     Args:
       models: the models the towers run (one: the towers share it).
-      seat: where this thread's tower meets the others, ``(rendezvous, rank,
-        share, loss)`` or None (``custom.seat``).
       across: in a cluster, ``across(value, backward)``: ``value`` summed
         over the workers (one collective, in trace order on every worker);
         None in one process.
       moving: BatchNormalization's moving statistics, which meet on their own.
     """
 
-    def __init__(self, models: list[Any], seat: Any, across: Any, moving: Any):
+    def __init__(self, models: list[Any], across: Any, moving: Any):
         self.models = models
-        self.seat = seat
         self.across = across
         self.worker_weight: Any = None  # B_w / B in a cluster, while traced
         passed = [v for model in models for v in state_variables(model)]
@@ -110,14 +108,13 @@ class Assignments:
             _MARKS.clear()
 
     def _assign(self, variable: Any, value: Any, assign: Any) -> Any:
-        here = self.seat()
+        here = own_step_seat()
         if here is None or in_stateless_scope() or id(variable) in self._passed:
             return assign(value)
-        meet, rank, share, _ = here
         value = tf.convert_to_tensor(value, dtype=variable.dtype)
-        handed = meet.exchange(rank, (variable, value, share))
+        handed = here.everyone((variable, value, here.weight))
         _check_same(handed, variable)
-        if rank != 0:
+        if not here.first:
             return value
         with tf.name_scope("assignments/"):
             return assign(self._combine(variable, handed))
@@ -161,17 +158,16 @@ class Assignments:
         return self.across(tf.math.multiply_no_nan(value, weight), False)
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
-        here = self.seat()
+        here = own_step_seat()
         if here is None or in_stateless_scope():
             return update(*args, **kwargs)
-        meet, rank, share, _ = here
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]
         after = metric.stateless_update_state(before, *args, **kwargs)
         after = [tf.convert_to_tensor(a) for a in after]
-        handed = meet.exchange(rank, (metric, after, share))
+        handed = here.everyone((metric, after, here.weight))
         _check_same(handed, metric)
-        if rank != 0:
+        if not here.first:
             return None
         per_mean = isinstance(metric, keras.metrics.Mean) and _batch_numbers(
             args, kwargs

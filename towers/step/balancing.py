@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.step import lockstep
+from towers.step import meetings
 
 
 def load_balancing_over_towers(
@@ -82,11 +82,11 @@ def _summed(sums: tf.Tensor, counts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
     @tf.custom_gradient
     def summed(local: tf.Tensor):
-        both = lockstep.total(tf.concat([local, counts], 0))
+        both = meetings.total(tf.concat([local, counts], 0))
 
         def gradient(upstream: Any, _: Any) -> tf.Tensor:
             upstream = tf.zeros_like(local) if upstream is None else upstream
-            return lockstep.total(upstream, backward=True)
+            return meetings.total(upstream, backward=True)
 
         return (both[:size], both[size:]), gradient
 

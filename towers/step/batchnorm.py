@@ -48,7 +48,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers.step import lockstep
+from towers.step import meetings
 
 MovingStatisticsPolicy = Literal["batch", "tower0", "mean"]
 POLICIES = ("batch", "tower0", "mean")
@@ -183,7 +183,7 @@ class MovingStatistics:
                     "tower's step; towers updates each layer's moving statistics "
                     "once per step"
                 )
-            if self.statistics == "global" and lockstep.current() is not None:
+            if self.statistics == "global" and meetings.current() is not None:
                 taken = _global_moments(layer, inputs)
             else:
                 mean, variance = moments_fn(inputs, mask)
@@ -215,10 +215,9 @@ class MovingStatistics:
     def _move_at_once(self, layer, moments: tuple, device: Any) -> None:
         """Hands this tower's ``moments`` to the others; the first tower moves
         ``layer``'s statistics from every tower's."""
-        seat = lockstep.current()
-        handed = seat.meet.exchange(seat.rank, tf.nest.map_structure(
-            tf.stop_gradient, moments))  # fmt: skip
-        if seat.rank == 0:
+        seat = meetings.current()
+        handed = seat.everyone(tf.nest.map_structure(tf.stop_gradient, moments))
+        if seat.first:
             with tf.device(device), tf.name_scope("moving_statistics/"):
                 _move(layer, *self._statistics(handed), patched=True)
 
@@ -291,12 +290,12 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
     def moments(x: tf.Tensor):
         local_sum = tf.reduce_sum(x, axes, keepdims=True)
         packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], 0)
-        summed = lockstep.total(packed)
+        summed = meetings.total(packed)
         count = summed[-1]
         mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
         centred = x - mean
         squares = tf.reduce_sum(tf.square(centred), axes, keepdims=True)
-        variance = lockstep.total(squares) / count
+        variance = meetings.total(squares) / count
 
         def gradient(d_mean: Any, d_variance: Any, _: Any) -> tf.Tensor:
             upstream = [
@@ -305,7 +304,7 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
             both = tf.concat([tf.reshape(d, [-1]) for d in upstream], 0)
             d_mean, d_variance = [
                 tf.reshape(d, tf.shape(mean))
-                for d in tf.split(lockstep.total(both, backward=True), 2)
+                for d in tf.split(meetings.total(both, backward=True), 2)
             ]
             return (d_mean + 2.0 * d_variance * centred) / count
 

@@ -52,7 +52,7 @@ import keras
 
 from towers._keras import layers_of
 from towers.split import batch_size_of
-from towers.step import lockstep
+from towers.step import meetings
 from towers.step.balancing import load_balancing_over_towers
 from towers.step.probe import Measured, probe_terms, shares_of_terms
 
@@ -377,7 +377,7 @@ def _over_the_batch(own: Any) -> Any:
     def compute_load_balancing_loss(
         router_logits, num_experts, top_k, attention_mask=None
     ):
-        if lockstep.current() is None:
+        if meetings.current() is None:
             return own(router_logits, num_experts, top_k, attention_mask)
         return load_balancing_over_towers(
             router_logits, num_experts, top_k, attention_mask

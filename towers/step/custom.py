@@ -40,7 +40,7 @@ device's draws. Each call of a BatchNormalization layer in training mode is
 a meeting too: the first tower moves its moving statistics at once, from
 every tower's moments (``MovingStatistics.moving_at_once``); under global
 batch statistics each tower's upstream gradient through the moments is
-weighted by its share (``lockstep.Seat``), as its gradients are.
+weighted by its share (``meetings.Seat``), as its gradients are.
 """
 
 from __future__ import annotations
@@ -69,20 +69,13 @@ from towers.step.custom_copies import (
     metric_variables,
 )
 from towers.step.lockstep import across_workers, in_lockstep, meeting
+from towers.step.meetings import own_step_seat, seated
 
 # How a model's own train_step reduces its loss over its batch.
 OwnStepLoss = Literal["mean", "sum"]
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
-_seat = threading.local()  # the tower this thread traces, while it meets
-
-
-def seat() -> tuple[Any, int, Any, str] | None:
-    """Where this thread's tower meets the others in a model's own step:
-    ``(rendezvous, rank, weight, own_step_loss)``; None outside one."""
-    here = getattr(_seat, "tower", None)
-    return None if here is None else (*here, _seat.loss)
 
 
 def custom_hooks(model: keras.Model) -> list[str]:
@@ -226,30 +219,23 @@ class CustomStep:
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
             def run() -> Any:
-                _seat.tower = (meet, rank, self._weight(shards, t))
-                _seat.loss = self.loss
-                try:
-                    device = self.placement.devices[t]
-                    with (
-                        tf.device(device),
-                        tf.name_scope(f"tower_{t}"),
-                        self._moving_at_once(len(working)),
-                    ):
-                        return getattr(self.placement.model_of(t), hook)(data)
-                finally:
-                    _seat.tower = None
+                device = self.placement.devices[t]
+                with (
+                    tf.device(device),
+                    tf.name_scope(f"tower_{t}"),
+                    self._moving_at_once(len(working)),
+                ):
+                    return getattr(self.placement.model_of(t), hook)(data)
 
             return run
 
-        assignments = Assignments(
-            self.placement.models, seat, self._across, self.moving
-        )
+        assignments = Assignments(self.placement.models, self._across, self.moving)
         assignments.worker_weight = self._weight_here
         try:
             with routed_applies(self._meet), assignments.routed():
                 works = [tower(r, t) for r, t in enumerate(working)]
                 weights = [self._weight(shards, t) for t in working]
-                return in_lockstep(works, meet, weights)
+                return in_lockstep(works, meet, weights, self.loss)
         except threading.BrokenBarrierError as error:
             raise ValueError(
                 f"the towers' {hook} did not make the same applies on every "
@@ -272,24 +258,22 @@ class CustomStep:
     def _meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
         """An ``optimizer.apply(grads, variables)`` inside a tower's step: the
         towers' gradients weighted and summed, applied once by the first."""
-        seat = getattr(_seat, "tower", None)
-        if seat is None:  # not a tower's step, or the apply itself
+        here = own_step_seat()
+        if here is None:  # not a tower's step, or the apply itself
             return apply(grads, variables)
-        meet, rank, share = seat
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
-        handed = meet.exchange(rank, (optimizer, variables or [], grads, share))
+        handed = here.everyone((optimizer, variables or [], grads, here.weight))
         copies = len(self.placement.models) > 1
         check_same(handed, copies)
-        if rank == 0:
+        if here.first:
             self.applies.append(optimizer.name)
         elif not copies:
             return None
-        _seat.tower = None  # the optimizer's own apply may call apply again
-        try:
+        with seated(None):  # the optimizer's own apply may call apply again
             if copies:  # each tower applies to its own copy
                 number = len(self.applies) - 1
-                return apply_each(self.placement, meet, rank, handed, apply, number)
+                return apply_each(self.placement, here, handed, apply, number)
             # Out of tower 0's scope ("x/" names a scope from the top).
             with tf.device(self.placement.variable_device):
                 with tf.name_scope("combine/"):
@@ -307,8 +291,6 @@ class CustomStep:
                         ]
                 with tf.name_scope("apply/"):
                     return apply(combined, variables)
-        finally:
-            _seat.tower = seat
 
     def _weight(self, shards: Shards, t: int) -> Any:
         """Tower ``t``'s weight in the sums: its share, or 1 for a sum loss."""

@@ -34,15 +34,14 @@ from towers.placement.replicas import as_dense
 INSTANCES_PER_APPLY = 1000
 
 
-def apply_each(
-    placement: Any, meet: Any, rank: int, handed: list, apply: Any, number: int
-) -> Any:
-    """Tower ``rank``'s apply of its copy's variables (what it handed in at
-    ``meet``, with every tower's ``handed``), its ``number``-th in the step."""
+def apply_each(placement: Any, seat: Any, handed: list, apply: Any, number: int) -> Any:
+    """The apply of ``seat``'s tower to its copy's variables (what it handed
+    in, with every tower's ``handed``), its ``number``-th in the step."""
+    rank = seat.rank
     _, variables, grads, _ = handed[rank]
     if placement.name == "replicated":
-        sums = _all_reduced(placement, handed, number) if rank == 0 else None
-        grads = meet.exchange(rank, sums)[0][rank]
+        sums = seat.from_first(lambda: _all_reduced(placement, handed, number))
+        grads = sums[rank]
     with tf.device(placement.devices[rank]), tf.name_scope("apply/"):
         return apply(grads, variables)
 

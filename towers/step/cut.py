@@ -1,7 +1,7 @@
 """A tower's pass traced once and cut into phases where the towers meet.
 
 The towers meet where a tower's pass needs a sum over every tower
-(``lockstep.total``: BatchNormalization's global moments and their upstream
+(``meetings.total``: BatchNormalization's global moments and their upstream
 gradients, ``towers/step/batchnorm.py``). :func:`trace` traces the pass alone,
 into a graph that never runs: each such sum hands back a placeholder and is
 recorded as an :class:`Exchange`. The graph is then cut by phase:
@@ -31,7 +31,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.framework import func_graph
 
-from towers.step import lockstep, xla
+from towers.step import meetings, xla
 
 # An op of no inputs that is copied into every phase that reads it.
 _COPIED = ("Const",)
@@ -44,7 +44,7 @@ class Exchange:
     Attributes:
       value: what the tower hands in (a tensor of the traced graph).
       result: the placeholder that stands for every tower's sum.
-      backward: ``value`` is an upstream gradient (see ``lockstep.total``).
+      backward: ``value`` is an upstream gradient (see ``meetings.total``).
       phase: the phase whose ops read ``result``.
     """
 
@@ -128,7 +128,7 @@ def trace(work: Callable[..., Any], args: tuple, jit: bool = True) -> Plan:
              for a in tf.nest.flatten(args, expand_composites=True)],
             expand_composites=True,
         )  # fmt: skip
-        with lockstep.seated(recording):
+        with meetings.seated(recording):
             leaves: list[Any] = []
             skeleton = xla.split_leaves(work(*inner), leaves)
     inputs = placeholders + [internal for _, internal in graph.captures]

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from towers.combine import in_dtype
 from towers.step.assignments import met_for
-from towers.step.custom import seat
+from towers.step.meetings import own_step_seat
 
 
 def gather(value: Any) -> Any:
@@ -43,20 +43,19 @@ def gather(value: Any) -> Any:
       >>> towers.gather(tf.constant([[1.0], [2.0]])).numpy().tolist()  # no towers
       [[1.0], [2.0]]
     """
-    here = seat()
+    here = own_step_seat()
     if here is None:
         return value
-    meet, rank, share, loss = here
-    if meet.worker is not None or loss != "mean":
-        what = "a cluster of workers" if meet.worker else f"own_step_loss={loss!r}"
+    if here.worker is not None or here.loss != "mean":
+        what = "a cluster of workers" if here.worker else f"own_step_loss={here.loss!r}"
         raise ValueError(
             "towers.gather runs in one process with own_step_loss='mean' for "
             f"now; received {what}"
         )
     value = tf.convert_to_tensor(value)
-    rows = meet.exchange(rank, tf.stop_gradient(value))
+    rows = here.everyone(tf.stop_gradient(value))
     meeting = rows[0].ref()  # the same tensor on every tower
-    rows[rank] = _gradient_over(value, share)
+    rows[here.rank] = _gradient_over(value, here.weight)
     gathered = tf.concat(rows, axis=0)
     met_for([gathered], meeting)  # the same value on every tower
     return gathered

@@ -55,7 +55,7 @@ import tensorflow as tf
 
 from towers._keras import ReadScope, compute_loss
 from towers.split import batch_size_of
-from towers.step import lockstep
+from towers.step import meetings
 
 LOG2 = 0.6931471805599453  # ln 2
 
@@ -71,19 +71,19 @@ def gathered_loss(
     (the module docstring): ``batch`` is its ``(x, y, y_pred, sample_weight)``,
     ``share`` its ``w_t`` (of its worker's examples), ``scope`` the scope its
     pass runs in. In a tower traced in lockstep only."""
-    seat = lockstep.current()
-    meet, rank = seat.meet, seat.rank
-    handed = meet.exchange(rank, batch)
+    seat = meetings.current()
+    rank = seat.rank
+    handed = seat.everyone(batch)
     local = [concat_rows([h[i] for h in handed]) for i in (0, 1, 2, 3)]
     local[2] = _stopped(local[2])
     # The rows before this tower's: the worker's, then its earlier towers'.
     whole, offset, scale = local, 0, 1.0
-    if meet.worker is not None:
-        whole, offset, scale = _over_workers(meet, rank, local)
+    if seat.worker is not None:
+        whole, offset, scale = _over_workers(seat, local)
     x, y, stopped, sample_weight = (_rows_unknown(part) for part in whole)
     start = offset + sum(batch_size_of(h[0]) for h in handed[:rank])
     live = _rows_unknown(_spliced(whole[2], batch[2], start))
-    first = rank == 0 and (meet.worker is None or meet.worker[0] == 0)
+    first = seat.first and (seat.worker is None or seat.worker[0] == 0)
     with contextlib.nullcontext() if first else scope.forgetting():
         loss = compute_loss(model, x, y, live, sample_weight, training)
     share = tf.cast(share, loss.dtype)
@@ -94,16 +94,16 @@ def gathered_loss(
     return tf.cast(scale, loss.dtype) * (loss - direct) + share * direct
 
 
-def _over_workers(meet: Any, rank: int, local: list[Any]) -> tuple:
+def _over_workers(seat: Any, local: list[Any]) -> tuple:
     """The cluster's batch from every worker's ``local`` one (in worker
     order: each worker's rows put at its offset in zeros, the workers' summed),
     this worker's offset, and B / B_w (0 for a worker without examples)."""
 
     def gather() -> tuple:
-        index, workers = meet.worker
+        index, workers = seat.worker
         rows = tf.shape(tf.nest.flatten(local[0])[0])[0]
         mine = tf.one_hot(index, workers, dtype=tf.float64) * tf.cast(rows, tf.float64)
-        sizes = tf.cast(meet.across(mine, False), tf.int32)
+        sizes = tf.cast(seat.across(mine, False), tf.int32)
         offset, total = tf.reduce_sum(sizes[:index]), tf.reduce_sum(sizes)
 
         # Padded to a power of two rows: a collective's key fixes its shapes
@@ -118,7 +118,7 @@ def _over_workers(meet: Any, rank: int, local: list[Any]) -> tuple:
             value = leaf if leaf.dtype.is_floating else tf.cast(leaf, tf.float64)
             pads = [[offset, capacity - offset - rows]]
             pads += [[0, 0]] * (leaf.shape.rank - 1)
-            summed = meet.across(tf.pad(value, pads), False, bucket)
+            summed = seat.across(tf.pad(value, pads), False, bucket)
             return tf.cast(summed[:total], leaf.dtype)
 
         whole = [
@@ -133,7 +133,7 @@ def _over_workers(meet: Any, rank: int, local: list[Any]) -> tuple:
             ),
         )
 
-    return meet.exchange(rank, gather() if rank == 0 else None)[0]
+    return seat.from_first(gather)
 
 
 def _spliced(stopped: Any, live: Any, start: Any) -> Any:

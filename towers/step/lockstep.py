@@ -32,17 +32,16 @@ with "You must feed a value for placeholder").
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import tensorflow as tf
 
 from towers._keras import loss_ids_kept
-from towers.combine import in_dtype
+from towers.step.meetings import Seat, seated
 
 T = TypeVar("T")
 # A collective's key fixes the shapes it carries: a tensor whose rows only the
@@ -52,7 +51,6 @@ SIZE_BUCKETS = 32
 # How long a tower waits at a rendezvous while tracing before giving up: tracing
 # a large model's towers can take minutes on a busy machine, a deadlock forever.
 TRACE_TIMEOUT_SECONDS = 600.0
-_context = threading.local()
 
 
 class Rendezvous:
@@ -169,27 +167,6 @@ class Rendezvous:
                 )
 
 
-class Seat:
-    """Tower ``rank``'s place at ``meet``: what :func:`total` sums through.
-
-    ``weight``: the tower's weight in the step's gradient when its loss is a
-    mean over its own shard (a model's own step, ``towers/step/custom.py``):
-    a backward sum then weighs each tower's upstream gradient by its weight,
-    and hands back the sum over this tower's weight, so the weighted combine
-    gives one device's. None: the towers' losses are shares of the step's
-    already."""
-
-    def __init__(self, meet: Rendezvous, rank: int, weight: Any = None):
-        self.meet, self.rank, self.weight = meet, rank, weight
-
-    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-        if not backward or self.weight is None:
-            return _total(self.meet, self.rank, value, backward)
-        weight = in_dtype(self.weight, value.dtype)  # a float64 model's digits
-        summed = _total(self.meet, self.rank, value * weight, backward)
-        return summed / weight  # only towers with examples run
-
-
 def meeting(size: int, placement: Any, workers: Any, across: Any = None) -> Rendezvous:
     """The rendezvous of ``size`` towers of ``placement`` (and ``workers``'
     sums, ``across``: ``across_workers``' when None)."""
@@ -212,70 +189,29 @@ def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
     return functools.partial(loss_ids_kept, models)
 
 
-def current() -> Any:
-    """Where this thread's tower meets the others, when it is traced to meet
-    them: a :class:`Seat` in lockstep, or a recording of the meetings
-    (``towers/step/segments.py``); None otherwise. Its ``total(value,
-    backward)`` is :func:`total`."""
-    return getattr(_context, "meeting", None)
-
-
-@contextlib.contextmanager
-def seated(meeting: Any) -> Iterator[None]:
-    """Within, :func:`current` is ``meeting`` on this thread."""
-    _context.meeting = meeting
-    try:
-        yield
-    finally:
-        _context.meeting = None
-
-
-def _total(
-    meet: Rendezvous, rank: int, value: tf.Tensor, backward: bool = False
-) -> tf.Tensor:
-    """``value`` summed over the towers, then over the workers if any (rank 0
-    sends this process's sum; every tower takes the cluster's).
-
-    The sum is wrapped in ``tf.stop_gradient``: its gradient is written out by
-    the caller (``towers/step/batchnorm.py``), and a graph walk back from it (as
-    ``tf.custom_gradient`` makes, looking for variables) stops there instead
-    of running through every other tower's model traced so far, which made
-    tracing grow with the square of the depth."""
-    local = tf.add_n(meet.exchange(rank, value))
-    if meet.across is not None:
-        summed = meet.across(local, backward) if rank == 0 else None
-        local = meet.exchange(rank, summed)[0]
-    return tf.stop_gradient(local)
-
-
-def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-    """The sum of ``value`` over every tower (and worker) in lockstep, on this
-    tower's device; no gradient flows back through it. ``backward``: ``value``
-    is an upstream gradient of this tower's loss share (across workers it is
-    weighted by each worker's examples, see :func:`compute`)."""
-    return current().total(value, backward)
-
-
 def in_lockstep(
     works: Sequence[Callable[[], T]],
     meet: Rendezvous,
     weights: Sequence[Any] | None = None,
+    loss: Any = None,
 ) -> list[T]:
     """Traces ``works`` (one per tower, rank order) each in its own thread into
     the current graph, meeting at ``meet``; returns their results.
-    ``weights``: each tower's weight in its :class:`Seat`.
+    ``weights``, ``loss``: each tower's weight and the own step's loss in
+    its :class:`Seat`.
 
     Raises:
       The first error a tower raised (the others are woken and stopped).
 
     Example:
+      >>> from towers.step.meetings import total
       >>> @tf.function
       ... def step(x):
       ...     meet = Rendezvous(2)
       ...     works = [lambda part=part: total(tf.reduce_sum(part))
       ...              for part in tf.split(x, 2)]
       ...     return in_lockstep(works, meet)
-      >>> [float(total) for total in step(tf.constant([1.0, 2.0, 3.0, 4.0]))]
+      >>> [float(each) for each in step(tf.constant([1.0, 2.0, 3.0, 4.0]))]
       [10.0, 10.0]
     """
     graph = tf.compat.v1.get_default_graph()
@@ -285,7 +221,7 @@ def in_lockstep(
     def trace(rank: int, work: Callable[[], T]) -> None:
         try:
             weight = None if weights is None else weights[rank]
-            with seated(Seat(meet, rank, weight)):
+            with seated(Seat(meet, rank, weight, loss)):
                 meet.start(rank)
                 with graph.as_default():
                     results[rank] = work()

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from towers._keras import state_variables
 from towers.split import Shards, batch_size_of
-from towers.step import cut, lockstep, xla
+from towers.step import cut, lockstep, meetings, xla
 from towers.step.cut import Plan
 from towers.step.tower import Tower, TowerResult
 
@@ -264,4 +264,4 @@ def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any) -> Any:
         return None
     if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
         return divisor // size * examples if size else divisor  # empty: 0, as summed
-    return lockstep.total(tf.cast(divisor, term.total.dtype))
+    return meetings.total(tf.cast(divisor, term.total.dtype))

@@ -36,7 +36,7 @@ from towers._keras import (
     state_variables,
 )
 from towers.split import batch_size_of
-from towers.step import lockstep, xla
+from towers.step import meetings, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
@@ -295,7 +295,7 @@ class Tower:
     ) -> TowerPass:
         y_pred = model(x, training=training)
         terms, extra = [], None
-        if self.own_loss and self.coupled.gathered and lockstep.current():
+        if self.own_loss and self.coupled.gathered and meetings.current():
             # The whole batch's loss, this tower's term of it (gathered.py).
             share = tf.cast(batch_size_of(x), tf.float64) / tf.cast(
                 examples, tf.float64

@@ -1,0 +1,138 @@
+"""Where the towers meet mid-step: one abstraction, a few verbs.
+
+Some steps need the towers' values in the middle of their passes: the whole
+batch's BatchNormalization moments, a mixture of experts' load-balancing
+sums, a coupled loss's gathered rows, each apply, assignment and metric
+update of a model's own step, ``towers.gather``. Each is a *meeting*, and
+every meeting goes through a tower's :class:`Seat`, which :func:`current`
+returns while the tower is traced to meet the others, with three verbs:
+
+- :meth:`Seat.total`: a sum over the towers (and the cluster's workers),
+  with its backward (an upstream gradient weighted as the tower's loss is);
+- :meth:`Seat.everyone`: every tower's value, in rank order (rows in example
+  order; what each would apply, assign or update);
+- :meth:`Seat.from_first`: the first tower computes, every tower reads it.
+
+The towers reach each other as a replica context's ``all_reduce``,
+``all_gather`` and ``merge_call`` serve tf.distribute: traced side by side
+(``towers/step/lockstep.py``), or, for sums alone, a pass traced once and cut
+where it meets (``towers/step/cut.py``, whose recording is the current
+meeting then, with ``total`` alone); across workers through TensorFlow's
+collective runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import tensorflow as tf
+
+from towers.combine import in_dtype
+
+T = TypeVar("T")
+_context = threading.local()
+
+
+class Seat:
+    """Tower ``rank``'s place at ``meet``: every meeting of the towers goes
+    through its verbs, in a tower traced in lockstep (:func:`current`).
+
+    - :meth:`total`: a sum over the towers (and workers), with its backward;
+    - :meth:`everyone`: every tower's value, in rank order (rows gathered in
+      example order, what each would assign or apply);
+    - :meth:`from_first`: the first tower computes, every tower reads it.
+
+    ``weight``: the tower's weight in the step's gradient when its loss is a
+    mean over its own shard (a model's own step, ``towers/step/custom.py``):
+    a backward sum then weighs each tower's upstream gradient by its weight,
+    and hands back the sum over this tower's weight, so the weighted combine
+    gives one device's. None: the towers' losses are shares of the step's
+    already. ``loss``: a model's own step's ``"mean"`` or ``"sum"``; None in
+    towers' own step."""
+
+    def __init__(self, meet: Any, rank: int, weight: Any = None, loss: Any = None):
+        self.meet, self.rank, self.weight, self.loss = meet, rank, weight, loss
+
+    @property
+    def first(self) -> bool:
+        """Whether this is the first tower, the one that acts for all."""
+        return self.rank == 0
+
+    @property
+    def worker(self) -> tuple[int, int] | None:
+        """This worker's index and the number of workers (None: no cluster)."""
+        return self.meet.worker
+
+    @property
+    def across(self) -> Callable | None:
+        """The sum over the cluster's workers (None: no cluster)."""
+        return self.meet.across
+
+    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+        if not backward or self.weight is None:
+            return _total(self.meet, self.rank, value, backward)
+        weight = in_dtype(self.weight, value.dtype)  # a float64 model's digits
+        summed = _total(self.meet, self.rank, value * weight, backward)
+        return summed / weight  # only towers with examples run
+
+    def everyone(self, value: Any) -> list[Any]:
+        """Hands in ``value``; every tower's, in rank order, once all have."""
+        return self.meet.exchange(self.rank, value)
+
+    def from_first(self, compute: Callable[[], T]) -> T:
+        """``compute()`` run by the first tower only; every tower reads it."""
+        return self.meet.exchange(self.rank, compute() if self.first else None)[0]
+
+
+def current() -> Any:
+    """Where this thread's tower meets the others, when it is traced to meet
+    them: a :class:`Seat` in lockstep, or a recording of the meetings
+    (``towers/step/segments.py``); None otherwise. Its ``total(value,
+    backward)`` is :func:`total`."""
+    return getattr(_context, "meeting", None)
+
+
+@contextlib.contextmanager
+def seated(meeting: Any) -> Iterator[None]:
+    """Within, :func:`current` is ``meeting`` on this thread (None: outside
+    any, as while the first tower runs what it acts on for all)."""
+    before = getattr(_context, "meeting", None)
+    _context.meeting = meeting
+    try:
+        yield
+    finally:
+        _context.meeting = before
+
+
+def _total(meet: Any, rank: int, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+    """``value`` summed over the towers, then over the workers if any (rank 0
+    sends this process's sum; every tower takes the cluster's).
+
+    The sum is wrapped in ``tf.stop_gradient``: its gradient is written out by
+    the caller (``towers/step/batchnorm.py``), and a graph walk back from it (as
+    ``tf.custom_gradient`` makes, looking for variables) stops there instead
+    of running through every other tower's model traced so far, which made
+    tracing grow with the square of the depth."""
+    local = tf.add_n(meet.exchange(rank, value))
+    if meet.across is not None:
+        summed = meet.across(local, backward) if rank == 0 else None
+        local = meet.exchange(rank, summed)[0]
+    return tf.stop_gradient(local)
+
+
+def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+    """The sum of ``value`` over every tower (and worker) in lockstep, on this
+    tower's device; no gradient flows back through it. ``backward``: ``value``
+    is an upstream gradient of this tower's loss share (across workers it is
+    weighted by each worker's examples, see :func:`compute`)."""
+    return current().total(value, backward)
+
+
+def own_step_seat() -> Seat | None:
+    """Where this thread's tower meets the others in a model's own step (its
+    ``loss`` the step's ``"mean"`` or ``"sum"``); None outside one."""
+    here = current()
+    return here if isinstance(here, Seat) and here.loss is not None else None
