@@ -405,3 +405,29 @@ def test_a_model_with_no_call_trains_as_keras_fit_without_being_called(cls):
     assert_every_variable_moved_alike(engine.model, reference, before)
     for key, values in expected.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=FLOAT64_RTOL)
+
+
+@pytest.mark.parametrize("cls", [EMAStep, CountStep], ids=["ema", "count"])
+def test_with_a_copy_per_tower_every_copy_assigns_one_devices_value(cls):
+    x, y = regression(23)
+    engine = Towers(lambda: built(cls), devices=devices(3), placement="replicated")
+    reference = built(cls)
+    before = [v.numpy() for v in reference.variables]
+
+    engine.fit(x, y, **FIT)
+    reference.fit(x, y, **FIT)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    for copy in engine.placement.models[1:]:
+        for mine, first in zip(copy.variables, engine.model.variables):
+            np.testing.assert_array_equal(mine.numpy(), first.numpy(), mine.path)
+
+
+def test_with_a_copy_per_tower_a_value_of_each_shard_is_refused_by_name():
+    x, y = regression(16)
+    engine = Towers(
+        lambda: built(AugmentStep), devices=devices(2), placement="replicated"
+    )
+    with pytest.raises(ValueError, match="assigns the variable '.*p'.*towers.gather"):
+        engine.fit(x, y, **FIT)
+    assert int(engine.model.optimizer.iterations) == 0

@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from towers._keras import (
     in_stateless_scope,
+    layers_of,
     routed_assignments,
     routed_updates,
     state_variables,
@@ -75,27 +76,35 @@ class Assignments:
       across: in a cluster, ``across(value, backward)``: ``value`` summed
         over the workers (one collective, in trace order on every worker);
         None in one process.
-      moving: BatchNormalization's moving statistics, which meet on their own.
+      apart: the copies never meet (``placement="independent"``).
     """
 
-    def __init__(self, models: list[Any], across: Any, moving: Any):
+    def __init__(self, models: list[Any], across: Any, apart: bool = False):
         self.models = models
+        self.apart = apart
         self.across = across
         self.worker_weight: Any = None  # B_w / B in a cluster, while traced
         passed = [v for model in models for v in state_variables(model)]
-        if moving is not None:
-            passed += [v for layer in moving.layers
-                       for v in (layer.moving_mean, layer.moving_variance)]  # fmt: skip
+        # BatchNormalization's moving statistics meet on their own.
+        passed += [v for m in models for layer in layers_of(m)
+                   if isinstance(layer, keras.layers.BatchNormalization)
+                   for v in (layer.moving_mean, layer.moving_variance)]  # fmt: skip
         self._passed = {id(v) for v in passed}
+        # With a copy per tower: each variable's place in its copy, where the
+        # copies' variables correspond.
+        self._place = {id(v): i for m in models for i, v in enumerate(m.variables)}
         self._own: Any = None
 
     @contextlib.contextmanager
     def routed(self) -> Iterator[None]:
-        """Within, the towers meet at each assignment and metric update."""
-        if len(self.models) > 1:  # a copy per tower: each changes its own
+        """Within, the towers meet at each assignment and metric update (with
+        a copy per tower, at each assignment: the copies' metric updates are
+        gathered into copy 0's, ``custom_copies.gather_metrics``)."""
+        if self.apart:
             yield
             return
-        metrics = [m for model in self.models for m in _every_metric(model)]
+        copies = len(self.models) > 1
+        metrics = [] if copies else [m for m in _every_metric(self.models[0])]
         _MARKS.clear()
         try:
             with (
@@ -112,6 +121,8 @@ class Assignments:
         if here is None or in_stateless_scope() or id(variable) in self._passed:
             return assign(value)
         value = tf.convert_to_tensor(value, dtype=variable.dtype)
+        if len(self.models) > 1:
+            return self._assign_copies(here, variable, value, assign)
         handed = here.everyone((variable, value, here.weight))
         _check_same(handed, variable)
         if not here.first:
@@ -119,14 +130,32 @@ class Assignments:
         with tf.name_scope("assignments/"):
             return assign(self._combine(variable, handed))
 
-    def _combine(self, variable: Any, handed: list[tuple]) -> tf.Tensor:
+    def _assign_copies(self, here: Any, variable: Any, value: Any, assign: Any):
+        """With a copy per tower: the copies' corresponding variables take one
+        value, combined as one variable's would be, each in its own copy."""
+        place = self._place.get(id(variable))
+        if place is None:  # not a copy's own (an optimizer's)
+            return assign(value)
+        handed = here.everyone((place, value, here.weight))
+        _check_same(handed, place)
+        corresponding = _corresponding(self.models)
+        combined = here.from_first(
+            lambda: self._combine(variable, handed, corresponding)
+        )
+        with tf.name_scope("assignments/"):
+            return assign(combined)
+
+    def _combine(
+        self, variable: Any, handed: list[tuple], corresponding: Any = None
+    ) -> tf.Tensor:
         """What ``variable`` takes from the towers' ``(variable, value,
         share)``, by its aggregation (the module docstring)."""
         values = [value for _, value, _ in handed]
         rule = rule_of(variable)
         if len(values) == 1 and self.across is None:
             return values[0]
-        if rule == "only_first_replica" or (rule == "none" and alike(values)):
+        same = rule == "none" and alike(values, corresponding)
+        if rule == "only_first_replica" or same:
             return values[0]  # in a cluster, the same on every worker
         if rule == "sum":
             before = tf.convert_to_tensor(variable)
@@ -192,9 +221,10 @@ class Assignments:
         return None
 
 
-def alike(values: list[tf.Tensor]) -> bool:
+def alike(values: list[tf.Tensor], corresponding: Any = None) -> bool:
     """Whether every tower's value is the first's: the same ops, with the same
-    attributes, on the same captured variables and constants, or on one
+    attributes, on the same captured variables (or ``corresponding`` ones:
+    a captured handle's id -> its place in its copy) and constants, or on one
     meeting's results; nothing random, nothing of a tower's own shard.
 
     >>> x = tf.constant([1.0, 2.0])
@@ -202,10 +232,20 @@ def alike(values: list[tf.Tensor]) -> bool:
     (True, False)
     """
     first, rest = values[0], values[1:]
-    return all(_same_graph(first, other) for other in rest)
+    return all(_same_graph(first, other, corresponding or {}) for other in rest)
 
 
-def _same_graph(a: tf.Tensor, b: tf.Tensor) -> bool:
+def _corresponding(models: list[Any]) -> dict[int, int]:
+    """In the graph being traced, each captured handle of a copy's variable
+    (by id) -> the variable's place in its copy."""
+    place = {id(v.value.handle): i for m in models for i, v in enumerate(m.variables)}
+    graph = tf.compat.v1.get_default_graph()
+    captures = getattr(graph, "captures", [])
+    return {id(inner): place[id(outer)] for outer, inner in captures
+            if id(outer) in place}  # fmt: skip
+
+
+def _same_graph(a: tf.Tensor, b: tf.Tensor, corresponding: dict) -> bool:
     if not (tf.is_symbolic_tensor(a) and tf.is_symbolic_tensor(b)):
         return a is b or bool(tf.reduce_all(tf.equal(a, b)))
     marks = _MARKS
@@ -220,6 +260,11 @@ def _same_graph(a: tf.Tensor, b: tf.Tensor) -> bool:
             if mark_a is not None and mark_a == mark_b:
                 continue
             return False
+        if a.op.type == "Placeholder" and b.op.type == "Placeholder":
+            key = corresponding.get(id(a))
+            if key is None or key != corresponding.get(id(b)):
+                return False
+            continue
         if not _same_op(a, b):
             return False
         pairs.extend(zip(a.op.inputs, b.op.inputs))
@@ -269,8 +314,14 @@ def _every_metric(model: keras.Model) -> list[Any]:
 
 
 def _check_same(handed: list[tuple], what: Any) -> None:
-    if any(item[0] is not what for item in handed):
-        names = [getattr(item[0], "path", None) or item[0].name for item in handed]
+    """Refuses towers that changed different things at one meeting (``what``
+    by identity; with a copy per tower, a variable's place in its copy)."""
+    places = isinstance(what, int)
+    if any(item[0] != what if places else item[0] is not what for item in handed):
+        names = [
+            getattr(item[0], "path", None) or getattr(item[0], "name", item[0])
+            for item in handed
+        ]
         raise ValueError(
             "the towers' own steps assigned different variables or updated "
             f"different metrics at the same point ({names}); a step must "

@@ -229,7 +229,11 @@ class CustomStep:
 
             return run
 
-        assignments = Assignments(self.placement.models, self._across, self.moving)
+        assignments = Assignments(
+            self.placement.models,
+            self._across,
+            apart=self.placement.name == "independent",
+        )
         assignments.worker_weight = self._weight_here
         try:
             with routed_applies(self._meet), assignments.routed():
