@@ -22,7 +22,7 @@ import pytest
 
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step import coupled
+from towers.step import coupled, lockstep
 
 UPDATE_RTOL = 2e-3
 TINY = dict(
@@ -268,3 +268,19 @@ def test_the_blocks_own_function_is_back_after_each_trace():
     assert np.isfinite(float(logs["loss"]))
     assert mixtral_decoder.compute_load_balancing_loss is own
     assert coupled.FUNCTION == own.__name__
+
+
+def test_without_xla_the_moe_pass_is_cut_where_it_sums_not_run_in_lockstep(
+    monkeypatch,
+):
+    # The load-balancing terms meet by sums alone, so the pass is traced once
+    # and cut there, as under XLA; the lockstep is for gathered losses.
+    def lockstep_compute(*args):
+        raise AssertionError("the towers were traced in lockstep")
+
+    monkeypatch.setattr(lockstep, "compute", lockstep_compute)
+    build = causal_lm("mixtral")
+    want, _ = keras_fit(build)
+    engine = Towers(build, devices=devices(3), jit_compile=False)
+    got, _ = updates(engine.model, fit_once(engine.fit))
+    assert_updates_close(got, want, engine.model.trainable_variables)

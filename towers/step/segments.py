@@ -134,7 +134,7 @@ def compute(
     them: tower ``t`` starts where tower ``t - 1`` ended.
     """
     arguments = (placement, tower, shards, working, divisors_of, workers, weight_of)
-    if fallback is not None and tower.coupled.exact:  # a loss over the batch's rows
+    if fallback is not None and tower.coupled.gathered:  # a loss over the rows
         return fallback(*arguments)  # exchanges more than sums
     try:
         return _compute(*arguments)
