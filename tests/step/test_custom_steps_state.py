@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import towers
-from tests.step.test_custom_steps import FLOAT64_RTOL, regression
+from tests.step.test_custom_steps import FLOAT64_RTOL, VAE, regression
 from tests.test_equivalence import devices
 from towers import Towers
 
@@ -42,64 +42,61 @@ def network(width=6):
     )  # fmt: skip
 
 
-class EMAStep(keras.Model):
-    """keras.io's DDIM shape: the network trains, an EMA copy follows it
-    after the apply; the tracker is fed the step's batch mean."""
+class Follower(keras.Model):
+    """A network that trains and a second one that follows it after the
+    apply, ``follower = rate * follower + (1 - rate) * network``; the tracker
+    is fed the step's batch mean."""
+
+    rate = 0.9
 
     def __init__(self):
         super().__init__()
         self.network = network()
-        self.ema_network = network()
-        self.ema_network.set_weights(self.network.get_weights())
+        self.follower = network()
         self.tracker = keras.metrics.Mean(name="loss")
 
     @property
     def metrics(self):
         return [self.tracker]
 
-    def call(self, x):
-        return self.ema_network(x)
+    def loss_of(self, x, y):
+        return keras.ops.mean((self.network(x, training=True) - y) ** 2)
 
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
-            loss = keras.ops.mean((self.network(x, training=True) - y) ** 2)
+            loss = self.loss_of(x, y)
         weights = self.network.trainable_weights
         self.optimizer.apply(tape.gradient(loss, weights), weights)
-        for w, ew in zip(self.network.weights, self.ema_network.weights):
-            ew.assign(0.9 * ew + 0.1 * w)
+        for w, fw in zip(self.network.weights, self.follower.weights):
+            fw.assign(self.rate * fw + (1.0 - self.rate) * w)
         self.tracker.update_state(loss)
         return {m.name: m.result() for m in self.metrics}
 
 
-class BYOLStep(keras.Model):
-    """BYOL's shape: the online network's loss reads a target network, which
-    is moved towards the online one after the apply."""
+class EMAStep(Follower):
+    """keras.io's DDIM shape: the EMA copy starts as the network, and is
+    what the model predicts with."""
 
     def __init__(self):
         super().__init__()
-        self.online = network()
-        self.target = network()
-        self.tracker = keras.metrics.Mean(name="loss")
-
-    @property
-    def metrics(self):
-        return [self.tracker]
+        self.follower.set_weights(self.network.get_weights())
 
     def call(self, x):
-        return self.online(x)
+        return self.follower(x)
 
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            guess = self.online(x, training=True)
-            loss = keras.ops.mean((guess - self.target(x) - y) ** 2)
-        weights = self.online.trainable_weights
-        self.optimizer.apply(tape.gradient(loss, weights), weights)
-        for w, tw in zip(self.online.weights, self.target.weights):
-            tw.assign(0.7 * tw + 0.3 * w)
-        self.tracker.update_state(loss)
-        return {m.name: m.result() for m in self.metrics}
+
+class BYOLStep(Follower):
+    """BYOL's shape: the online network's loss reads the target network."""
+
+    rate = 0.7
+
+    def call(self, x):
+        return self.network(x)
+
+    def loss_of(self, x, y):
+        guess = self.network(x, training=True)
+        return keras.ops.mean((guess - self.follower(x) - y) ** 2)
 
 
 def built(cls, seed=3):
@@ -342,41 +339,14 @@ class CallLessGAN(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
-class CallLessVAE(keras.Model):
-    """keras.io's VAE shape: an encoder and a decoder, no call(); the
-    reparameterisation's noise is scaled to 0 so the draws do not matter."""
+class CallLessVAE(VAE):
+    """keras.io's VAE shape: the suite's VAE (its noise scaled to 0, so the
+    draws do not matter) without a call()."""
+
+    call = keras.Model.call
 
     def __init__(self):
-        super().__init__()
-        self.encoder = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
-        self.decoder = keras.Sequential(
-            [keras.Input((2,)), keras.layers.Dense(5, activation="tanh"),
-             keras.layers.Dense(4)]
-        )  # fmt: skip
-        self.total = keras.metrics.Mean(name="total_loss")
-        self.seed_generator = keras.random.SeedGenerator(5)
-
-    @property
-    def metrics(self):
-        return [self.total]
-
-    def train_step(self, data):
-        x = data[0] if isinstance(data, tuple) else data
-        with tf.GradientTape() as tape:
-            z_mean, z_log_var = keras.ops.split(self.encoder(x), 2, axis=1)
-            epsilon = keras.random.normal(
-                keras.ops.shape(z_mean), seed=self.seed_generator, dtype=x.dtype
-            )
-            z = z_mean + keras.ops.exp(0.5 * z_log_var) * epsilon * 0.0
-            error = keras.ops.sum((x - self.decoder(z)) ** 2, axis=1)
-            kl = -0.5 * keras.ops.sum(
-                1 + z_log_var - z_mean**2 - keras.ops.exp(z_log_var), axis=1
-            )
-            loss = keras.ops.mean(error + kl)
-        variables = self.trainable_weights
-        self.optimizer.apply(tape.gradient(loss, variables), variables)
-        self.total.update_state(loss)
-        return {"total_loss": self.total.result()}
+        super().__init__(noise=0.0)
 
 
 def call_less(cls):
