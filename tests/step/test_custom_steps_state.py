@@ -401,3 +401,28 @@ def test_with_a_copy_per_tower_a_value_of_each_shard_is_refused_by_name():
     with pytest.raises(ValueError, match="assigns the variable '.*p'.*towers.gather"):
         engine.fit(x, y, **FIT)
     assert int(engine.model.optimizer.iterations) == 0
+
+
+class SumTracked(Follower):
+    """A step whose loss sums over its batch, fed to a Mean tracker."""
+
+    def loss_of(self, x, y):
+        return keras.ops.sum((self.network(x, training=True) - y) ** 2)
+
+    def call(self, x):
+        return self.network(x)
+
+
+def test_a_tracker_fed_a_sum_loss_is_updated_once_with_the_towers_sum():
+    x, y = regression(23)
+    engine = Towers(built(SumTracked), devices=devices(3), own_step_loss="sum")
+    reference = built(SumTracked)
+    before = [v.numpy() for v in reference.variables]
+
+    history = engine.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **FIT)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["loss"], expected.history["loss"], rtol=FLOAT64_RTOL
+    )

@@ -22,9 +22,9 @@ reads it, ``towers/step/state.py``'s rules)::
 
 A metric update (``metric.update_state(...)``) is one update on the whole
 batch: a ``keras.metrics.Mean`` given one number for the batch and no sample
-weight (a tracker fed the step's mean loss) takes each tower's number as its
-shard's mean, so the towers' changes are weighted by their shares, as the
-loss is; given values per example, a weight, or to a metric that adds them
+weight (a tracker fed the step's mean loss) is updated once with the towers'
+numbers weighted by their shares, as the loss is (added up under
+``own_step_loss="sum"``); given values per example, a weight, or to a metric that adds them
 up (``keras.metrics.Sum``), the towers' changes add up; the same values on
 every tower (gathered rows) count once.
 
@@ -192,33 +192,41 @@ class Assignments:
             return update(*args, **kwargs)
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]
-        after = metric.stateless_update_state(before, *args, **kwargs)
-        after = [tf.convert_to_tensor(a) for a in after]
-        handed = here.everyone((metric, after, here.weight))
-        _check_same(handed, metric)
-        if not here.first:
-            return None
-        per_mean = isinstance(metric, keras.metrics.Mean) and _batch_numbers(
-            args, kwargs
-        )
-        # One update: the same on every tower only if every variable's is.
-        same = all(alike([values[i] for _, values, _ in handed])
-                   for i in range(len(variables)))  # fmt: skip
+        if isinstance(metric, keras.metrics.Mean) and _batch_numbers(args, kwargs):
+            # The batch's number: the towers' weighted, in one update.
+            (value,) = keras.tree.flatten((args, kwargs))
+            handed = here.everyone((metric, tf.convert_to_tensor(value), here.weight))
+            _check_same(handed, metric)
+            if not here.first:
+                return None
+            dtype = handed[0][1].dtype
+            value = tf.add_n([in_dtype(w, dtype) * v for _, v, w in handed])
+            after = metric.stateless_update_state(before, value)
+            weight = 1.0 if self.worker_weight is None else self.worker_weight
+            changes = [in_dtype(weight, old.dtype) * (tf.convert_to_tensor(new) - old)
+                       for new, old in zip(after, before)]  # fmt: skip
+        else:
+            after = metric.stateless_update_state(before, *args, **kwargs)
+            after = [tf.convert_to_tensor(a) for a in after]
+            handed = here.everyone((metric, after, here.weight))
+            _check_same(handed, metric)
+            if not here.first:
+                return None
+            changes = _changes([values for _, values, _ in handed], before)
         with tf.name_scope("metrics/"):
-            for i, (variable, old) in enumerate(zip(variables, before)):
-                changes = [values[i] - old for _, values, _ in handed]
-                if per_mean and tf.as_dtype(variable.dtype).is_floating:
-                    shares = [in_dtype(s, old.dtype) for *_, s in handed]
-                    if self.worker_weight is not None:
-                        w = in_dtype(self.worker_weight, old.dtype)
-                        shares = [s * w for s in shares]
-                    change = tf.add_n([s * c for s, c in zip(shares, changes)])
-                elif same:
-                    change = changes[0]
-                else:
-                    change = tf.add_n(changes)
+            for variable, old, change in zip(variables, before, changes):
                 self._own(variable, old + change)
         return None
+
+
+def _changes(afters: list[list[tf.Tensor]], before: list[tf.Tensor]) -> list:
+    """Each variable's change from every tower's ``afters``: the first's when
+    every variable's is the same on every tower, else their sum."""
+    same = all(alike([after[i] for after in afters]) for i in range(len(before)))
+    if same:
+        return [new - old for new, old in zip(afters[0], before)]
+    return [tf.add_n([after[i] - old for after in afters])
+            for i, old in enumerate(before)]  # fmt: skip
 
 
 def alike(values: list[tf.Tensor], corresponding: Any = None) -> bool:
