@@ -30,6 +30,13 @@ def launch(*args, timeout=60):
     )
 
 
+def test_workers_join_the_private_network_after_the_first_has_ended():
+    # The first worker creates the namespace; one that ends at once (true)
+    # must not take it with it before the others join: the launcher holds it.
+    done = launch("--workers", "3", "--", "true")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_each_worker_gets_the_cluster_and_its_index():
     done = launch(
         "--workers", "3", "--towers-per-worker", "2", "--", sys.executable, "-c", REPORT

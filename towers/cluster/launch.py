@@ -135,13 +135,14 @@ def launch(
     addresses = [f"{host}:{port}" for port in free_ports(workers, host)]
     processes: list[subprocess.Popen] = []
     signals = _Forward(processes, out)
+    held: list = []  # the first worker's namespaces, for the others to join
     try:
         for index, config in enumerate(tf_configs(addresses)):
             env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
             env[orphan.LAUNCHER_ENV] = str(os.getpid())
             if towers_per_worker is not None:
                 env[TOWERS_PER_WORKER_ENV] = str(towers_per_worker)
-            enter = _enter_network(network, processes)
+            enter = _enter_network(network, held)
             try:
                 processes.append(_start(command, env, enter))
             except subprocess.SubprocessError:  # the kernel refused the namespace
@@ -150,10 +151,14 @@ def launch(
                 network = "host"
                 print(_NO_PRIVATE_NETWORK, file=sys.stderr, flush=True)
                 processes.append(_start(command, env, None))
+            if network != "host" and not held:
+                held = netns.hold(processes[0].pid, os.getuid())
     except BaseException:
         _stop(processes)
         signals.restore()
         raise
+    finally:  # every worker is in the namespaces now, or none will be
+        netns.release(held)
     lock = threading.Lock()
     readers = [
         threading.Thread(
@@ -223,12 +228,13 @@ _NO_PRIVATE_NETWORK = (
 )
 
 
-def _enter_network(network: str, started: list[subprocess.Popen]):
-    """The ``preexec_fn`` that puts the next worker in the job's network."""
+def _enter_network(network: str, held: list):
+    """The ``preexec_fn`` that puts the next worker in the job's network: the
+    first creates it, the others join the namespaces ``held`` holds."""
     if network == "host":
         return None
     first, others = netns.private_network()
-    return others(started[0].pid) if started else first
+    return others(held) if held else first
 
 
 def _start(command: Sequence[str], env: dict, enter) -> subprocess.Popen:

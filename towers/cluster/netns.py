@@ -8,7 +8,9 @@ starts its workers in a network namespace of their own: its only interface is
 its own loopback, so "every interface" is the workers' loopback and nothing
 else. The first worker creates the namespace (inside a user namespace that
 maps the caller's own uid and gid when not root, so no privilege is needed);
-the others join it.
+the others join it through descriptors the launcher opens as soon as the first
+has started (``hold``), so a first worker that ends at once does not take the
+namespace with it.
 
 The namespaces are entered between fork and exec (``preexec_fn``): the
 launcher itself never leaves the machine's network.
@@ -56,26 +58,37 @@ def create(uid: int, gid: int) -> None:
         fcntl.ioctl(probe, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
 
 
-def join(pid: int, uid: int) -> None:
-    """Moves this (single-threaded) process into the namespaces of ``pid``."""
-    for kind, flag in (("user", CLONE_NEWUSER), ("net", CLONE_NEWNET)):
-        if kind == "user" and not uid:
-            continue
-        descriptor = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
-        try:
-            _check(_libc.setns(descriptor, flag), f"setns {kind}")
-        finally:
-            os.close(descriptor)
+def hold(pid: int, uid: int) -> list[tuple[int, int]]:
+    """Descriptors of ``pid``'s namespaces, with their kinds, opened now: they
+    keep the namespaces for the workers that join later, whatever becomes of
+    ``pid`` meanwhile (a worker that finished first). Close them with
+    :func:`release`."""
+    kinds = [("net", CLONE_NEWNET)] if not uid else [
+        ("user", CLONE_NEWUSER), ("net", CLONE_NEWNET)]  # fmt: skip
+    return [(os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY), flag)
+            for kind, flag in kinds]  # fmt: skip
 
 
-def private_network() -> tuple[Callable[[], None], Callable[[int], Callable]]:
+def join(held: list[tuple[int, int]]) -> None:
+    """Moves this (single-threaded) process into the ``held`` namespaces."""
+    for descriptor, flag in held:
+        _check(_libc.setns(descriptor, flag), "setns")
+
+
+def release(held: list[tuple[int, int]]) -> None:
+    for descriptor, _ in held:
+        os.close(descriptor)
+
+
+def private_network() -> tuple[Callable[[], None], Callable[[list], Callable]]:
     """``(first, others)``: ``preexec_fn`` for the worker that creates the
-    namespace, and ``others(pid)``, one for each worker that joins ``pid``'s.
+    namespace, and ``others(held)``, one for each worker that joins the
+    namespaces :func:`hold` holds.
 
     Example:
       >>> first, others = private_network()
-      >>> callable(first) and callable(others(1))
+      >>> callable(first) and callable(others([]))
       True
     """
     uid, gid = os.getuid(), os.getgid()
-    return (lambda: create(uid, gid)), (lambda pid: lambda: join(pid, uid))
+    return (lambda: create(uid, gid)), (lambda held: lambda: join(held))
