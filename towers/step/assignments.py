@@ -24,9 +24,9 @@ A metric update (``metric.update_state(...)``) is one update on the whole
 batch: a ``keras.metrics.Mean`` given one number for the batch and no sample
 weight (a tracker fed the step's mean loss) is updated once with the towers'
 numbers weighted by their shares, as the loss is (added up under
-``own_step_loss="sum"``); given values per example, a weight, or to a metric that adds them
-up (``keras.metrics.Sum``), the towers' changes add up; the same values on
-every tower (gathered rows) count once.
+``own_step_loss="sum"``); given values per example, a weight, or to a metric
+that adds them up (``keras.metrics.Sum``), the towers' changes add up; the
+same values on every tower (gathered rows) count once.
 
 A seed generator's state is left to advance tower after tower, and
 BatchNormalization's moving statistics meet at each call
