@@ -133,32 +133,26 @@ def launch(
             f"host to use it (received --host {host} with --network private)"
         )
     addresses = [f"{host}:{port}" for port in free_ports(workers, host)]
+    held = netns.hold_private_network() if network == "private" else None
+    if network == "private" and held is None:  # the kernel refused it
+        print(_NO_PRIVATE_NETWORK, file=sys.stderr, flush=True)
     processes: list[subprocess.Popen] = []
     signals = _Forward(processes, out)
-    held: list = []  # the first worker's namespaces, for the others to join
     try:
-        for index, config in enumerate(tf_configs(addresses)):
+        for config in tf_configs(addresses):
             env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
             env[orphan.LAUNCHER_ENV] = str(os.getpid())
             if towers_per_worker is not None:
                 env[TOWERS_PER_WORKER_ENV] = str(towers_per_worker)
-            enter = _enter_network(network, held)
-            try:
-                processes.append(_start(command, env, enter))
-            except subprocess.SubprocessError:  # the kernel refused the namespace
-                if index:
-                    raise
-                network = "host"
-                print(_NO_PRIVATE_NETWORK, file=sys.stderr, flush=True)
-                processes.append(_start(command, env, None))
-            if network != "host" and not held:
-                held = netns.hold(processes[0].pid, os.getuid())
+            enter = None if held is None else netns.joining(held)
+            processes.append(_start(command, env, enter))
     except BaseException:
         _stop(processes)
         signals.restore()
         raise
     finally:  # every worker is in the namespaces now, or none will be
-        netns.release(held)
+        if held is not None:
+            netns.release(held)
     lock = threading.Lock()
     readers = [
         threading.Thread(
@@ -226,15 +220,6 @@ _NO_PRIVATE_NETWORK = (
     "network, where TensorFlow's servers listen on every interface of their "
     "ports. Pass --network host to say that is intended."
 )
-
-
-def _enter_network(network: str, held: list):
-    """The ``preexec_fn`` that puts the next worker in the job's network: the
-    first creates it, the others join the namespaces ``held`` holds."""
-    if network == "host":
-        return None
-    first, others = netns.private_network()
-    return others(held) if held else first
 
 
 def _start(command: Sequence[str], env: dict, enter) -> subprocess.Popen:

@@ -6,13 +6,13 @@ is fixed in its source), so a worker started with ``127.0.0.1:PORT`` in its
 could join the collective or read its tensors. ``towers launch`` therefore
 starts its workers in a network namespace of their own: its only interface is
 its own loopback, so "every interface" is the workers' loopback and nothing
-else. The first worker creates the namespace (inside a user namespace that
-maps the caller's own uid and gid when not root, so no privilege is needed);
-the others join it through descriptors the launcher opens as soon as the first
-has started (``hold``), so a first worker that ends at once does not take the
-namespace with it.
+else. The namespace is made inside a user namespace that maps the caller's
+own uid and gid when not root, so no privilege is needed, by a small process
+the launcher forks, which ends once the launcher holds descriptors of its
+namespaces; every worker joins them through those, so no worker's lifetime
+(a first one that ends at once) decides whether the others can join.
 
-The namespaces are entered between fork and exec (``preexec_fn``): the
+The workers enter the namespaces between fork and exec (``preexec_fn``): the
 launcher itself never leaves the machine's network.
 """
 
@@ -58,37 +58,62 @@ def create(uid: int, gid: int) -> None:
         fcntl.ioctl(probe, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
 
 
-def hold(pid: int, uid: int) -> list[tuple[int, int]]:
-    """Descriptors of ``pid``'s namespaces, with their kinds, opened now: they
-    keep the namespaces for the workers that join later, whatever becomes of
-    ``pid`` meanwhile (a worker that finished first). Close them with
-    :func:`release`."""
+def hold_private_network() -> list[tuple[int, int]] | None:
+    """A private network, made now by a process forked to hold it: the
+    descriptors of its namespaces (with their kinds), open in this process so
+    the namespaces last while the workers join them (:func:`joining`), then
+    :func:`release`; None where the kernel refuses one. The holder ends as
+    soon as they are open, so no worker's lifetime matters.
+
+    Example:
+      >>> held = hold_private_network()
+      >>> held is None or all(descriptor >= 0 for descriptor, _ in held)
+      True
+      >>> release(held or [])
+    """
+    uid, gid = os.getuid(), os.getgid()
+    ready_read, ready_write = os.pipe()
+    done_read, done_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the holder: no Python cleanup, nothing of the parent's
+        os.close(ready_read)
+        os.close(done_write)  # so the parent's close is the end of the pipe
+        try:
+            create(uid, gid)
+            os.write(ready_write, b"1")
+        except BaseException:  # noqa: BLE001 - the parent hears "refused"
+            os.write(ready_write, b"0")
+        os.read(done_read, 1)  # until the parent has opened the namespaces
+        os._exit(0)
+    os.close(ready_write)
+    os.close(done_read)
+    try:
+        made = os.read(ready_read, 1) == b"1"
+        return _open_namespaces(pid, uid) if made else None
+    finally:
+        os.close(done_write)  # the holder ends
+        os.close(ready_read)
+        os.waitpid(pid, 0)
+
+
+def _open_namespaces(pid: int, uid: int) -> list[tuple[int, int]]:
     kinds = [("net", CLONE_NEWNET)] if not uid else [
         ("user", CLONE_NEWUSER), ("net", CLONE_NEWNET)]  # fmt: skip
     return [(os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY), flag)
             for kind, flag in kinds]  # fmt: skip
 
 
-def join(held: list[tuple[int, int]]) -> None:
-    """Moves this (single-threaded) process into the ``held`` namespaces."""
-    for descriptor, flag in held:
-        _check(_libc.setns(descriptor, flag), "setns")
+def joining(held: list[tuple[int, int]]) -> Callable[[], None]:
+    """The ``preexec_fn`` that moves a worker into the ``held`` namespaces."""
+
+    def join() -> None:  # in the (single-threaded) child
+        for descriptor, flag in held:
+            _check(_libc.setns(descriptor, flag), "setns")
+
+    return join
 
 
 def release(held: list[tuple[int, int]]) -> None:
+    """Closes the descriptors :func:`hold_private_network` opened."""
     for descriptor, _ in held:
         os.close(descriptor)
-
-
-def private_network() -> tuple[Callable[[], None], Callable[[list], Callable]]:
-    """``(first, others)``: ``preexec_fn`` for the worker that creates the
-    namespace, and ``others(held)``, one for each worker that joins the
-    namespaces :func:`hold` holds.
-
-    Example:
-      >>> first, others = private_network()
-      >>> callable(first) and callable(others([]))
-      True
-    """
-    uid, gid = os.getuid(), os.getgid()
-    return (lambda: create(uid, gid)), (lambda held: lambda: join(held))
