@@ -302,3 +302,26 @@ def test_a_target_dict_with_a_wrong_or_missing_output_name_is_named():
     assert engine.steps_done == 0
     for got, was in zip(engine.model.get_weights(), before):
         np.testing.assert_array_equal(got, was)
+
+
+@pytest.fixture
+def keras_limits():
+    """keras.config's epoch and step limits, set back to none after."""
+    yield keras.config
+    keras.config.set_max_epochs(None)
+    keras.config.set_max_steps_per_epoch(None)
+
+
+def test_keras_configs_epoch_and_step_limits_cut_fit_as_keras_fit(keras_limits):
+    keras_limits.set_max_epochs(2)
+    keras_limits.set_max_steps_per_epoch(2)
+    x, y = arrays()  # 3 batches of Keras' default 32
+    engine, model = pair()
+    with pytest.warns(UserWarning, match="Limiting epochs to 2"):
+        history = engine.fit(x, y, epochs=4, shuffle=False, verbose=0)
+    expected = model.fit(x, y, epochs=4, shuffle=False, verbose=0)
+    assert len(history.history["loss"]) == len(expected.history["loss"]) == 2
+    assert engine.steps_done == int(model.optimizer.iterations) == 4
+    assert_same_weights(engine, model)
+    # evaluate reads 2 batches too, as Keras' does.
+    assert_close(engine.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0))

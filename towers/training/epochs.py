@@ -19,13 +19,33 @@ is saved with each checkpoint and a resumed run starts there
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from towers._keras import warn_ran_out
 from towers.training.inputs import Source
+
+
+def limited(name: str, value: int | None) -> int | None:
+    """``value`` (``"epochs"`` or ``"steps_per_epoch"``) under
+    ``keras.config``'s limit for it, with Keras' warning when it cuts it, as
+    Keras' fit and ``EpochIterator`` read them (None: no steps given).
+
+    >>> limited("epochs", 5)  # no limit set
+    5
+    """
+    limit = (
+        keras.config.max_epochs() if name == "epochs"
+        else keras.config.max_steps_per_epoch()
+    )  # fmt: skip
+    if limit and (not value or limit < value):
+        warnings.warn(f"Limiting {name} to {limit}", stacklevel=3)
+        return limit
+    return value
 
 
 class Epochs:

@@ -29,7 +29,7 @@ from towers.training.arguments import (
     shuffle_seed,
 )
 from towers.training.checkpoint import TrainingCheckpoint
-from towers.training.epochs import Epochs
+from towers.training.epochs import Epochs, limited
 from towers.training.fits import check_form, check_validation, named_misfits
 from towers.training.inputs import source_of, split_validation, unpack
 from towers.training.model_metrics import ModelMetrics
@@ -200,6 +200,10 @@ class Trainer(ModelMetrics, abc.ABC):
             checkpoint_dir,
         )
         check_class_weight(class_weight)
+        # keras.config's limits, as Keras' fit and its EpochIterator read them.
+        epochs = limited("epochs", epochs)
+        steps_per_epoch = limited("steps_per_epoch", steps_per_epoch)
+        validation_steps = limited("steps_per_epoch", validation_steps)
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = split_validation(
                 x, y, sample_weight, validation_split
@@ -322,6 +326,7 @@ class Trainer(ModelMetrics, abc.ABC):
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)
+        steps = limited("steps_per_epoch", steps)  # keras.config's, as Keras'
         check_inputs(x)
         source = source_of(x, y, sample_weight, batch_size, steps)
         if not self.model.variables:
@@ -368,6 +373,7 @@ class Trainer(ModelMetrics, abc.ABC):
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)
+        steps = limited("steps_per_epoch", steps)  # keras.config's, as Keras'
         check_inputs(x)
         batches = Epochs(source_of(x, None, None, batch_size, steps), steps)
         callbacks = make_callbacks(self, callbacks, verbose, 1, batches.steps)
