@@ -119,6 +119,7 @@ def test_a_network_the_step_assigns_moves_once_as_on_one_device(cls, num_towers)
     expected = reference.fit(x, y, **FIT)
 
     assert_every_variable_moved_alike(engine.model, reference, before)
+    assert int(engine.model.optimizer.iterations) == int(reference.optimizer.iterations)
     # The tracker fed each step's batch mean: the batch's, on uneven shards.
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=FLOAT64_RTOL

@@ -192,9 +192,9 @@ class Assignments:
             return update(*args, **kwargs)
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]
-        if isinstance(metric, keras.metrics.Mean) and _batch_numbers(args, kwargs):
+        value = _batch_number(args, kwargs)
+        if isinstance(metric, keras.metrics.Mean) and value is not None:
             # The batch's number: the towers' weighted, in one update.
-            (value,) = keras.tree.flatten((args, kwargs))
             handed = here.everyone((metric, tf.convert_to_tensor(value), here.weight))
             _check_same(handed, metric)
             if not here.first:
@@ -299,14 +299,16 @@ def _attributes(op: Any) -> dict:
             if not k.startswith("_")}  # fmt: skip
 
 
-def _batch_numbers(args: tuple, kwargs: dict) -> bool:
-    """Whether a metric update was given only numbers for the whole batch
-    (every value a scalar) and no sample weight."""
+def _batch_number(args: tuple, kwargs: dict) -> Any:
+    """The one number a metric update was given for the whole batch (a
+    scalar, no sample weight), or None for any other update."""
     given = dict(kwargs)
     if given.pop("sample_weight", None) is not None or len(args) > 1:
-        return False
+        return None
     leaves = keras.tree.flatten((args, given))
-    return bool(leaves) and all(len(getattr(v, "shape", ())) == 0 for v in leaves)
+    if len(leaves) != 1 or len(getattr(leaves[0], "shape", ())) != 0:
+        return None
+    return leaves[0]
 
 
 def _every_metric(model: keras.Model) -> list[Any]:
