@@ -22,7 +22,7 @@ import pytest
 
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step import coupled, lockstep
+from towers.step import coupled, runner
 
 UPDATE_RTOL = 2e-3
 TINY = dict(
@@ -275,10 +275,10 @@ def test_without_xla_the_moe_pass_is_cut_where_it_sums_not_run_in_lockstep(
 ):
     # The load-balancing terms meet by sums alone, so the pass is traced once
     # and cut there, as under XLA; the lockstep is for gathered losses.
-    def lockstep_compute(*args):
-        raise AssertionError("the towers were traced in lockstep")
+    def in_turns(*args):
+        raise AssertionError("the towers were traced in turns")
 
-    monkeypatch.setattr(lockstep, "compute", lockstep_compute)
+    monkeypatch.setattr(runner, "turns", in_turns)
     build = causal_lm("mixtral")
     want, _ = keras_fit(build)
     engine = Towers(build, devices=devices(3), jit_compile=False)

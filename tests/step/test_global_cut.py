@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from towers import Towers
-from towers.step import lockstep, segments
+from towers.step import runner, segments
 
 
 class Counting(keras.layers.Layer):
@@ -51,7 +51,7 @@ def trained(statistics, towers, dropout=False, examples=12):
 @pytest.fixture
 def lockstep_only(monkeypatch):
     """Every pass as if it could not be cut: the lockstep's numbers."""
-    monkeypatch.setattr(segments, "_compute", _uncuttable)
+    monkeypatch.setattr(segments, "compute", _uncuttable)
 
 
 def test_global_statistics_trace_the_pass_once_per_shard_shape():
@@ -72,13 +72,11 @@ def test_the_cut_pass_gives_the_locksteps_numbers(
     monkeypatch, towers, examples, dropout
 ):
     fallbacks = []
-    fallback = lockstep.compute
-    monkeypatch.setattr(
-        lockstep, "compute", lambda *a: fallbacks.append(1) or fallback(*a)
-    )
+    fallback = runner.turns
+    monkeypatch.setattr(runner, "turns", lambda *a: fallbacks.append(1) or fallback(*a))
     _, cut = trained("global", towers, dropout, examples)
     assert not fallbacks  # the seed states are handed on within a phase
-    monkeypatch.setattr(segments, "_compute", _uncuttable)
+    monkeypatch.setattr(segments, "compute", _uncuttable)
     _, lockstep_numbers = trained("global", towers, dropout, examples)
     assert len(fallbacks) == 1
     for ours, theirs in zip(cut, lockstep_numbers, strict=True):

@@ -128,8 +128,13 @@ class Workers:
         self._groups = {
             kind: group(device, reducer, backstop) for kind in ("train", "eval")
         }
-        # BatchNormalization's global statistics: one gather per exchange.
-        self._statistics = group(device, "per_tensor", backstop)
+        # The towers' meetings (global statistics, gathered rows, a model's
+        # own step): one gather per exchange; a group per kind of step, as
+        # above (a collective's key fixes its shapes).
+        self._statistics = {
+            kind: group(device, "per_tensor", backstop)
+            for kind in ("train", "eval", "predict")
+        }
         # 1.0 once this worker was asked to stop (request_stop); rides in every
         # step's sum, so all workers learn of it after the same step.
         with tf.device(device):
@@ -167,11 +172,13 @@ class Workers:
         """Every worker's ``tensors`` summed (same shapes and order everywhere)."""
         return self._groups[kind].all_reduce([list(tensors)])[0]
 
-    def sum_statistics(self, value: tf.Tensor, instance: int) -> tf.Tensor:
-        """Every worker's ``value`` summed: the ``instance``-th exchange of the
-        step's BatchNormalization statistics (the same order on every worker).
-        Per-channel vectors, a few KB: gathered, not all-reduced."""
-        return self._statistics.gathered_sum([value], instance)[0]
+    def sum_statistics(
+        self, value: tf.Tensor, instance: Any, kind: str = "train"
+    ) -> tf.Tensor:
+        """Every worker's ``value`` summed: the ``instance``-th exchange of a
+        ``kind`` step's meetings (the same order on every worker). Small
+        tensors (a few KB: per-channel statistics): gathered, not all-reduced."""
+        return self._statistics[kind].gathered_sum([value], instance)[0]
 
     def step(
         self,

@@ -1,8 +1,10 @@
 """The data path of one step: split shards in, one update's gradients out.
 
 ``step.py`` runs the phases in order (split, each tower's forward and backward,
-the divisors, combine, apply, metrics); ``tower.py`` is one tower's work and
-``once.py`` traces it once for every tower (``xla.py``: as one XLA computation);
+the divisors, combine, apply, metrics); ``tower.py`` is one tower's work;
+``runner.py`` decides how the towers run, for every step: alone, ``once.py``
+(one trace for every tower; ``xla.py``: as one XLA computation), in phases
+(``segments.py``) or in turns (``lockstep.py``);
 ``losses.py`` makes T shards' losses add up to the batch's; ``batchnorm.py`` and
 ``lockstep.py`` serve BatchNormalization (moving statistics once per step, the
 whole batch's statistics), with ``cut.py`` and ``segments.py`` cutting a

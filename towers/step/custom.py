@@ -4,9 +4,9 @@ model overrides run here (``kinds_of``); the others are towers' own.
 
 Keras' documented way to customise training is to override ``train_step``
 (a GAN's two optimizers, a VAE, a model with its own trackers). Each tower
-calls the model's own step on its shard, under its device; the towers are
-traced in lockstep (``towers/step/lockstep.py``, the mechanism global batch
-statistics and coupled losses meet through), and every ``optimizer.apply`` or
+calls the model's own step on its shard, under its device, run by the step's
+runner (``towers/step/runner.py``) in turns (``towers/step/lockstep.py``, as
+gathered losses meet), and every ``optimizer.apply`` or
 ``apply_gradients`` inside the step is a meeting::
 
     tower t:  forward, tape.gradient  ->  apply  ->  forward (new weights) -> ...
@@ -68,8 +68,9 @@ from towers.step.custom_copies import (
     level_metrics,
     metric_variables,
 )
-from towers.step.lockstep import across_workers, in_lockstep, meeting
+from towers.step.lockstep import across_workers
 from towers.step.meetings import own_step_seat, seated
+from towers.step.runner import Runner
 
 # How a model's own train_step reduces its loss over its batch.
 OwnStepLoss = Literal["mean", "sum"]
@@ -106,6 +107,7 @@ class CustomStep:
 
     Args:
       placement: where the variables live (one model the towers share).
+      runner: how the towers run (``towers/step/runner.py``): the step's.
       count_step: advances the engine's steps counter, once per step.
       kinds: the steps that are the model's own (``kinds_of``).
       loss: the step's loss is a ``"mean"`` over its batch or a ``"sum"``.
@@ -114,6 +116,7 @@ class CustomStep:
     def __init__(
         self,
         placement: Placement,
+        runner: Runner,
         count_step: Callable[[], None],
         kinds: frozenset[str],
         loss: OwnStepLoss = "mean",
@@ -121,6 +124,7 @@ class CustomStep:
         moving: Any = None,
     ):
         self.placement = placement
+        self.runner = runner
         self.count_step = count_step
         self.kinds = kinds
         self.loss = loss
@@ -154,6 +158,7 @@ class CustomStep:
         """The model's ``predict_step`` on every tower, its outputs (any nest)
         concatenated in example order."""
         shards = self._split(x, None, None)
+        self._across, _ = across_workers(self.workers, "predict")
         outputs = self._run("predict_step", shards)
         with tf.device(HOST):
             return tf.nest.map_structure(
@@ -166,7 +171,8 @@ class CustomStep:
 
     def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
         shards = self._split(x, y, sample_weight)
-        self._across, weight = across_workers(self.workers)
+        kind = "train" if hook == "train_step" else "eval"
+        self._across, weight = across_workers(self.workers, kind)
         copies = len(self.placement.models) > 1  # custom_copies.py
         levelled = level_metrics(self.placement.models) if copies else None
         before = None
@@ -208,26 +214,17 @@ class CustomStep:
         return self._across(tf.math.multiply_no_nan(value, weight), False)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
-        """``model.<hook>(data)`` on every working tower's shard, traced in
-        lockstep, meeting at each apply; their results in tower order."""
+        """``model.<hook>(data)`` on every working tower's shard, run by the
+        step's runner (in turns), meeting at each apply; their results in
+        tower order."""
         working = self.placement.working_towers(shards)
-        meet = meeting(len(working), self.placement, self.workers, self._across)
         self.applies = []
 
-        def tower(rank: int, t: int) -> Callable[[], Any]:
-            x, y, sample_weight = shards.parts[t]
+        def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
+            del examples  # the step's own loss divides by its shard's
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-
-            def run() -> Any:
-                device = self.placement.devices[t]
-                with (
-                    tf.device(device),
-                    tf.name_scope(f"tower_{t}"),
-                    self._moving_at_once(len(working)),
-                ):
-                    return getattr(self.placement.model_of(t), hook)(data)
-
-            return run
+            with self._moving_at_once(len(working)):
+                return getattr(model, hook)(data)
 
         assignments = Assignments(
             self.placement.models,
@@ -235,11 +232,11 @@ class CustomStep:
             apart=self.placement.name == "independent",
         )
         assignments.worker_weight = self._weight_here
+        weights = [self._weight(shards, t) for t in working]
         try:
             with routed_applies(self._meet), assignments.routed():
-                works = [tower(r, t) for r, t in enumerate(working)]
-                weights = [self._weight(shards, t) for t in working]
-                return in_lockstep(works, meet, weights, self.loss)
+                seats = (weights, self.loss, self._across)
+                return self.runner.each(shards, step, "own", seats)
         except threading.BrokenBarrierError as error:
             raise ValueError(
                 f"the towers' {hook} did not make the same applies on every "

@@ -9,7 +9,8 @@ tower's gradient needs the others' gradients with respect to those sums.
 Where the tower's pass cannot be traced once and cut where the towers meet
 (``towers/step/segments.py``, the first choice for global statistics), and
 for every other meeting (a loss over the gathered batch, a model's own
-step's applies), the towers are traced in lockstep: one Python thread per working tower,
+step's applies), the runner (``towers/step/runner.py``) has the towers take
+turns: traced in lockstep, one Python thread per working tower,
 each building its own ops (under its own device and name scope) into the one
 graph, and a :class:`Rendezvous` where they meet: each hands in a tensor, waits
 until all have, and takes every tower's. Nothing runs in those threads; they
@@ -167,11 +168,13 @@ class Rendezvous:
                 )
 
 
-def meeting(size: int, placement: Any, workers: Any, across: Any = None) -> Rendezvous:
+def meeting(
+    size: int, placement: Any, workers: Any, across: Any = None, kind: str = "train"
+) -> Rendezvous:
     """The rendezvous of ``size`` towers of ``placement`` (and ``workers``'
-    sums, ``across``: ``across_workers``' when None)."""
+    sums, ``across``: ``across_workers``' for a ``kind`` step when None)."""
     if across is None:
-        across, _ = across_workers(workers)
+        across, _ = across_workers(workers, kind)
     keep = kept(placement.models)
     return Rendezvous(size, across=across, keep=keep, worker=where(workers))
 
@@ -245,11 +248,12 @@ def in_lockstep(
     return results
 
 
-def across_workers(workers: Any) -> tuple[Callable | None, dict]:
-    """The sum over a cluster's workers that the towers' sums go through
-    (None without ``workers``), and where to put this worker's weight once it
-    is known (``weight["examples"]``, see :func:`compute`). The sums are
-    numbered in the order they are made: the same on every worker."""
+def across_workers(workers: Any, kind: str = "train") -> tuple[Callable | None, dict]:
+    """The sum over a cluster's workers that a ``kind`` step's (``"train"``,
+    ``"eval"``, ``"predict"``) meetings go through (None without
+    ``workers``), and where to put this worker's weight once it is known
+    (``weight["examples"]``, see ``runner.turns``). The sums are numbered in
+    the order they are made: the same on every worker."""
     if workers is None:
         return None, {}
     weight: dict[str, Any] = {}
@@ -260,62 +264,12 @@ def across_workers(workers: Any) -> tuple[Callable | None, dict]:
             first = next(instances)
             for _ in range(SIZE_BUCKETS - 1):
                 next(instances)
-            return workers.sum_statistics(value, (first, bucket))
+            return workers.sum_statistics(value, (first, bucket), kind)
         scale = weight.get("examples") if backward else None
         if scale is None:  # the forward's statistics, or a sum loss
-            return workers.sum_statistics(value, next(instances))
+            return workers.sum_statistics(value, next(instances), kind)
         scale = tf.cast(scale, value.dtype)
-        summed = workers.sum_statistics(value * scale, next(instances))
+        summed = workers.sum_statistics(value * scale, next(instances), kind)
         return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
 
     return across, weight
-
-
-def compute(
-    placement,
-    tower,
-    shards,
-    working: list[int],
-    divisors_of: Callable[[list], Any],
-    workers: Any = None,
-    weight_of: Callable[[list], Any] | None = None,
-) -> list:
-    """``Step.compute`` with the working towers traced in lockstep: every
-    tower's forward pass, the step's divisors (``divisors_of(passes)``), then
-    every tower's loss share and gradients, each on its tower's device.
-
-    With ``workers`` (``towers/cluster/workers.py``) the sums also run over the cluster,
-    one collective each, in the same order on every worker; ``weight_of(passes)``
-    is this worker's weight in the cluster's sum (None for a sum loss). Each
-    worker's loss
-    is a mean over its own examples, weighted by them when the workers' gradients
-    are summed (``Workers.step``): so in the backward pass each worker sends its
-    upstream gradient times its examples and divides the cluster's sum by them,
-    which makes every worker's share of the cross-worker terms exact.
-    """
-    across, weight = across_workers(workers)
-    meet = meeting(len(working), placement, workers, across)
-
-    def on_tower(t: int, work: Callable[[], T]) -> Callable[[], T]:
-        def traced() -> T:
-            with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
-                return work()
-
-        return traced
-
-    def forward(t: int) -> Callable[[], Any]:
-        x, y, sample_weight = shards.parts[t]
-        model = placement.model_of(t)
-        return on_tower(
-            t, lambda: tower.forward(model, x, y, sample_weight, shards.normaliser)
-        )
-
-    passes = in_lockstep([forward(t) for t in working], meet)
-    divisors = divisors_of(passes)
-    if workers is not None:
-        weight["examples"] = weight_of(passes)
-    backward = [
-        on_tower(t, lambda p=p: tower.gradients(p, divisors))
-        for t, p in zip(working, passes)
-    ]
-    return in_lockstep(backward, meet)

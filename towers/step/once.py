@@ -13,7 +13,7 @@ one tower knows when it follows from the step's examples: ``D_o = k_o * B``
 for Keras' default reductions, ``k_o`` being the tower's loss values per
 example. When a divisor comes from sample weights or a mask, every tower's
 pass is needed first, and :func:`compute` says so (None): the step then traces
-tower by tower (``Step.compute``).
+tower by tower (``towers/step/runner.py``).
 
 A layer that draws random numbers (Dropout in training) assigns its seed
 generator's state as it draws. Assigned inside the function, that state would
@@ -65,7 +65,7 @@ def compute(
     working: list[int],
     divisors_of: Callable[[list], list[Any]],
 ) -> list[TowerResult] | None:
-    """``Step.compute`` with one trace for every tower of a model: each working
+    """The runner's ``"once"``: one trace for every tower of a model: each working
     tower's loss share and gradients, on its device. None if a divisor of the
     step needs every tower's forward pass; with XLA, that case too.
 

@@ -162,6 +162,7 @@ def make_step(
         refuse_with_hooks(hooks, where, options, jit)
         step.custom = CustomStep(
             where,
+            step.runner,
             update.count_step,
             kinds,
             options.get("own_step_loss", "mean"),

@@ -112,6 +112,10 @@ def run(
     return results
 
 
+class Uncuttable(ValueError):
+    """The towers' passes cannot run as one traced pass cut into phases."""
+
+
 def compute(
     placement: Any,
     tower: Tower,
@@ -120,11 +124,9 @@ def compute(
     divisors_of: Callable[[list], list[Any]],
     workers: Any = None,
     weight_of: Callable[[list], Any] | None = None,
-    fallback: Callable[..., list[TowerResult]] | None = None,
 ) -> list[TowerResult]:
-    """``Step.compute`` for global batch statistics: each working tower's loss
-    share and gradients, its pass cut where the towers meet; ``fallback``
-    (called with the same arguments) where it cannot be cut, None: the error.
+    """The runner's ``"phases"`` (``towers/step/runner.py``): each working
+    tower's loss share and gradients, its pass cut where the towers meet.
 
     ``divisors_of(passes)``: the step's checks on the towers' passes (given
     one). A divisor from sample weights or a mask is summed over the towers
@@ -132,23 +134,10 @@ def compute(
     from the tower's own (``towers/step/once.py``). The seed generators'
     states are handed from tower to tower as ``towers/step/once.py`` hands
     them: tower ``t`` starts where tower ``t - 1`` ended.
+
+    Raises:
+      Uncuttable: the pass cannot be cut so (the runner then takes turns).
     """
-    arguments = (placement, tower, shards, working, divisors_of, workers, weight_of)
-    if fallback is not None and tower.coupled.gathered:  # a loss over the rows
-        return fallback(*arguments)  # exchanges more than sums
-    try:
-        return _compute(*arguments)
-    except Uncuttable:
-        if fallback is None:
-            raise
-    return fallback(*arguments)
-
-
-class Uncuttable(ValueError):
-    """The towers' passes cannot run as one traced pass cut into phases."""
-
-
-def _compute(placement, tower, shards, working, divisors_of, workers, weight_of):
     model = placement.model_of(working[0])
     examples = shards.normaliser
     traced: list[Any] = []

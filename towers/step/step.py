@@ -16,7 +16,6 @@ each alone (``towers/bench/phases.py``) on the tensors the step gives it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import tensorflow as tf
@@ -26,13 +25,14 @@ from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, split_for_towers
-from towers.step import lockstep, once, segments, xla
+from towers.step import xla
 from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
 from towers.step.custom import own
 from towers.step.gathered import concat_rows
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
+from towers.step.runner import Runner
 from towers.step.state import assign, exchanged, rule_of, settle_apart_metrics
 from towers.step.tower import Tower, TowerResult
 
@@ -64,6 +64,7 @@ class Step:
         self.metrics = metrics
         self.moving_statistics = moving_statistics
         self.workers = workers
+        self.runner = Runner(placement, tower, moving_statistics, workers)
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
         self.custom: Any = None  # the model's own steps (custom.py), if any
@@ -113,7 +114,7 @@ class Step:
         """Updates the loss and metrics with one batch; returns their results."""
         before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
-        passes = self._each_tower(shards, self.tower.evaluate)
+        passes = self.runner.each(shards, self.tower.evaluate, "evaluate")
         settled = self._settle_state(passes, shards.size == 0)
         divisors = step_divisors([p.terms for p in passes])
         towers = [p.loss(divisors) for p in passes]
@@ -137,11 +138,7 @@ class Step:
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: the towers' shards', in tower order."""
         shards = self.split(x, None, None)
-        passes = []
-        for t in shards.working():
-            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
-                model = self.placement.model_of(t)
-                passes.append(self.tower.predict(model, shards.parts[t][0]))
+        passes = self.runner.each(shards, self.tower.predict, "predict")
         assign(self._settle_state(passes))
         with tf.device(HOST):
             return concat_rows([p.predictions for p in passes])
@@ -206,44 +203,11 @@ class Step:
 
     def compute(self, shards: Shards) -> list[TowerResult]:
         """Every working tower's forward pass, the step's divisors, then every
-        tower's loss share and gradients, each on its tower's device: traced
-        once for every tower when they can share it (``towers/step/once.py``)."""
-        working = self.placement.working_towers(shards)
-        if self._in_lockstep(working):
-            return segments.compute(
-                self.placement,
-                self.tower,
-                shards,
-                working,
-                self._divisors,
-                self.workers,
-                lambda passes: self._weight(passes, shards),
-                None if self.tower.jit.enabled else lockstep.compute,
-            )
-        if self.tower.jit.enabled or once.shareable(self.placement, shards, working):
-            results = once.compute(
-                self.placement, self.tower, shards, working, self._divisors
-            )
-            if results is not None:
-                return results
-        passes = self._each_tower(shards, self.tower.forward)
-        divisors = self._divisors(passes)
-        results = []
-        for t, tower_pass in zip(working, passes):
-            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
-                results.append(self.tower.gradients(tower_pass, divisors))
-        return results
-
-    def _in_lockstep(self, working: list[int]) -> bool:
-        """Whether the towers meet inside their passes: at every
-        BatchNormalization layer (global batch statistics) or every coupled
-        loss term computed from the whole batch (``towers/step/coupled.py``),
-        with more than one tower with examples or a cluster."""
-        statistics = self.moving_statistics
-        meets = (
-            statistics.statistics == "global" and bool(statistics.layers)
-        ) or self.tower.coupled.exact
-        return meets and (len(working) > 1 or self.workers is not None)
+        tower's loss share and gradients, each on its tower's device, run the
+        way the runner decides (``towers/step/runner.py``)."""
+        return self.runner.train(
+            shards, self._divisors, lambda passes: self._weight(passes, shards)
+        )
 
     def sum_losses(self, towers: list[TowerResult]) -> tf.Tensor:
         """The step's loss: the towers' shares, summed on the variable device."""
@@ -283,21 +247,6 @@ class Step:
             )
 
     # -- helpers ------------------------------------------------------------------
-
-    def _each_tower(self, shards: Shards, work: Callable[..., Any]) -> list:
-        """``work`` on each working tower's shard, under its device; traced in
-        lockstep where the towers gather the batch's outputs (gathered.py)."""
-
-        def run(t: int) -> Any:
-            with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
-                model = self.placement.model_of(t)
-                return work(model, *shards.parts[t], shards.normaliser)
-
-        works = [partial(run, t) for t in self.placement.working_towers(shards)]
-        if self.tower.coupled.gathered and (len(works) > 1 or self.workers):
-            meet = lockstep.meeting(len(works), self.placement, self.workers)
-            return lockstep.in_lockstep(works, meet)
-        return [run() for run in works]
 
     def _divisors(self, passes: list) -> list[Any]:
         """The step's divisor per loss term (towers/step/losses.py)."""

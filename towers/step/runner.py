@@ -1,0 +1,204 @@
+"""How the towers run a step's passes: decided in one place, run four ways.
+
+Every step runs its working towers' passes through a :class:`Runner`: towers'
+own train and evaluation steps, predict, and a model's own ``train_step``,
+``test_step`` and ``predict_step`` (``towers/step/custom.py``, the same data
+path with the model's code in the tower's place). :meth:`Runner.way` decides
+how, and nothing else does:
+
+- ``"alone"``: each tower traced in turn, on its device; nobody meets.
+- ``"once"``: one trace of the tower's pass serves every tower of a shared
+  model (``towers/step/once.py``); nobody meets, and with XLA each tower's
+  pass is one computation.
+- ``"phases"``: the pass traced once and cut where the towers meet by sums
+  (BatchNormalization's global moments, a mixture of experts' load-balancing
+  sums, a divisor from sample weights), the sums between the phases
+  (``towers/step/segments.py``, ``towers/step/cut.py``).
+- ``"turns"``: the towers traced side by side, taking turns, meeting at any
+  verb of their seat (``towers/step/lockstep.py``): where a meeting gathers
+  rows (a coupled ``compute_loss``) or runs code on one tower (a model's own
+  step's applies and assignments), or where a pass cannot be cut.
+
+Every meeting, whichever way runs it, goes through a tower's seat
+(``towers/step/meetings.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import tensorflow as tf
+
+from towers.split import Shards
+from towers.step import lockstep, once, segments
+from towers.step.tower import TowerResult
+
+Way = Literal["alone", "once", "phases", "turns"]
+# What a step runs: towers' own training pass (forward, divisors, backward),
+# a pass without gradients (evaluation, prediction), a model's own step.
+Kind = Literal["train", "evaluate", "predict", "own"]
+
+
+class Runner:
+    """Runs the working towers' passes of a step, the way :meth:`way` says.
+
+    Args:
+      placement: where the variables live; each tower's device and model.
+      tower: one tower's work (its options: XLA, the coupled losses).
+      moving_statistics: BatchNormalization's (its batch statistics).
+      workers: the other workers of a cluster, or None.
+    """
+
+    def __init__(self, placement: Any, tower: Any, moving_statistics: Any, workers):
+        self.placement = placement
+        self.tower = tower
+        self.moving_statistics = moving_statistics
+        self.workers = workers
+
+    def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
+        """How the working towers run a ``kind`` step: the one decision.
+
+        The towers meet only when there is more than one, or a cluster. A
+        model's own step meets at whatever it applies, assigns and updates:
+        turns. A pass that gathers a loss's rows (a coupled ``compute_loss``)
+        meets in turns (never under XLA: the probe sees to it). A
+        training pass whose towers meet by sums (global batch statistics, a
+        mixture of experts' terms) is cut into phases. A training pass nobody
+        meets in is traced once for every tower when they share a model and
+        the shard sizes are known (always with XLA); else tower by tower.
+        """
+        meets = len(working) > 1 or self.workers is not None
+        if kind == "own":
+            return "turns"
+        # Never under XLA: the probe turns "auto" off, and refuses True.
+        gathered = meets and self.tower.coupled.gathered
+        if kind != "train":
+            return "turns" if gathered and kind == "evaluate" else "alone"
+        statistics = self.moving_statistics
+        sums = statistics.statistics == "global" and bool(statistics.layers)
+        if meets and (sums or self.tower.coupled.exact):
+            return "turns" if gathered else "phases"
+        if self.tower.jit.enabled or once.shareable(self.placement, shards, working):
+            return "once"
+        return "alone"
+
+    def train(
+        self,
+        shards: Shards,
+        divisors_of: Callable[[list], list[Any]],
+        weight_of: Callable[[list], Any],
+    ) -> list[TowerResult]:
+        """Every working tower's forward pass, the step's divisors
+        (``divisors_of(passes)``), then every tower's loss share and gradients,
+        each on its tower's device. ``weight_of(passes)``: this worker's
+        weight in a cluster's sums (None for a sum loss).
+
+        A pass that cannot be cut runs in turns (without XLA; with it, the
+        error names why); one whose divisors need every tower's forward pass
+        runs alone (without XLA; with it, ``once`` runs the forward twice).
+        """
+        working = self.placement.working_towers(shards)
+        way = self.way("train", working, shards)
+        args = (self.placement, self.tower, shards, working, divisors_of)
+        if way == "phases":
+            try:
+                return segments.compute(*args, self.workers, weight_of)
+            except segments.Uncuttable:
+                if self.tower.jit.enabled:
+                    raise
+                way = "turns"
+        if way == "turns":
+            return turns(*args, self.workers, weight_of)
+        if way == "once":
+            results = once.compute(*args)
+            if results is not None:
+                return results
+        passes = self.each(shards, self.tower.forward, "train")
+        divisors = divisors_of(passes)
+        gradients = self.tower.gradients
+        return [
+            on_tower(self.placement, t, partial(gradients, p, divisors))
+            for t, p in zip(working, passes)
+        ]
+
+    def each(
+        self,
+        shards: Shards,
+        work: Callable[..., Any],
+        kind: Kind,
+        seats: tuple[Sequence[Any], str, Any] | None = None,
+    ) -> list:
+        """``work(model, x_t, y_t, sw_t, B)`` on each working tower, under its
+        device and scope, in tower order (``predict``: ``work(model, x_t)``),
+        in turns where the way says so. ``seats`` (a model's own step): each
+        tower's weight (in working order), the step's loss (``"mean"`` or
+        ``"sum"``) and the workers' sum, for the towers' seats."""
+        working = self.placement.working_towers(shards)
+        if kind == "predict":  # no copy need join a prediction without examples
+            working = shards.working()
+
+        def run(t: int) -> Callable[[], Any]:
+            model = self.placement.model_of(t)
+            x, y, sample_weight = shards.parts[t]
+            if kind == "predict":
+                return partial(on_tower, self.placement, t, partial(work, model, x))
+            args = (model, x, y, sample_weight, shards.normaliser)
+            return partial(on_tower, self.placement, t, partial(work, *args))
+
+        works = [run(t) for t in working]
+        if self.way(kind, working, shards) != "turns":
+            return [work() for work in works]
+        weights, loss, across = seats or (None, None, None)
+        meet = lockstep.meeting(
+            len(works), self.placement, self.workers, across, "eval"
+        )
+        return lockstep.in_lockstep(works, meet, weights, loss)
+
+
+def on_tower(placement: Any, t: int, work: Callable[[], Any]) -> Any:
+    """``work()`` under tower ``t``'s device and name scope."""
+    with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
+        return work()
+
+
+def turns(
+    placement,
+    tower,
+    shards,
+    working: list[int],
+    divisors_of: Callable[[list], Any],
+    workers: Any = None,
+    weight_of: Callable[[list], Any] | None = None,
+) -> list:
+    """:meth:`Runner.train` in turns: every tower's forward pass traced in
+    lockstep, the step's divisors, then every tower's backward.
+
+    With ``workers`` (``towers/cluster/workers.py``) the sums also run over
+    the cluster, one collective each, in the same order on every worker;
+    ``weight_of(passes)`` is this worker's weight in the cluster's sum (None
+    for a sum loss). Each worker's loss is a mean over its own examples,
+    weighted by them when the workers' gradients are summed
+    (``Workers.step``): so in the backward pass each worker sends its
+    upstream gradient times its examples and divides the cluster's sum by
+    them, which makes every worker's share of the cross-worker terms exact.
+    """
+    across, weight = lockstep.across_workers(workers)
+    meet = lockstep.meeting(len(working), placement, workers, across)
+
+    def forward(t: int) -> Callable[[], Any]:
+        x, y, sample_weight = shards.parts[t]
+        model = placement.model_of(t)
+        work = partial(tower.forward, model, x, y, sample_weight, shards.normaliser)
+        return partial(on_tower, placement, t, work)
+
+    passes = lockstep.in_lockstep([forward(t) for t in working], meet)
+    divisors = divisors_of(passes)
+    if workers is not None:
+        weight["examples"] = weight_of(passes)
+    backward = [
+        partial(on_tower, placement, t, partial(tower.gradients, p, divisors))
+        for t, p in zip(working, passes)
+    ]
+    return lockstep.in_lockstep(backward, meet)
