@@ -149,9 +149,19 @@ class Replicated(Copies):
         # Refuses reducers an all-reduce cannot take, before anything runs.
         self.all_reduce = AllReduce(self.devices, self.reducer)
 
-    def combine(self, tower_grads: list[list[Any]]) -> list[list[Any]]:
-        """Each tower's gradients replaced by their sum over every tower."""
-        variables = [m.trainable_variables for m in self.models]
+    def combine(
+        self,
+        tower_grads: list[list[Any]],
+        variables: list[list[Any]] | None = None,
+        first_instance: int = 0,
+    ) -> list[list[Any]]:
+        """Each tower's gradients replaced by their sum over every tower:
+        ``tower_grads[t][v]`` for ``variables[t][v]`` (default: each copy's
+        trainable variables), the collectives' keys from ``first_instance``
+        (each apply of a model's own step takes its own,
+        ``towers/step/custom_copies.py``). None where no tower has one."""
+        if variables is None:
+            variables = [m.trainable_variables for m in self.models]
         used = [
             v
             for v in range(len(variables[0]))
@@ -164,7 +174,7 @@ class Replicated(Copies):
                     [as_dense(tower_grads[t][v], variables[t][v]) for v in used]
                 )
         with tf.name_scope("all_reduce"):
-            sums = self.all_reduce.all_reduce(dense)
+            sums = self.all_reduce.all_reduce(dense, first_instance)
         out = [[None] * len(variables[0]) for _ in self.devices]
         for t in range(len(self.devices)):
             for v, total in zip(used, sums[t]):

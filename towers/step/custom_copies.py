@@ -27,7 +27,6 @@ import tensorflow as tf
 
 from towers._keras import build_compiled_metrics, compiled_metrics_unbuilt
 from towers.combine import combine_gradients
-from towers.placement.replicas import as_dense
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
 # range (the shapes differ from apply to apply).
@@ -67,24 +66,18 @@ def check_same(handed: list[tuple], copies: bool = False) -> None:
 
 
 def _all_reduced(placement: Any, handed: list, number: int) -> list[list]:
-    """Every tower's gradients weighted by its share and all-reduced: per
-    tower, the sums (None where no tower has a gradient)."""
-    count = len(handed[0][1])
-    used = [i for i in range(count) if any(h[2][i] is not None for h in handed)]
-    dense = []
-    for t, (_, variables, grads, share) in enumerate(handed):
+    """Every tower's gradients weighted by its share and all-reduced by the
+    placement (``Replicated.combine``): per tower, the sums (None where no
+    tower has a gradient)."""
+    weighted = []
+    for t, (_, _, grads, share) in enumerate(handed):
         with tf.device(placement.devices[t]):
-            weighted = combine_gradients(
-                [list(grads)], weights=[share], reduction="sum"
+            weighted.append(
+                combine_gradients([list(grads)], weights=[share], reduction="sum")
             )
-            dense.append([as_dense(weighted[i], variables[i]) for i in used])
+    variables = [variables for _, variables, _, _ in handed]
     with tf.name_scope("all_reduce/"):
-        sums = placement.all_reduce.all_reduce(dense, number * INSTANCES_PER_APPLY)
-    out = [[None] * count for _ in handed]
-    for t in range(len(handed)):
-        for i, total in zip(used, sums[t]):
-            out[t][i] = total
-    return out
+        return placement.combine(weighted, variables, number * INSTANCES_PER_APPLY)
 
 
 def build_copies(placement: Any, x: Any, y: Any = None, sample_weight: Any = None):
