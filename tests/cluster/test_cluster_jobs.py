@@ -210,6 +210,22 @@ def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
             np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5)
 
 
+def test_towers_gather_in_a_models_own_step_trains_in_a_cluster_as_one_device(
+    tmp_path,
+):
+    # Its loss is over the whole batch's similarity matrix: towers.gather
+    # hands it every tower's and every worker's rows (through the collective
+    # runtime), each tower's rows' gradient divided by its share of the
+    # global batch, the temperature the loss reads counted once. Worker 1
+    # has nothing in the batch of one. The reference: one tower.
+    expected, results = as_one_tower(tmp_path, "gathering")
+    for got in results:
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        np.testing.assert_allclose(
+            got["evaluate"]["loss"], expected["evaluate"]["loss"], rtol=1e-5
+        )
+
+
 def test_a_models_own_step_with_batchnorm_trains_in_a_cluster_as_one_device(
     tmp_path,
 ):

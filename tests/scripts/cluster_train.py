@@ -31,7 +31,8 @@ batch: the default coupled_losses="exact"). --model clip is a CLIP-style dual
 encoder whose compute_loss is over the whole batch's similarities (gathered);
 --model twoapplies has its own train_step, applying twice with two optimizers;
 --model twoapplies_bn the same with a BatchNormalization layer (run twice a
-step: pass --batch-statistics global).
+step: pass --batch-statistics global); --model gathering has its own steps,
+whose loss is over the whole batch's rows, gathered with towers.gather.
 """
 
 import argparse
@@ -175,8 +176,48 @@ class TwoApplies(keras.Sequential):
         return {m.name: m.result() for m in self.metrics}
 
 
+class Gathering(keras.Model):
+    """A model's own train_step and test_step whose loss is the symmetric
+    cross-entropy over the whole batch's similarity matrix, the embeddings'
+    rows gathered with towers.gather from every tower and worker, sharpened
+    by a learned temperature the loss reads directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.images, self.texts = keras.layers.Dense(4), keras.layers.Dense(4)
+        self.scale = self.add_weight(shape=(), initializer="zeros", name="scale")
+
+    def call(self, x):
+        return self.images(x[:, :3]), self.texts(x[:, 3:])
+
+    def gathered_loss(self, x, training):
+        a, b = (towers.gather(part) for part in self(x, training=training))
+        a, b = tf.math.l2_normalize(a, 1), tf.math.l2_normalize(b, 1)
+        logits = tf.matmul(a, b, transpose_b=True) * tf.exp(self.scale) * 5.0
+        pairs = tf.range(tf.shape(logits)[0])
+        cross = tf.nn.sparse_softmax_cross_entropy_with_logits
+        both = cross(pairs, logits) + cross(pairs, tf.transpose(logits))
+        return tf.reduce_mean(both) / 2
+
+    def train_step(self, data):
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        with tf.GradientTape() as tape:
+            loss = self.gathered_loss(x, training=True)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+    def test_step(self, data):
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        return {"loss": self.gathered_loss(x, training=False)}
+
+
 def build():
     width = 5 if args.model == "wider" and rank == 1 else 4
+    if args.model == "gathering":
+        model = Gathering()
+        model.compile(optimizer=optimizers[args.optimizer]())
+        return model
     if args.model in ("twoapplies", "twoapplies_bn"):
         hidden = [keras.layers.Dense(8, activation="tanh")]
         if args.model == "twoapplies_bn":
@@ -243,7 +284,12 @@ optimizers = {
     "adam": lambda: keras.optimizers.Adam(0.05, epsilon=1e-3),
     "sgd": lambda: keras.optimizers.SGD(0.1),
 }
-own = args.model in ("clip", "twoapplies", "twoapplies_bn")  # compiled in build()
+own = args.model in (
+    "clip",
+    "twoapplies",
+    "twoapplies_bn",
+    "gathering",
+)  # compiled in build()
 engine = towers.Towers(
     build,
     *(() if own else (losses, optimizers[args.optimizer])),

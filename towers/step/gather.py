@@ -15,8 +15,11 @@ and what the loss reads directly (a learned temperature) counts once: the
 shares sum to 1. Outside towers (Keras' own fit on one device) it returns the
 tensor as it is, so the same step runs both ways.
 
-In one process, with ``own_step_loss="mean"``; a cluster's workers, or a step
-whose loss is a sum, are refused by name.
+In a cluster, every worker's rows are gathered too (the one gather,
+``towers/step/gathered.py``), each tower's rows' gradient divided by its
+share of the global batch (``n_t / B``). A step whose loss is a sum
+(``own_step_loss="sum"``) is refused by name: every tower computes the
+whole batch's loss, and what it reads directly would count once per tower.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import tensorflow as tf
 
 from towers.combine import in_dtype
 from towers.step.assignments import met_for
+from towers.step.gathered import gathered_rows
 from towers.step.meetings import own_step_seat
 
 
@@ -36,7 +40,7 @@ def gather(value: Any) -> Any:
     elsewhere.
 
     Raises:
-      ValueError: in a cluster of workers, or with ``own_step_loss="sum"``.
+      ValueError: with ``own_step_loss="sum"``.
 
     Example:
       >>> import towers
@@ -46,24 +50,26 @@ def gather(value: Any) -> Any:
     here = own_step_seat()
     if here is None:
         return value
-    if here.worker is not None or here.loss != "mean":
-        what = "a cluster of workers" if here.worker else f"own_step_loss={here.loss!r}"
+    if here.loss != "mean":
         raise ValueError(
-            "towers.gather runs in one process with own_step_loss='mean' for "
-            f"now; received {what}"
+            "towers.gather needs own_step_loss='mean': every tower computes the "
+            "whole batch's loss, so what it reads directly (a temperature) is "
+            "counted once only when the towers' shares add up to 1; received "
+            f"own_step_loss={here.loss!r}"
         )
     value = tf.convert_to_tensor(value)
-    rows = here.everyone(tf.stop_gradient(value))
-    meeting = rows[0].ref()  # the same tensor on every tower
-    rows[here.rank] = _gradient_over(value, here.weight)
-    gathered = tf.concat(rows, axis=0)
-    met_for([gathered], meeting)  # the same value on every tower
+    rows = gathered_rows(here, (tf.stop_gradient(value),))
+    # The step's gradients weigh this tower by n_t / B_w and its worker by
+    # B_w / B: its own rows' gradient is divided by n_t / B.
+    share = in_dtype(here.weight, value.dtype)
+    weight = tf.math.divide_no_nan(share, in_dtype(rows.scale, value.dtype))
+    gathered = rows.with_own(0, _gradient_over(value, weight))
+    met_for([gathered], rows.first[0].ref())  # the same value on every tower
     return gathered
 
 
-def _gradient_over(value: tf.Tensor, share: Any) -> tf.Tensor:
-    """``value``, its gradient divided by ``share`` on the way back."""
-    weight = in_dtype(share, value.dtype)
+def _gradient_over(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+    """``value``, its gradient divided by ``weight`` on the way back."""
 
     @tf.custom_gradient
     def identity(x: tf.Tensor):

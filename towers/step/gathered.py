@@ -49,6 +49,7 @@ passes are not repeated), and the towers are traced side by side. Not built:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import tensorflow as tf
@@ -72,17 +73,11 @@ def gathered_loss(
     ``share`` its ``w_t`` (of its worker's examples), ``scope`` the scope its
     pass runs in. In a tower traced in lockstep only."""
     seat = meetings.current()
-    rank = seat.rank
-    handed = seat.everyone(batch)
-    local = [concat_rows([h[i] for h in handed]) for i in (0, 1, 2, 3)]
-    local[2] = _stopped(local[2])
-    # The rows before this tower's: the worker's, then its earlier towers'.
-    whole, offset, scale = local, 0, 1.0
-    if seat.worker is not None:
-        whole, offset, scale = _over_workers(seat, local)
-    x, y, stopped, sample_weight = (_rows_unknown(part) for part in whole)
-    start = offset + sum(batch_size_of(h[0]) for h in handed[:rank])
-    live = _rows_unknown(_spliced(whole[2], batch[2], start))
+    x, y, y_pred, sample_weight = batch
+    handed = (x, y, _stopped(y_pred), sample_weight)
+    rows = gathered_rows(seat, handed)
+    x, y, stopped, sample_weight = (_rows_unknown(part) for part in rows.parts)
+    live = _rows_unknown(rows.with_own(2, y_pred))
     first = seat.first and (seat.worker is None or seat.worker[0] == 0)
     with contextlib.nullcontext() if first else scope.forgetting():
         loss = compute_loss(model, x, y, live, sample_weight, training)
@@ -91,7 +86,44 @@ def gathered_loss(
         return loss * share
     with scope.forgetting():
         direct = compute_loss(model, x, y, stopped, sample_weight, training)
-    return tf.cast(scale, loss.dtype) * (loss - direct) + share * direct
+    return tf.cast(rows.scale, loss.dtype) * (loss - direct) + share * direct
+
+
+@dataclasses.dataclass
+class Rows:
+    """The towers' rows gathered (:func:`gathered_rows`).
+
+    Attributes:
+      parts: each part's rows, every tower's (and worker's), in example order.
+      start: the row this tower's start at.
+      scale: ``B / B_w`` (1 outside a cluster; 0 for a worker without
+        examples).
+      first: the parts tower 0 handed in: the same objects on every tower.
+    """
+
+    parts: list[Any]
+    start: Any
+    scale: Any
+    first: tuple
+
+    def with_own(self, i: int, live: Any) -> Any:
+        """Part ``i`` with this tower's rows replaced by ``live`` (its own,
+        through which its gradient flows)."""
+        return _spliced(self.parts[i], live, self.start)
+
+
+def gathered_rows(seat: Any, parts: tuple) -> Rows:
+    """Every tower's (and worker's) rows of each of ``parts`` (nests, or
+    None), in example order: the one gather of the towers' rows
+    (``towers.gather`` and a coupled ``compute_loss`` use it). What is handed
+    in is handed on as it is: stop what no other tower's gradient may reach."""
+    handed = seat.everyone(parts)
+    local = [concat_rows([h[i] for h in handed]) for i in range(len(parts))]
+    whole, offset, scale = local, 0, 1.0
+    if seat.worker is not None:
+        whole, offset, scale = _over_workers(seat, local)
+    rows = [batch_size_of(h[0]) for h in handed[: seat.rank]]
+    return Rows(whole, offset + sum(rows), scale, handed[0])
 
 
 def _over_workers(seat: Any, local: list[Any]) -> tuple:
