@@ -1,46 +1,41 @@
 """The non-public parts of Keras towers uses, in one place: jobs with no public call.
 
-Loss terms (``towers/step/losses.py``). To make T shards' losses add up to the
-batch's, towers needs a loss *before* its reduction, weighted as Keras weights
-it, and what the reduction would divide by: ``Loss.__call__``'s helpers; a loss
-named by its function is wrapped as ``compile`` wraps it
-(``LossFunctionWrapper``). Checked against Keras 3.15 (tests/step/test_losses.py).
-A model's own ``compute_loss`` is called as Keras' steps call it
-(``Model._compute_loss``, which also calls a pre-3.3 override), per tower or
-on the whole batch's outputs (``ReadScope.forgetting``; ``step/gathered.py``).
-"accuracy" becomes a loss name by Keras' rule of shapes.
+Loss terms (``step/losses.py``): a loss *before* its reduction, weighted as
+Keras weights it, and what the reduction divides by (``Loss.__call__``'s
+helpers; ``LossFunctionWrapper`` as ``compile`` wraps a function), checked
+against Keras 3.15 (tests/step/test_losses.py); a model's own
+``compute_loss`` called as Keras' steps call it (``Model._compute_loss``),
+per tower or on the gathered batch (``ReadScope.forgetting``); "accuracy"
+as a loss name by Keras' rule of shapes.
 
 Weights read on the tower's device (an XLA computation inside a layer cannot
-read another device's variable): each tower reads the weights once and runs
-the model in a ``keras.StatelessScope`` mapping each weight to its tensor
+read another device's variable): each tower runs the model in a
+``keras.StatelessScope`` mapping each weight to the tensor it read
 (``ReadScope``). A seed generator's state assigned there is assigned at once
-(``Variable._direct_assign``), unless the caller hands it from tower to tower
-(``step/once.py``); any other assignment stays in the scope, for the step to
-assign once by its aggregation (``step/state.py``). The layers'
-``_trainable_variables`` tell a frozen layer's variables from moving
-statistics, so a layer unfrozen later has its optimizer slots.
+(``Variable._direct_assign``) unless handed from tower to tower
+(``step/once.py``); any other assignment stays in the scope, assigned once
+by its aggregation (``step/state.py``). ``_trainable_variables`` tell a
+frozen layer's variables from moving statistics (slots for a later unfreeze).
 
 Input as Keras' fit takes it (``training/inputs.py``, ``training/epochs.py``):
-Keras' data adapters, whose converted arrays towers gathers in its own seeded
-order (sparse ones through Keras' wrapper of their rows), a ``PyDatasetAdapter``
-handed the first pass's element signature, the validation split, the epoch
-rules and warning of ``EpochIterator``, and the epoch
-``keras.callbacks.BackupAndRestore`` sets in ``_initial_epoch``. Keras'
-``Progbar`` rewrites its line only on a terminal here (``training/progress.py``).
-Data that does not fit the model is run through it by shapes
-(``backend.compute_output_spec``) for Keras' own error (``training/fits.py``).
+its data adapters (converted arrays gathered in towers' seeded order, sparse
+ones through Keras' wrapper of their rows; a ``PyDatasetAdapter`` handed the
+first pass's signature), the validation split, ``EpochIterator``'s rules and
+warning, ``BackupAndRestore``'s ``_initial_epoch``; ``Progbar`` rewriting its
+line only on a terminal; data that does not fit the model run through it by
+shapes (``backend.compute_output_spec``) for Keras' own error.
 
-A model's own step (``step/custom.py``, ``step/assignments.py``): its applies
-(``BaseOptimizer.apply``, a ``LossScaleOptimizer``'s), assignments
-(``Variable.assign``) and metric updates (``update_state``) are routed to where
+A model's own step (``step/applies.py``, ``step/assignments.py``): its
+applies (``BaseOptimizer.apply``, a ``LossScaleOptimizer``'s), assignments
+(``Variable.assign``) and metric updates (``update_state``) routed to where
 the towers meet while they are traced.
 
 Each layer's own loss terms: ``Layer._get_own_losses`` (``step/coupled.py``),
-found by ``Layer._loss_ids``, which each call clears: towers traced in lockstep
-put theirs back in turn (``step/lockstep.py``). The model's own metrics
-(``step/metrics.py``): its loss tracker, compiled metrics, per-output loss
-trackers and ``model.compile``'s arguments as passed, built as Keras' fit
-builds them under a distribution strategy (``Trainer._symbolic_build``);
+found by ``Layer._loss_ids``, which each call clears: towers traced in
+lockstep put theirs back in turn (``step/lockstep.py``). The model's own
+metrics (``step/metrics.py``): its loss tracker, compiled metrics, per-output
+loss trackers and ``model.compile``'s arguments as passed, built as Keras'
+fit builds them under a distribution strategy (``Trainer._symbolic_build``);
 ``evaluate`` lists results in Keras' order.
 """
 
@@ -166,13 +161,6 @@ def loss_ids_kept(models: list[Any]) -> Callable[[], None]:
             layer._loss_ids.update(ids)
 
     return put_back
-
-
-def state_variables(model: keras.Model) -> list[Any]:
-    """``model``'s variables that are not weights: its layers' seed generators'
-    states, which a layer assigns as it draws (Dropout in training)."""
-    weights = {id(v) for v in model.weights}
-    return [v for v in model.variables if id(v) not in weights]
 
 
 def compute_loss(
@@ -323,8 +311,18 @@ def build_compiled_metrics(model: keras.Model, batch: tuple) -> None:
     """Builds the compiled metrics and per-output loss trackers from the
     shapes of ``batch`` ``(x, y, sample_weight)``, nothing updated, as Keras'
     fit does under a distribution strategy (``Trainer._symbolic_build``); the
-    variables are made under the current device scope."""
-    model._symbolic_build(data_batch=batch)
+    variables are made under the current device scope. Not the optimizer:
+    a fit with no strategy builds it at its first apply (an own train_step's
+    may accumulate, towers/step/applies.py), towers' own step at its start."""
+    optimizer = getattr(model, "optimizer", None)
+    unbuilt = optimizer is not None and not optimizer.built
+    if unbuilt:
+        optimizer.built = True  # _symbolic_build then passes it by
+    try:
+        model._symbolic_build(data_batch=batch)
+    finally:
+        if unbuilt:
+            optimizer.built = False
 
 
 def compiled_metrics_unbuilt(model: keras.Model) -> bool:

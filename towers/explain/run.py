@@ -157,9 +157,15 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         meetings=[
             f"{optimizer}.apply: every tower's gradients, weighted by its share "
             f"of the examples, summed and applied once on {engine.variable_device}"
-            for optimizer in getattr(own(engine.step, "train"), "applies", [])
+            for optimizer in _applies(own(engine.step, "train"))
         ],
     )
+
+
+def _applies(custom: Any) -> list[str]:
+    """The optimizers a model's own train step met at, in order (none
+    without one)."""
+    return [] if custom is None else custom.applies.names
 
 
 def _owners(engine: Explainable) -> dict[int, tuple[str, str]]:

@@ -308,11 +308,13 @@ def finite_flags(grads: list) -> tf.Tensor:
 
 
 def first_nonfinite(flags: Any, variables: Sequence[Any]) -> str | None:
-    """The path of the first variable whose flag is False, or None."""
+    """The path of the first variable whose flag is False (a name given for
+    it, as it is), or None."""
     flags = np.asarray(flags)
     if flags.all():
         return None
-    return variables[int(np.argmin(flags))].path
+    first = variables[int(np.argmin(flags))]
+    return getattr(first, "path", first)
 
 
 def _returning_none(fn: Callable[[], Any]) -> Callable[[], None]:

@@ -15,7 +15,7 @@ on the host; ``parts.py`` (with ``compiling.py``) assembles a step from
 ``Towers``' arguments and ``compiled.py`` holds it as ``tf.function``\\ s,
 ``executions.py`` as a loop of steps (``steps_per_execution``); ``custom.py``
 runs a model's own ``train_step`` on every tower, meeting at its applies
-(``custom_copies.py``: on a copy of the model per tower) and at what it
+(``applies.py``; ``custom_copies.py``: the metrics of a copy per tower) and at what it
 assigns (``assignments.py``). Every meeting of the towers mid-step goes
 through a tower's seat (``meetings.py``).
 

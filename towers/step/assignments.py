@@ -48,11 +48,10 @@ from towers._keras import (
     layers_of,
     routed_assignments,
     routed_updates,
-    state_variables,
 )
 from towers.combine import in_dtype
 from towers.step.meetings import own_step_seat
-from towers.step.state import rule_of
+from towers.step.state import rule_of, state_variables
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -84,6 +83,7 @@ class Assignments:
         self.apart = apart
         self.across = across
         self.worker_weight: Any = None  # B_w / B in a cluster, while traced
+        self.assigned: list[str] = []  # what the step assigned, when traced
         passed = [v for model in models for v in state_variables(model)]
         # BatchNormalization's moving statistics meet on their own.
         passed += [v for m in models for layer in layers_of(m)
@@ -121,6 +121,8 @@ class Assignments:
         if here is None or in_stateless_scope() or id(variable) in self._passed:
             return assign(value)
         value = tf.convert_to_tensor(value, dtype=variable.dtype)
+        if here.first:
+            self.assigned.append(variable.path)
         if len(self.models) > 1:
             return self._assign_copies(here, variable, value, assign)
         handed = here.everyone((variable, value, here.weight))

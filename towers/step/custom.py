@@ -16,7 +16,8 @@ gathered losses meet), and every ``optimizer.apply`` or
                                              variable device
 
 The first tower applies the towers' combined gradients with the optimizer's
-own ``apply``; every tower then goes on reading the updated variables (the
+own ``apply`` (``towers/step/applies.py``, with the engine's policies per
+apply); every tower then goes on reading the updated variables (the
 reads are traced after the apply, and TensorFlow runs a variable's reads and
 assignments in the order they were traced). So a generator whose loss is
 computed through the discriminator after the discriminator's update trains
@@ -48,28 +49,26 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Callable
 from typing import Any, Literal
 
 import keras
 import tensorflow as tf
 
 from towers._keras import overrides, routed_applies
-from towers.combine import combine_gradients, in_dtype
+from towers.combine import in_dtype
 from towers.placement.base import Placement
+from towers.placement.update import Update
 from towers.split import Shards, batch_size_of, split_for_towers
 from towers.step import xla
+from towers.step.applies import Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import (
-    apply_each,
-    check_same,
     gather_metrics,
     level_metrics,
     metric_variables,
 )
 from towers.step.lockstep import across_workers
-from towers.step.meetings import own_step_seat, seated
 from towers.step.runner import Runner
 
 # How a model's own train_step reduces its loss over its batch.
@@ -108,7 +107,8 @@ class CustomStep:
     Args:
       placement: where the variables live (one model the towers share).
       runner: how the towers run (``towers/step/runner.py``): the step's.
-      count_step: advances the engine's steps counter, once per step.
+      update: the engine's update: its steps counter, once per step, and
+        its policies, per apply (``towers/step/applies.py``).
       kinds: the steps that are the model's own (``kinds_of``).
       loss: the step's loss is a ``"mean"`` over its batch or a ``"sum"``.
     """
@@ -117,20 +117,21 @@ class CustomStep:
         self,
         placement: Placement,
         runner: Runner,
-        count_step: Callable[[], None],
+        update: Update,
         kinds: frozenset[str],
         loss: OwnStepLoss = "mean",
         workers: Any = None,
         moving: Any = None,
+        accumulate_steps: int = 1,
     ):
         self.placement = placement
         self.runner = runner
-        self.count_step = count_step
+        self.update = update
         self.kinds = kinds
         self.loss = loss
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
         self.moving = moving  # BatchNormalization's (towers/step/batchnorm.py)
-        self.applies: list[str] = []  # what the towers met at, when traced
+        self.applies = Applies(placement, update.on_nonfinite, accumulate_steps)
         # In a cluster, while a step is traced: the workers' sum, and this
         # worker's weight in it (B_w / B, 0 without examples).
         self._across: Any = None
@@ -144,11 +145,14 @@ class CustomStep:
         """One training step: the model's ``train_step`` on every tower.
         Returns ``{"logs": what the step returned, read as described}``."""
         logs = self._each_tower("train_step", x, y, sample_weight)
-        self.count_step()
-        if self.workers is None:
-            return {"logs": logs}
-        stop = self._across(self.workers.stop_flag(), False)
-        return {"logs": logs, "stop": stop}
+        self.update.count_step()
+        out = {"logs": logs}
+        checked = self.applies.finite()
+        if checked is not None:  # named by the engine under "raise"
+            out["finite"], self.update.applied = checked
+        if self.workers is not None:
+            out["stop"] = self._across(self.workers.stop_flag(), False)
+        return out
 
     def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> dict:
         """The model's ``test_step`` on every tower; returns its logs."""
@@ -218,7 +222,7 @@ class CustomStep:
         step's runner (in turns), meeting at each apply; their results in
         tower order."""
         working = self.placement.working_towers(shards)
-        self.applies = []
+        self.applies.begin(None if self.workers is None else self._over_workers)
 
         def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
             del examples  # the step's own loss divides by its shard's
@@ -234,9 +238,11 @@ class CustomStep:
         assignments.worker_weight = self._weight_here
         weights = [self._weight(shards, t) for t in working]
         try:
-            with routed_applies(self._meet), assignments.routed():
+            with routed_applies(self.applies.meet), assignments.routed():
                 seats = (weights, self.loss, self._across)
-                return self.runner.each(shards, step, "own", seats)
+                results = self.runner.each(shards, step, "own", seats)
+            self.applies.refuse_raise(sorted(set(assignments.assigned)))
+            return results
         except threading.BrokenBarrierError as error:
             raise ValueError(
                 f"the towers' {hook} did not make the same applies on every "
@@ -255,43 +261,6 @@ class CustomStep:
         if working == 1 and self.workers is None:
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
-
-    def _meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
-        """An ``optimizer.apply(grads, variables)`` inside a tower's step: the
-        towers' gradients weighted and summed, applied once by the first."""
-        here = own_step_seat()
-        if here is None:  # not a tower's step, or the apply itself
-            return apply(grads, variables)
-        # None: the variables the optimizer was built with (Keras' rule).
-        variables = None if variables is None else list(variables)
-        handed = here.everyone((optimizer, variables or [], grads, here.weight))
-        copies = len(self.placement.models) > 1
-        check_same(handed, copies)
-        if here.first:
-            self.applies.append(optimizer.name)
-        elif not copies:
-            return None
-        with seated(None):  # the optimizer's own apply may call apply again
-            if copies:  # each tower applies to its own copy
-                number = len(self.applies) - 1
-                return apply_each(self.placement, here, handed, apply, number)
-            # Out of tower 0's scope ("x/" names a scope from the top).
-            with tf.device(self.placement.variable_device):
-                with tf.name_scope("combine/"):
-                    combined = combine_gradients(
-                        [grads for _, _, grads, _ in handed],
-                        weights=[share for *_, share in handed],
-                        reduction="sum",
-                        reducer=self.placement.reducer,
-                    )
-                if self.workers is not None:
-                    with tf.name_scope("across_workers/"):
-                        combined = [
-                            None if g is None else self._over_workers(g)
-                            for g in combined
-                        ]
-                with tf.name_scope("apply/"):
-                    return apply(combined, variables)
 
     def _weight(self, shards: Shards, t: int) -> Any:
         """Tower ``t``'s weight in the sums: its share, or 1 for a sum loss."""
@@ -339,18 +308,21 @@ def refuse_with_hooks(
     run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
 
     Raises:
-      ValueError: with the model's own train step, micro-batches, a
-        non-finite policy or ``jit_compile=True``.
+      ValueError: with the model's own train step, ``jit_compile=True``; with
+        a copy per tower, micro-batches or a non-finite policy.
     """
     model = type(placement.model).__name__
     if "train" not in kinds_of(hooks):  # evaluation or prediction alone
         jit = xla.OFF  # nothing trains in them
         options = {"accumulate_steps": 1, "on_nonfinite": "ignore"}
+    copies = f"placement={placement.name!r}" if len(placement.models) > 1 else ""
     refused = [
-        (options["accumulate_steps"] > 1, "accumulate_steps="
-         f"{options['accumulate_steps']}", "the step applies as it goes"),
-        (options["on_nonfinite"] != "ignore", f"on_nonfinite="
-         f"{options['on_nonfinite']!r}", "the step applies as it goes"),
+        (copies and options["accumulate_steps"] > 1, "accumulate_steps="
+         f"{options['accumulate_steps']} with {copies}", "each copy's optimizer "
+         "is built before the first step; use placement='central'"),
+        (copies and options["on_nonfinite"] != "ignore", "on_nonfinite="
+         f"{options['on_nonfinite']!r} with {copies}", "each copy applies its "
+         "own; use placement='central'"),
         (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
          "stops at its applies; pass jit_compile=False"),
     ]  # fmt: skip

@@ -41,9 +41,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import state_variables
 from towers.split import Shards, batch_size_of
 from towers.step import xla
+from towers.step.state import state_variables
 from towers.step.tower import Tower, TowerResult
 
 

@@ -122,11 +122,15 @@ def make_step(
         option(options, compiled, "loss_weights"),
         getattr(where.model, "output_names", None),
     )
+    hooks = custom_hooks(where.model)
+    kinds = kinds_of(hooks)
+    # A model's own train_step accumulates in its optimizers (applies.py).
+    own_train = "train" in kinds
     update = Update(
         where.optimizer,
         variable_device,
         options["on_nonfinite"],
-        options["accumulate_steps"],
+        1 if own_train else options["accumulate_steps"],
     )
     batch_norm = bool(moving.layers)
     where.refuse(update, batch_norm)
@@ -143,9 +147,7 @@ def make_step(
             "own_step_loss must be 'mean' or 'sum'; received "
             f"{options['own_step_loss']!r}"
         )
-    hooks = custom_hooks(where.model)
-    kinds = kinds_of(hooks)
-    if trains and "train" not in kinds:
+    if trains and not own_train:
         compile_model(
             where.models,
             where.optimizers,
@@ -163,14 +165,15 @@ def make_step(
         step.custom = CustomStep(
             where,
             step.runner,
-            update.count_step,
+            update,
             kinds,
             options.get("own_step_loss", "mean"),
             workers,
             moving,
+            options["accumulate_steps"],
         )
-        coupled.own_step = "train" in kinds
-        if "train" in kinds and not own_loss:  # its own data to its model
+        coupled.own_step = own_train
+        if own_train and not own_loss:  # its own data to its model
             coupled.probed = []
     return step
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import state_variables
 from towers.split import Shards, batch_size_of
 from towers.step import cut, lockstep, meetings, xla
 from towers.step.cut import Plan
+from towers.step.state import state_variables
 from towers.step.tower import Tower, TowerResult
 
 

@@ -194,3 +194,10 @@ def _none_warning(path: str) -> str:
         "examples), 'mean' to average them, or 'only_first_replica' to keep the "
         "first tower's without this warning."
     )
+
+
+def state_variables(model: Any) -> list[Any]:
+    """``model``'s variables that are not weights: its layers' seed generators'
+    states, which a layer assigns as it draws (Dropout in training)."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]

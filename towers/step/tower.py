@@ -33,7 +33,6 @@ from towers._keras import (
     compute_loss,
     layers_of,
     own_losses,
-    state_variables,
 )
 from towers.split import batch_size_of
 from towers.step import meetings, xla
@@ -41,6 +40,7 @@ from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
 from towers.step.losses import StepLoss, Term, over
+from towers.step.state import state_variables
 
 
 @dataclasses.dataclass

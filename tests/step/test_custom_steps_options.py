@@ -1,0 +1,150 @@
+"""The engine's options with a model's own train_step, per apply
+(towers/step/applies.py), against Keras' own fit on one device in float64:
+accumulate_steps as Keras' optimizer gradient_accumulation_steps, and
+on_nonfinite skipping (or raising at) an apply whose combined gradient is
+not finite, nothing half-applied."""
+
+import numpy as np
+import pytest
+
+from tests.step.test_custom_steps import gan, guide_model, regression
+from tests.step.test_custom_steps_state import (
+    EMAStep,
+    assert_every_variable_moved_alike,
+    built,
+)
+from tests.test_equivalence import devices
+from towers import Towers
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+FIT = dict(batch_size=7, epochs=2, shuffle=False, verbose=0)
+
+
+def accumulating(model, steps):
+    """``model`` recompiled as before, its optimizers accumulating ``steps``
+    steps as Keras' own do (gradient_accumulation_steps)."""
+    for name in ("optimizer", "d_optimizer", "g_optimizer"):
+        optimizer = getattr(model, name, None)
+        if optimizer is not None:
+            optimizer.gradient_accumulation_steps = steps
+    return model
+
+
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_accumulate_steps_trains_as_keras_gradient_accumulation(num_towers):
+    x, y = regression(24)  # batches 7, 7, 7, 3: uneven on 2 and 3 towers
+    engine = Towers(guide_model(), devices=devices(num_towers), accumulate_steps=2)
+    reference = accumulating(guide_model(), 2)
+    before = [v.numpy() for v in reference.variables]
+
+    history = engine.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **FIT)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    assert engine.model.optimizer.gradient_accumulation_steps == 2
+    iterations = int(reference.optimizer.iterations)
+    assert int(engine.model.optimizer.iterations) == iterations == 4  # 8 steps / 2
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-10)
+
+
+def test_accumulate_steps_reaches_every_optimizer_a_gan_applies_with():
+    rng = np.random.default_rng(0)
+    real, z = rng.standard_normal((29, 2)), rng.standard_normal((29, 3))
+    engine = Towers(gan(), devices=devices(3), accumulate_steps=3)
+    reference = accumulating(gan(), 3)
+    before = [v.numpy() for v in reference.variables]
+
+    engine.fit(real, z, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    reference.fit(real, z, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+
+
+def test_an_optimizer_accumulating_otherwise_is_refused_by_name():
+    model = accumulating(guide_model(), 4)
+    engine = Towers(model, devices=devices(2), accumulate_steps=2)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="accumulate_steps=2.*accumulates 4 steps"):
+        engine.fit(*regression(8), batch_size=8, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def batches_with_nan():
+    """Three batches; an example of the second is NaN."""
+    x, y = regression(21)
+    x[9] = np.nan
+    return [(x[i : i + 7], y[i : i + 7]) for i in (0, 7, 14)]
+
+
+def test_skip_leaves_out_an_apply_whose_gradient_is_not_finite():
+    first, poisoned, last = batches_with_nan()
+    engine = Towers(guide_model(), devices=devices(2), on_nonfinite="skip")
+    reference = guide_model()
+    before = [v.numpy() for v in reference.trainable_variables]
+
+    for batch in (first, poisoned, last):
+        engine.train_step(*batch)
+    for batch in (first, last):  # one device, the poisoned batch left out
+        reference.fit(*batch, batch_size=7, shuffle=False, verbose=0)
+
+    # The weights, the optimizer's slots and iterations: as if the poisoned
+    # step had not applied (its metrics saw it).
+    for ours, theirs, b in zip(
+        engine.model.trainable_variables, reference.trainable_variables, before
+    ):
+        np.testing.assert_allclose(
+            ours.numpy() - b, theirs.numpy() - b, rtol=1e-10, atol=1e-13
+        )
+    for ours, theirs in zip(
+        engine.model.optimizer.variables, reference.optimizer.variables, strict=True
+    ):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-10)
+    assert int(engine.model.optimizer.iterations) == 2
+
+
+def test_raise_names_the_variable_and_applies_nothing():
+    first, poisoned, _ = batches_with_nan()
+    engine = Towers(guide_model(), devices=devices(2), on_nonfinite="raise")
+    engine.train_step(*first)
+    before = [v.numpy() for v in engine.model.trainable_variables]
+
+    with pytest.raises(FloatingPointError, match="kernel.*not finite"):
+        engine.train_step(*poisoned)
+
+    for var, b in zip(engine.model.trainable_variables, before):
+        np.testing.assert_array_equal(var.numpy(), b)
+    assert int(engine.model.optimizer.iterations) == 1
+
+
+@pytest.mark.parametrize(
+    "build, what",
+    [(gan, "applies 2 times"), (lambda: built(EMAStep), "assigns .*kernel")],
+    ids=["two-applies", "assigns"],
+)
+def test_raise_with_a_step_it_would_leave_half_applied_is_refused(build, what):
+    model = build()
+    engine = Towers(model, devices=devices(2), on_nonfinite="raise")
+    before = [v.numpy() for v in model.variables]
+    rng = np.random.default_rng(0)
+    width = model.inputs[0].shape[1] if getattr(model, "inputs", None) else 5
+    x = rng.standard_normal((6, 2 if build is gan else width))
+    y = rng.standard_normal((6, 3 if build is gan else 2))
+
+    with pytest.raises(ValueError, match=f"on_nonfinite='raise'.*{what}"):
+        engine.train_step(x, y)
+
+    for var, b in zip(model.variables, before):
+        np.testing.assert_array_equal(var.numpy(), b)
+
+
+def test_options_with_a_copy_per_tower_are_refused_by_name():
+    for option in ({"accumulate_steps": 2}, {"on_nonfinite": "skip"}):
+        with pytest.raises(ValueError, match="placement='replicated'"):
+            Towers(
+                guide_model(),
+                devices=devices(2),
+                placement="replicated",
+                **option,
+            )

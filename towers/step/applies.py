@@ -1,0 +1,216 @@
+"""Each apply of a model's own step: the towers meet, combine, apply once.
+
+Every ``optimizer.apply`` (or ``apply_gradients``) a tower's own
+``train_step`` makes is routed here (``towers/_keras.py``'s
+``routed_applies``). Each tower hands in its gradients and its weight (its
+share of the examples, ``n_t / B``; 1 for a sum loss); the first tower
+combines them (``combine_gradients``, weighted, summed), sums them over the
+workers in a cluster (each weighted by its share of the global batch), and
+applies once, on the variable device; the others apply nothing and read the
+new values after. With a copy per tower (``towers/placement/replicas.py``),
+every tower applies to its own copy: the all-reduced weighted gradients
+(replicated) or its own (independent).
+
+The engine's policies act per apply, as the step makes them:
+
+- ``on_nonfinite="skip"``: an apply whose combined gradient has an inf or
+  NaN is skipped (nothing of it applied, the optimizer's iterations kept);
+  the step goes on. ``"raise"``: the same, then the engine raises after the
+  step, naming the variable; so that nothing is half-applied, a step that
+  applies more than once or assigns a variable is refused with ``"raise"``
+  by name, when traced, before any update.
+- ``accumulate_steps=k``: each optimizer the step applies with accumulates
+  as Keras' own ``gradient_accumulation_steps=k`` does (set before it is
+  built, at its first apply): every apply adds the combined gradient, every
+  k-th applies their mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from towers.combine import combine_gradients
+from towers.placement.update import finite_flags
+from towers.step.meetings import own_step_seat, seated
+
+# Instance keys of one apply's all-reduce: each apply of a step takes its own
+# range (the shapes differ from apply to apply).
+INSTANCES_PER_APPLY = 1000
+
+
+class Applies:
+    """The applies of a model's own step, met by the towers.
+
+    Args:
+      placement: where the variables live; combines (its reducer) and, with
+        a copy per tower, all-reduces.
+      on_nonfinite: ``"ignore"``, ``"skip"`` or ``"raise"``.
+      accumulate_steps: Keras' ``gradient_accumulation_steps`` for each
+        optimizer the step applies with (1: none).
+
+    Attributes:
+      names: the optimizers met at, in order, while a step is traced.
+      checked: per checked apply, its flags (one per gradient) and variables.
+    """
+
+    def __init__(self, placement: Any, on_nonfinite: str, accumulate_steps: int):
+        self.placement = placement
+        self.on_nonfinite = on_nonfinite
+        self.accumulate_steps = accumulate_steps
+        self.names: list[str] = []
+        self.checked: list[tuple[tf.Tensor, list[Any]]] = []
+        self.over_workers: Callable[[tf.Tensor], tf.Tensor] | None = None
+
+    def begin(self, over_workers: Callable[[tf.Tensor], tf.Tensor] | None) -> None:
+        """A step is traced: ``over_workers(value)``, a value weighted by this
+        worker's share and summed over the workers (None: no cluster)."""
+        self.names, self.checked, self.over_workers = [], [], over_workers
+
+    def finite(self) -> tuple[tf.Tensor, list[Any]] | None:
+        """The step's flags, every checked apply's in order, and their
+        variables; None when no apply was checked."""
+        if not self.checked:
+            return None
+        flags = tf.concat([flags for flags, _ in self.checked], 0)
+        return flags, [v for _, variables in self.checked for v in variables]
+
+    def refuse_raise(self, assigned: list[str]) -> None:
+        """With ``on_nonfinite="raise"``, refuses a step that applies more
+        than once or assigns a variable (``assigned``: their paths): a raise
+        after it would leave it half-applied."""
+        if self.on_nonfinite != "raise" or (len(self.names) <= 1 and not assigned):
+            return
+        what = f"applies {len(self.names)} times ({', '.join(self.names)})"
+        if assigned:
+            what = f"assigns {', '.join(assigned)}"
+        raise ValueError(
+            f"on_nonfinite='raise' stops a step before anything of it is "
+            f"applied; received a train_step that {what}, which would be "
+            "left half-applied. Use on_nonfinite='skip' (each apply skipped "
+            "alone) or 'ignore'. Nothing was updated."
+        )
+
+    def meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
+        """An ``optimizer.apply(grads, variables)`` inside a tower's step
+        (``apply``: the optimizer's own): met, combined, applied once."""
+        here = own_step_seat()
+        if here is None:  # not a tower's step, or the apply itself
+            return apply(grads, variables)
+        # None: the variables the optimizer was built with (Keras' rule).
+        variables = None if variables is None else list(variables)
+        handed = here.everyone((optimizer, variables or [], grads, here.weight))
+        copies = len(self.placement.models) > 1
+        check_same(handed, copies)
+        if here.first:
+            self.names.append(optimizer.name)
+        elif not copies:
+            return None
+        with seated(None):  # the optimizer's own apply may call apply again
+            if copies:  # each tower applies to its own copy
+                return self._apply_each(here, handed, apply)
+            # Out of tower 0's scope ("x/" names a scope from the top).
+            with tf.device(self.placement.variable_device):
+                with tf.name_scope("combine/"):
+                    combined = combine_gradients(
+                        [grads for _, _, grads, _ in handed],
+                        weights=[share for *_, share in handed],
+                        reduction="sum",
+                        reducer=self.placement.reducer,
+                    )
+                if self.over_workers is not None:
+                    with tf.name_scope("across_workers/"):
+                        combined = [
+                            None if g is None else self.over_workers(g)
+                            for g in combined
+                        ]
+                with tf.name_scope("apply/"):
+                    return self._apply(optimizer, combined, variables, apply)
+
+    def _apply(self, optimizer: Any, grads: list, variables: Any, apply: Any) -> Any:
+        """``apply(grads, variables)`` by the policies (the module docstring)."""
+        if self.accumulate_steps > 1:
+            _accumulating(optimizer, self.accumulate_steps)
+        if self.on_nonfinite == "ignore":
+            return apply(grads, variables)
+        if not optimizer.built:  # as its apply would, outside the condition
+            optimizer.build(variables)
+        pairs = [(g, i) for i, g in enumerate(grads) if g is not None]
+        flags = finite_flags([g for g, _ in pairs])
+        named = variables or [f"gradient {i} of {optimizer.name}" for _, i in pairs]
+        self.checked.append((flags, [named[i] for _, i in pairs]))
+
+        def update() -> None:
+            apply(grads, variables)
+
+        tf.cond(tf.reduce_all(flags), update, lambda: None)
+        return None
+
+    def _apply_each(self, seat: Any, handed: list, apply: Any) -> Any:
+        """The apply of ``seat``'s tower to its copy's variables (what it
+        handed in, with every tower's ``handed``)."""
+        rank = seat.rank
+        _, variables, grads, _ = handed[rank]
+        if self.placement.name == "replicated":
+            sums = seat.from_first(lambda: self._all_reduced(handed))
+            grads = sums[rank]
+        with tf.device(self.placement.devices[rank]), tf.name_scope("apply/"):
+            return apply(grads, variables)
+
+    def _all_reduced(self, handed: list) -> list[list]:
+        """Every tower's gradients weighted by its share and all-reduced by
+        the placement (``Replicated.combine``): per tower, the sums (None
+        where no tower has a gradient)."""
+        weighted = []
+        for t, (_, _, grads, share) in enumerate(handed):
+            with tf.device(self.placement.devices[t]):
+                weighted.append(
+                    combine_gradients([list(grads)], weights=[share], reduction="sum")
+                )
+        variables = [variables for _, variables, _, _ in handed]
+        first = (len(self.names) - 1) * INSTANCES_PER_APPLY
+        with tf.name_scope("all_reduce/"):
+            return self.placement.combine(weighted, variables, first)
+
+
+def check_same(handed: list[tuple], copies: bool = False) -> None:
+    """Refuses towers that met at different applies (another optimizer, or
+    other variables; with a copy per tower, another kind or shapes), naming
+    the two."""
+    optimizer, variables, *_ = handed[0]
+    for other, (theirs, their_variables, *_) in enumerate(handed[1:], start=1):
+        key = (lambda v: v.shape) if copies else id
+        same = [key(v) for v in their_variables] == [key(v) for v in variables]
+        same = same and (
+            type(theirs) is type(optimizer) if copies else theirs is optimizer
+        )
+        if not same:
+            raise ValueError(
+                "the towers' train_step reached different applies: tower 0 "
+                f"applied {optimizer.name} to {len(variables)} variables, tower "
+                f"{other} {theirs.name} to {len(their_variables)}. A step must "
+                "make the same applies on every shard; nothing was updated."
+            )
+
+
+def _accumulating(optimizer: Any, steps: int) -> None:
+    """Gives ``optimizer`` Keras' ``gradient_accumulation_steps=steps`` before
+    it is built (its accumulators are made then).
+
+    Raises:
+      ValueError: it was built already, or accumulates by another count.
+    """
+    own = optimizer.gradient_accumulation_steps
+    if own == steps:
+        return
+    if optimizer.built or own is not None:
+        why = "was built already" if own is None else f"accumulates {own} steps"
+        raise ValueError(
+            f"accumulate_steps={steps} with a model's own train_step gives each "
+            "optimizer it applies with Keras' gradient_accumulation_steps, "
+            f"before it is built; received {optimizer.name}, which {why}. Pass "
+            "gradient_accumulation_steps to the optimizer instead."
+        )
+    optimizer.gradient_accumulation_steps = steps
