@@ -87,18 +87,6 @@ __all__ = [
 ]
 
 
-def overrides(model: Any, name: str) -> bool:
-    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook).
-
-    >>> class Own(keras.Model):
-    ...     def compute_loss(self, *args, **kwargs):
-    ...         return super().compute_loss(*args, **kwargs)
-    >>> overrides(Own(), "compute_loss"), overrides(keras.Sequential(), "compute_loss")
-    (True, False)
-    """
-    return getattr(type(model), name, None) is not getattr(keras.Model, name)
-
-
 class ReadScope(keras.StatelessScope):
     """A ``keras.StatelessScope`` (each weight reads as the tensor it is mapped
     to, ``add_loss`` collected) that tells its assignments apart. Later reads
@@ -152,13 +140,19 @@ class ReadScope(keras.StatelessScope):
 
 def loss_ids_kept(models: list[Any]) -> Callable[[], None]:
     """Returns the call that puts back each layer's ``_loss_ids`` of
-    ``models`` as they are now (the module docstring)."""
-    kept = [(layer, set(layer._loss_ids)) for m in models for layer in layers_of(m)]
+    ``models`` as they are now (the module docstring), and its ``_losses``
+    (what ``add_loss`` keeps outside a stateless scope: a model's own step)."""
+    kept = [
+        (layer, set(layer._loss_ids), list(layer._losses))
+        for m in models
+        for layer in layers_of(m)
+    ]
 
     def put_back() -> None:
-        for layer, ids in kept:
+        for layer, ids, losses in kept:
             layer._loss_ids.clear()
             layer._loss_ids.update(ids)
+            layer._losses[:] = losses
 
     return put_back
 
@@ -382,17 +376,18 @@ def routed_assignments(route: Callable[..., Any]) -> Iterator[Callable[..., Any]
 
 
 @contextlib.contextmanager
-def routed_updates(metrics: list[Any], route: Callable[..., Any]) -> Iterator[None]:
-    """Within, each of ``metrics``' ``update_state`` calls ``route(metric,
-    update, args, kwargs)`` (``update``: its own)."""
-    for metric in metrics:
-        own = type(metric).update_state.__get__(metric)
-        routed = lambda *args, metric=metric, own=own, **kwargs: route(  # noqa: E731
-            metric, own, args, kwargs
+def routed_calls(objects: list[Any], name: str, route: Callable) -> Iterator[None]:
+    """Within, each of ``objects``' method ``name`` (a metric's
+    ``update_state``, a model's ``compute_loss``) calls ``route(obj, own,
+    args, kwargs)`` (``own``: its own, bound)."""
+    for obj in objects:
+        own = getattr(type(obj), name).__get__(obj)
+        routed = lambda *args, obj=obj, own=own, **kwargs: route(  # noqa: E731
+            obj, own, args, kwargs
         )
-        object.__setattr__(metric, "update_state", routed)  # not tracked
+        object.__setattr__(obj, name, routed)  # not tracked
     try:
         yield
     finally:
-        for metric in metrics:
-            vars(metric).pop("update_state", None)
+        for obj in objects:
+            vars(obj).pop(name, None)

@@ -21,12 +21,16 @@ class ContrastiveStep(keras.Model):
     one encoder; the loss is the symmetric cross-entropy of the batch's
     similarity matrix, sharpened by a learned temperature."""
 
-    def __init__(self, gathered=True):
+    def __init__(self, gathered=True, regularised=False):
         super().__init__()
         self.gathered = gathered
+        # An activity regulariser adds its term in the forward pass, before
+        # the towers meet at the gather: each tower's own must be the one
+        # its loss reads (the loss adds self.losses).
+        activity = keras.regularizers.L2(0.01) if regularised else None
         self.encoder = keras.Sequential(
-            [keras.Input((3,)), keras.layers.Dense(6, activation="tanh"),
-             keras.layers.Dense(4)]
+            [keras.Input((3,)), keras.layers.Dense(6, activation="tanh",
+             activity_regularizer=activity), keras.layers.Dense(4)]
         )  # fmt: skip
         self.log_scale = self.add_weight(shape=(), initializer="zeros", name="scale")
         self.tracker = keras.metrics.Mean(name="loss")
@@ -51,25 +55,30 @@ class ContrastiveStep(keras.Model):
             loss = tf.reduce_mean(cross(labels, logits)) + tf.reduce_mean(
                 cross(labels, tf.transpose(logits))
             )
+            for term in self.losses:
+                loss += term
         variables = self.trainable_variables
         self.optimizer.apply(tape.gradient(loss, variables), variables)
         self.tracker.update_state(loss)
         return {"loss": self.tracker.result()}
 
 
-def contrastive(gathered=True):
+def contrastive(gathered=True, regularised=False):
     keras.utils.set_random_seed(5)
-    model = ContrastiveStep(gathered)
+    model = ContrastiveStep(gathered, regularised)
     model.compile(optimizer=keras.optimizers.Adam(0.02))
     model(np.zeros((1, 6)))
     return model
 
 
+@pytest.mark.parametrize("regularised", [False, True], ids=["", "activity"])
 @pytest.mark.parametrize("num_towers", [2, 3])
-def test_a_contrastive_loss_in_the_step_trains_as_keras_fit_when_gathered(num_towers):
+def test_a_contrastive_loss_in_the_step_trains_as_keras_fit_when_gathered(
+    num_towers, regularised
+):
     x = np.random.default_rng(0).standard_normal((23, 6))  # batches 8, 8, 7
-    engine = Towers(contrastive(), devices=devices(num_towers))
-    reference = contrastive()
+    engine = Towers(contrastive(regularised=regularised), devices=devices(num_towers))
+    reference = contrastive(regularised=regularised)
     before = reference.get_weights()
 
     fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)

@@ -7,6 +7,7 @@ not divide by the towers."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.test_equivalence import devices
 from tests.tolerances import ADAM_EPSILON, FLOAT64_UPDATE_RTOL
@@ -198,30 +199,72 @@ def test_towers_explain_says_the_loss_is_gathered():
 
 
 class OwnStep(Clip):
-    """The same loss, called from the model's own train_step."""
+    """The same loss, called from the model's own train_step and test_step
+    (Keras' guide), returning the loss as it is and the Sum its
+    compute_loss updates."""
 
     def train_step(self, data):
-        import tensorflow as tf
-
         x, y = data
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = self.compute_loss(x, y, y_pred, training=True)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
-        return {"loss": loss}
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss, "matched": self.matched.result()}
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x, y, y_pred, training=False)
+        return {"loss": loss, "matched": self.matched.result()}
 
 
-def test_a_coupled_loss_inside_the_models_own_train_step_is_refused():
-    x, y = data()
+def own_step_clip():
     model = clip()
     own = OwnStep(model.inputs, model.outputs)
-    own.compile(optimizer=keras.optimizers.SGD(0.1), loss=["mse", "mse"])
-    engine = Towers(own, devices=devices(2))
-    before = [v.numpy() for v in own.variables]
+    own.compile(
+        optimizer=keras.optimizers.Adam(0.05, epsilon=ADAM_EPSILON), loss=["mse", "mse"]
+    )
+    return own
 
-    with pytest.raises(ValueError, match="from inside the model's own train_step"):
+
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_a_coupled_loss_in_the_models_own_step_trains_as_keras_fit(float64, num_towers):
+    # The step's compute_loss is the whole batch's on every tower, its
+    # gradient through the tower's own rows over its share: one device's.
+    x, y = data()
+    engine = Towers(own_step_clip(), devices=devices(num_towers))
+    reference = own_step_clip()
+    reference.set_weights(engine.model.get_weights())
+    before = [v.numpy() for v in reference.variables]
+    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    history = engine.fit(x, y, **fit).history
+    expected = reference.fit(x, y, **fit).history
+
+    for ours, theirs, b in zip(engine.model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            ours.numpy() - b, theirs.numpy() - b, rtol=FLOAT64_UPDATE_RTOL, atol=1e-12
+        )
+    assert np.abs(engine.model.scale.numpy() - before[0]).max() > 0
+    assert history.keys() == expected.keys() == {"loss", "matched"}
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-9)
+    scores = [
+        run.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        for run in (engine, reference)
+    ]
+    for key in scores[1]:
+        np.testing.assert_allclose(scores[0][key], scores[1][key], rtol=1e-9)
+
+
+def test_a_coupled_loss_in_an_own_step_with_a_sum_loss_is_refused():
+    x, y = data()
+    engine = Towers(own_step_clip(), devices=devices(2), own_step_loss="sum")
+    before = [v.numpy() for v in engine.model.variables]
+
+    with pytest.raises(ValueError, match="couples the batch.*own_step_loss='sum'"):
         engine.fit(x, y, batch_size=BATCH, verbose=0)
 
-    for v, b in zip(own.variables, before):
+    for v, b in zip(engine.model.variables, before):
         np.testing.assert_array_equal(v.numpy(), b)

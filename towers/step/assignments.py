@@ -37,6 +37,7 @@ each copy changes its own.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,7 +48,7 @@ from towers._keras import (
     in_stateless_scope,
     layers_of,
     routed_assignments,
-    routed_updates,
+    routed_calls,
 )
 from towers.combine import in_dtype
 from towers.step.meetings import own_step_seat
@@ -57,6 +58,24 @@ from towers.step.state import rule_of, state_variables
 # on every tower. Kept while a step's towers are traced (``routed``); the
 # towers' threads take turns, so one dict serves them all.
 _MARKS: dict[Any, Any] = {}
+
+
+# Set on a tower's thread while what its step assigns is dropped (quiet()).
+_QUIET = threading.local()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Within, on this tower's thread, what a model's own step assigns and
+    updates is dropped: a loss computed again only for a part of its
+    gradient (``towers/step/gathered.py``). Every tower is quiet alike, so
+    they still meet alike."""
+    before = getattr(_QUIET, "on", False)
+    _QUIET.on = True
+    try:
+        yield
+    finally:
+        _QUIET.on = before
 
 
 def met_for(tensors: list[tf.Tensor], meeting: Any) -> None:
@@ -84,6 +103,8 @@ class Assignments:
         self.across = across
         self.worker_weight: Any = None  # B_w / B in a cluster, while traced
         self.assigned: list[str] = []  # what the step assigned, when traced
+        # A metric's result() the step read, by its values' ids (when traced).
+        self._results: dict[Any, Any] = {}
         passed = [v for model in models for v in state_variables(model)]
         # BatchNormalization's moving statistics meet on their own.
         passed += [v for m in models for layer in layers_of(m)
@@ -109,17 +130,34 @@ class Assignments:
         try:
             with (
                 routed_assignments(self._assign) as own,
-                routed_updates(metrics, self._update),
+                routed_calls(metrics, "update_state", self._update),
+                routed_calls(metrics, "result", self._result),
             ):
                 self._own = own
                 yield
         finally:
             _MARKS.clear()
 
+    def is_result(self, value: Any) -> bool | None:
+        """Whether ``value`` (one the step returns) is a metric's
+        ``result()``, read by the step; None when not known (copies)."""
+        if self.apart or len(self.models) > 1:
+            return None
+        leaves = tf.nest.flatten(value)
+        return bool(leaves) and all(id(leaf) in self._results for leaf in leaves)
+
+    def _result(self, metric: Any, result: Any, args: tuple, kwargs: dict) -> Any:
+        value = result(*args, **kwargs)
+        for leaf in tf.nest.flatten(value):
+            self._results[id(leaf)] = (metric, leaf)  # kept: its id stays its own
+        return value
+
     def _assign(self, variable: Any, value: Any, assign: Any) -> Any:
         here = own_step_seat()
         if here is None or in_stateless_scope() or id(variable) in self._passed:
             return assign(value)
+        if getattr(_QUIET, "on", False):
+            return value
         value = tf.convert_to_tensor(value, dtype=variable.dtype)
         if here.first:
             self.assigned.append(variable.path)
@@ -192,6 +230,8 @@ class Assignments:
         here = own_step_seat()
         if here is None or in_stateless_scope():
             return update(*args, **kwargs)
+        if getattr(_QUIET, "on", False):
+            return None
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]
         value = _batch_number(args, kwargs)

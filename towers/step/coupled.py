@@ -158,8 +158,8 @@ class CoupledLosses:
         self.terms = coupled_terms(model) if towers > 1 else []
         self.exact = False
         # The model's compute_loss is computed on the gathered batch
-        # (towers/step/gathered.py); own_step: its own train_step calls it.
-        self.gathered, self.own_step = False, False
+        # (towers/step/gathered.py), in towers' step or in the model's own.
+        self.gathered = False
         splits = towers > 1 or accumulate_steps > 1
         self.probed: list[Measured] | None = None if splits else []
         self._lock, self._users, self._saved = threading.Lock(), 0, {}
@@ -276,8 +276,6 @@ class CoupledLosses:
                 "on each alone: the forward pass, not only the loss, needs the "
                 "whole batch)"
             )
-        if self.own_step:
-            return "from inside the model's own train_step"
         if self.accumulate_steps > 1:
             return f"over accumulate_steps={self.accumulate_steps} micro-batches"
         return "with jit_compile=True (pass False)" if jit else ""

@@ -54,7 +54,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras import overrides, routed_applies
+from towers._keras import routed_applies
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -68,6 +68,7 @@ from towers.step.custom_copies import (
     level_metrics,
     metric_variables,
 )
+from towers.step.gathered import whole_batch_loss
 from towers.step.lockstep import across_workers
 from towers.step.runner import Runner
 
@@ -76,6 +77,18 @@ OwnStepLoss = Literal["mean", "sum"]
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
+
+
+def overrides(model: Any, name: str) -> bool:
+    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook).
+
+    >>> class Own(keras.Model):
+    ...     def compute_loss(self, *args, **kwargs):
+    ...         return super().compute_loss(*args, **kwargs)
+    >>> overrides(Own(), "compute_loss"), overrides(keras.Sequential(), "compute_loss")
+    (True, False)
+    """
+    return getattr(type(model), name, None) is not getattr(keras.Model, name)
 
 
 def custom_hooks(model: keras.Model) -> list[str]:
@@ -236,9 +249,14 @@ class CustomStep:
             apart=self.placement.name == "independent",
         )
         assignments.worker_weight = self._weight_here
+        self._assignments = assignments  # which logs are metrics' results
         weights = [self._weight(shards, t) for t in working]
         try:
-            with routed_applies(self.applies.meet), assignments.routed():
+            with (
+                routed_applies(self.applies.meet),
+                assignments.routed(),
+                self._whole_batch_loss(),
+            ):
                 seats = (weights, self.loss, self._across)
                 results = self.runner.each(shards, step, "own", seats)
             self.applies.refuse_raise(sorted(set(assignments.assigned)))
@@ -249,6 +267,14 @@ class CustomStep:
                 f"shard ({error}); a step must, as the towers meet at each. "
                 "Nothing was updated."
             ) from error
+
+    def _whole_batch_loss(self) -> Any:
+        """Where the model's ``compute_loss`` couples the batch's examples
+        (the probe found it, ``towers/step/coupled.py``): within, the step's
+        calls of it are the whole batch's (``gathered.whole_batch_loss``)."""
+        if not self.runner.tower.coupled.gathered:
+            return contextlib.nullcontext()
+        return whole_batch_loss(self.placement.models)
 
     def _moving_at_once(self, working: int) -> Any:
         """Where BatchNormalization layers meet at each call in training mode
@@ -267,8 +293,10 @@ class CustomStep:
         return _share(shards, t) if self.loss == "mean" else 1.0
 
     def _read_logs(self, logs: list[Any], shards: Shards) -> dict[str, Any]:
-        """The step's logs: a metric's result read after every tower updated
-        it; any other value weighted by the towers' shares."""
+        """The step's logs: a metric's result (a value the step read from a
+        metric's ``result()``, under its name; with a copy per tower, any
+        value under a metric's name) read after every tower updated it; any
+        other value weighted by the towers' shares."""
         results = {}
         with tf.device(self.placement.variable_device):
             for metric in self.model.metrics:
@@ -283,7 +311,8 @@ class CustomStep:
         working = self.placement.working_towers(shards)
         read = {}
         for key, value in last.items():
-            if key in results:
+            result = self._assignments.is_result(value)
+            if key in results and result is not False:
                 read[key] = results[key]
             elif _is_float(value):
                 parts = []

@@ -40,23 +40,31 @@ the workers' gradients are summed, so a tower's term is
 same gradients as above once weighted. Only worker 0's tower 0 keeps what
 ``compute_loss`` assigns.
 
+A model's own ``train_step`` that calls its coupled ``compute_loss`` gets
+the whole batch's too (:func:`whole_batch_loss`): the tower's term over its
+share, as the step's applies weigh it by its share again.
+
 Costs: every tower computes the loss twice on the whole batch (the model's
 passes are not repeated), and the towers are traced side by side. Not built:
-``accumulate_steps``, XLA, and a model's own ``train_step`` calling its
-``compute_loss``: refused by name there (``coupled.py``).
+``accumulate_steps`` and XLA: refused by name (``coupled.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import ReadScope, compute_loss
+from towers._keras import ReadScope, compute_loss, routed_calls
+from towers.combine import in_dtype
 from towers.split import batch_size_of
 from towers.step import meetings
+from towers.step.assignments import met_for, quiet
 
 LOG2 = 0.6931471805599453  # ln 2
 
@@ -78,15 +86,78 @@ def gathered_loss(
     rows = gathered_rows(seat, handed)
     x, y, stopped, sample_weight = (_rows_unknown(part) for part in rows.parts)
     live = _rows_unknown(rows.with_own(2, y_pred))
+    # In a model's own step every tower's updates meet (assignments.py): what
+    # the loss updates from the batch's outputs is the same on every tower.
+    own_step = meetings.own_step_seat() is not None
+    for tensor, theirs in zip(
+        _leaves(live) if own_step else [], _leaves(rows.first[2])
+    ):
+        met_for([tensor], theirs.ref())
     first = seat.first and (seat.worker is None or seat.worker[0] == 0)
-    with contextlib.nullcontext() if first else scope.forgetting():
+    with contextlib.nullcontext() if first or own_step else scope.forgetting():
         loss = compute_loss(model, x, y, live, sample_weight, training)
-    share = tf.cast(share, loss.dtype)
+    share = in_dtype(share, loss.dtype)  # a float64 model's digits
     if not training:
         return loss * share
     with scope.forgetting():
         direct = compute_loss(model, x, y, stopped, sample_weight, training)
-    return tf.cast(rows.scale, loss.dtype) * (loss - direct) + share * direct
+    return in_dtype(rows.scale, loss.dtype) * (loss - direct) + share * direct
+
+
+@contextlib.contextmanager
+def whole_batch_loss(models: list[Any]) -> Iterator[None]:
+    """Within, a model's own ``compute_loss`` called in its own step's tower
+    (``towers/step/custom.py``) is the whole batch's: :func:`gathered_loss`'s
+    term over the tower's share ``w_t`` (the apply weighs its gradient by
+    ``w_t`` again), so its value is the batch's loss ``L``, its gradient
+    through the tower's own rows ``dL/d rows_t / w_t`` and the direct part
+    ``dL_s``: the towers' weighted sum is one device's. The second
+    computation (``L_s``) is quiet: what it updates counts once.
+
+    Raises:
+      ValueError: with ``own_step_loss="sum"`` or a copy per tower.
+    """
+    inside = threading.local()  # the loss's own calls pass through
+
+    def route(model: Any, own: Any, args: tuple, kwargs: dict) -> Any:
+        here = meetings.own_step_seat()
+        if here is None or getattr(inside, "on", False):
+            return own(*args, **kwargs)
+        if here.loss != "mean" or len(models) > 1:
+            what = "a copy per tower" if len(models) > 1 else "own_step_loss='sum'"
+            raise ValueError(
+                "a compute_loss that couples the batch's examples, called in the "
+                "model's own train_step, is computed on the whole batch with "
+                f"own_step_loss='mean' and one shared model; received {what}. "
+                "Nothing was updated."
+            )
+        call = inspect.signature(own).bind(*args, **kwargs)
+        call.apply_defaults()
+        given = call.arguments
+        batch = tuple(given.get(k) for k in ("x", "y", "y_pred", "sample_weight"))
+        inside.on = True
+        try:
+            term = gathered_loss(
+                model, batch, here.weight, _Quiet(), given.get("training", True)
+            )
+        finally:
+            inside.on = False
+        return tf.math.divide_no_nan(term, in_dtype(here.weight, term.dtype))
+
+    with routed_calls(models, "compute_loss", route):
+        yield
+
+
+class _Quiet:
+    """A scope for :func:`gathered_loss` in a model's own step: what its
+    second computation assigns is dropped on every tower."""
+
+    def forgetting(self) -> Any:
+        return quiet()
+
+
+def _leaves(nest: Any) -> list[Any]:
+    return [] if nest is None else tf.nest.flatten(nest)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import keras
 
-from towers._keras import compile_arguments, overrides
+from towers._keras import compile_arguments
 from towers.cluster.cluster import Cluster, resolve_cluster
 from towers.cluster.workers import join_workers
 from towers.placement.base import Placement
@@ -29,6 +29,7 @@ from towers.step.custom import (
     CustomStep,
     custom_hooks,
     kinds_of,
+    overrides,
     refuse_with_hooks,
 )
 from towers.step.losses import StepLoss
@@ -172,7 +173,6 @@ def make_step(
             moving,
             options["accumulate_steps"],
         )
-        coupled.own_step = own_train
         if own_train and not own_loss:  # its own data to its model
             coupled.probed = []
     return step

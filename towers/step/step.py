@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import overrides, trainable_capable
+from towers._keras import trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -28,7 +28,7 @@ from towers.split import Shards, split_for_towers
 from towers.step import xla
 from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
-from towers.step.custom import own
+from towers.step.custom import overrides, own
 from towers.step.gathered import concat_rows
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics

@@ -29,7 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import compute_loss, compute_output_spec, overrides
+from towers._keras import compute_loss, compute_output_spec
+from towers.step.custom import overrides
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
