@@ -10,6 +10,7 @@ from tests.models import (
     regression_batch,
     step_graph,
 )
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
 
 
@@ -188,22 +189,30 @@ def test_x_and_y_with_different_batch_sizes_raise_and_change_nothing():
     assert_unchanged(engine, before)
 
 
-def test_loss_returning_a_mean_raises_and_changes_nothing():
-    engine = Towers(
-        build_mlp,
-        lambda y, p: tf.reduce_mean(tf.square(y - p)),
-        keras.optimizers.Adam(),
-        devices=["/cpu:0", "/cpu:1"],
-    )
-    before = snapshot(engine)
+def test_loss_returning_a_mean_trains_as_keras_on_one_device():
+    # One value for the batch, as Keras takes it: its compute_loss of the
+    # batch (towers/step/losses.py's OneValue), here each tower's by share.
+    def mean_squared(y, p):
+        return tf.reduce_mean(tf.square(y - p))
 
-    with pytest.raises(
-        ValueError,
-        match=r"one value per example, shape \[4\]; received "
-        r"shape \(\)",
-    ):
-        engine.train_step(*mlp_batch(8))
-    assert_unchanged(engine, before)
+    engine = Towers(
+        build_mlp, mean_squared, keras.optimizers.SGD(0.1), devices=["/cpu:0", "/cpu:1"]
+    )
+    reference = build_mlp()
+    reference.set_weights(engine.model.get_weights())
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=mean_squared)
+    x, y = mlp_batch(7)
+
+    logs = engine.train_step(x, y)
+    expected = reference.train_on_batch(x, y, return_dict=True)
+
+    np.testing.assert_allclose(
+        float(logs["loss"]), expected["loss"], rtol=EQUIVALENCE_RTOL
+    )
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
 
 
 def test_loss_returning_too_many_values_raises():

@@ -18,6 +18,7 @@ import tensorflow as tf
 from towers.step import xla
 from towers.step.custom import own
 from towers.step.executions import any_count, looped, runs, stack, stackable
+from towers.step.losses import OneValue
 from towers.step.step import Step
 
 
@@ -87,6 +88,14 @@ class Compiled:
             if self.step.tower.jit.enabled:
                 xla.warm_up(function, *batch)  # one compilation per shard shape
             return call(function, *batch)
+        except OneValue:  # raised while traced: Keras' compute_loss instead
+            one = (
+                batch
+                if kind != "train_steps"
+                else tf.nest.map_structure(lambda stacked: stacked[0], batch)
+            )
+            if not self.step.whole_batch_loss(*one):
+                raise
         except tf.errors.InvalidArgumentError as error:
             tower = self.step.tower
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)

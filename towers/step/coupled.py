@@ -267,6 +267,11 @@ class CoupledLosses:
             )
         self.probed, self.sums = found, probed.sums
 
+    def probe_again(self) -> None:
+        """The next :meth:`probe` runs again (the step's loss changed)."""
+        splits = self.towers > 1 or self.accumulate_steps > 1
+        self.probed, self.sums = (None if splits else []), []
+
     def _why_not_gathered(self, jit: bool, outputs_coupled: bool) -> str:
         """Where the whole batch's compute_loss is not built ('' where it is)."""
         if outputs_coupled:

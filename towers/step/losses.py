@@ -15,7 +15,9 @@ reduction, with sample weights and masks, against Keras itself).
 
 The loss is one loss for every output, one per output (a list in output order or
 a dict by output name, as ``model.compile`` takes them), or None when the model
-adds its loss itself (``add_loss``).
+adds its loss itself (``add_loss``). A loss that gives one value for the batch
+raises :class:`OneValue` while the step is traced: the step then takes Keras'
+``compute_loss`` of the batch instead (``Step.whole_batch_loss``).
 """
 
 from __future__ import annotations
@@ -184,7 +186,11 @@ def _term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, weight, name):
     in_mask = get_keras_mask(y_pred)  # before a cast drops it
     y_pred = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_pred)
     y_true = tf.nest.map_structure(lambda a: tf.cast(a, loss.dtype), y_true)
-    values = _check_per_example(loss, loss.call(y_true, y_pred), y_pred)
+    try:
+        values = loss.call(y_true, y_pred)
+    except NotImplementedError as error:  # a Loss that overrides __call__ only
+        raise OneValue(f"loss {loss.name} gives one value for the batch") from error
+    values = _check_per_example(loss, tf.convert_to_tensor(values), y_pred)
     mask = _both(in_mask, get_keras_mask(values))
     # Weights and mask merged as for a "sum": the plain 0/1 mask, no rescaling.
     weights = apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
@@ -299,9 +305,18 @@ def _as_loss(loss: Any) -> keras.losses.Loss | None:
     )
 
 
+class OneValue(ValueError):
+    """A loss gives one value for the batch, not one per example (a ``Loss``
+    that overrides ``__call__`` only, a function returning a number or a
+    scalar); raised while the step is traced (the module docstring)."""
+
+
 def _check_per_example(loss: keras.losses.Loss, values: tf.Tensor, y_pred: Any):
     """The values, if they are one per example (more per example for a Keras
-    loss, e.g. per timestep); else a ValueError naming the loss."""
+    loss, e.g. per timestep); :class:`OneValue` for one value in all; else a
+    ValueError naming the loss."""
+    if values.shape.rank == 0:
+        raise OneValue(f"loss {loss.name} gives one value for the batch")
     examples = tf.nest.flatten(y_pred)[0].shape[0]
     strict = isinstance(loss, PerExample)
     rank_ok = values.shape.rank == 1 or (not strict and values.shape.rank)

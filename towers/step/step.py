@@ -175,6 +175,20 @@ class Step:
         check_targets(self.tower.loss, y)
         self.metrics.build(x, y, sample_weight)
 
+    def whole_batch_loss(self, x: Any, y: Any, sample_weight: Any = None) -> bool:
+        """After a loss gave one value for the batch while the step was traced
+        (``losses.OneValue``, nothing updated): the step takes Keras'
+        ``compute_loss`` of the batch instead, with the compiled loss, each
+        tower's weighted by its share, or the whole batch's gathered where
+        the probe (run again on this batch) finds it couples the examples (a
+        sum). False if it did already: the error stands."""
+        if self.tower.own_loss:
+            return False
+        self.tower.own_loss = True
+        self.tower.coupled.probe_again()
+        self.probe(x, y, sample_weight)
+        return True
+
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch, puts it on the host as tensors (``batches.py``), and
         builds a model that is not built from it (then :meth:`start`).
