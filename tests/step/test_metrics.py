@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.test_equivalence import devices
+from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from towers import Towers
 from towers.step.metrics import Metrics
 
 
@@ -85,3 +88,47 @@ def test_a_metric_keras_cannot_read_is_refused_before_any_update():
         engine.fit(np.ones((4, 3), "f4"), np.ones((4, 1), "f4"), verbose=0)
     for got, want in zip(model.weights, before):
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+class TwoHeads(keras.Model):
+    """A subclassed model that returns a list of outputs: Keras names each
+    output's loss tracker after its loss, not an output name."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(6, activation="tanh")
+        self.heads = [keras.layers.Dense(2), keras.layers.Dense(1)]
+
+    def call(self, x):
+        hidden = self.hidden(x)
+        return [head(hidden) for head in self.heads]
+
+
+def two_heads():
+    keras.utils.set_random_seed(2)
+    model = TwoHeads()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss=["mse", "mae"], loss_weights=[1, 0.5]
+    )
+    model(np.zeros((1, 4), "float32"))
+    return model
+
+
+def test_a_list_of_outputs_named_by_their_losses_trains_and_logs_as_keras():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((13, 4)).astype("float32")
+    y = [rng.standard_normal((13, 2)), rng.standard_normal((13, 1))]
+    engine = Towers(two_heads(), devices=devices(2))
+    reference = two_heads()
+    fit = dict(batch_size=5, epochs=2, shuffle=False, verbose=0)
+
+    history = engine.fit(x, y, **fit).history
+    expected = reference.fit(x, y, **fit).history
+
+    assert sorted(history) == sorted(expected) == ["loss", "mae_loss", "mse_loss"]
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=EQUIVALENCE_RTOL)
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )

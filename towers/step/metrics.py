@@ -129,8 +129,13 @@ class Metrics:
         self.loss_tracker.update_state(
             loss, sample_weight=tf.cast(examples, tf.float32)
         )
-        for tracker in output_loss_trackers(self.model) if outputs is not None else []:
-            name = tracker.name.removesuffix("_loss")
+        trackers = output_loss_trackers(self.model) if outputs is not None else []
+        names = [tracker.name.removesuffix("_loss") for tracker in trackers]
+        if not set(names) <= set(outputs or ()) and len(names) == len(outputs):
+            # Keras names the tracker of an output without a name after its
+            # loss (a subclassed model's list of outputs): in output order.
+            names = list(outputs)
+        for tracker, name in zip(trackers, names):
             if name not in outputs:
                 raise ValueError(
                     f"the model tracks the loss of an output {name!r} towers "
