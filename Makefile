@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(TF_EXTRA)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-slow bench docs lint clean
+.PHONY: demo test test-slow bench docs lint clean keras-tests
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,21 @@ bench: $(INSTALLED)
 	$(BIN)/python -m pytest benchmarks -q -o python_files='bench_*.py' \
 		--benchmark-columns=median,iqr,rounds --benchmark-sort=name
 
+# Keras' own tests of fit, evaluate, predict and its callbacks (in the Keras
+# wheel), every fit, evaluate and predict routed through towers on 2 logical
+# CPUs (tests/keras_suite/route.py); then the same files on Keras alone, to
+# compare. trainer_test.py imports jax: it goes to .keras-tests, not .venv.
+KERAS_SRC = $(shell $(BIN)/python -c "import keras, os; print(os.path.dirname(keras.__file__))" 2>/dev/null)/src
+KERAS_TESTS ?= $(KERAS_SRC)/trainers/trainer_test.py $(KERAS_SRC)/callbacks
+keras-tests: $(INSTALLED)
+	test -d .keras-tests || $(BIN)/python -m pip install -q --no-deps \
+		--target .keras-tests jax==0.10.2 jaxlib==0.10.2
+	cd /tmp && PYTHONPATH=$(CURDIR):$(CURDIR)/.keras-tests $(CURDIR)/$(BIN)/python \
+		-m pytest -q -p tests.keras_suite.route -p no:cacheprovider -n 2 \
+		-p no:warnings --rootdir /tmp $(KERAS_TESTS) -rf || true
+	cd /tmp && PYTHONPATH=$(CURDIR)/.keras-tests $(CURDIR)/$(BIN)/python -m pytest \
+		-q -p no:cacheprovider -n 2 -p no:warnings --rootdir /tmp $(KERAS_TESTS) -rf
+
 # The API reference, from the docstrings (pdoc), into docs/api/index.html.
 docs: $(INSTALLED)
 	$(BIN)/python docs/build_api.py docs/api
@@ -52,4 +67,4 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check towers tests benchmarks examples conftest.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info docs/api
+	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info docs/api .keras-tests

@@ -22,8 +22,9 @@ its data adapters (converted arrays gathered in towers' seeded order, sparse
 ones through Keras' wrapper of their rows; a ``PyDatasetAdapter`` handed the
 first pass's signature), the validation split, ``EpochIterator``'s rules and
 warning, ``BackupAndRestore``'s ``_initial_epoch``; ``Progbar`` rewriting its
-line only on a terminal; data that does not fit the model run through it by
-shapes (``backend.compute_output_spec``) for Keras' own error.
+line only on a terminal; predict's batches joined as Keras' predict joins
+them (``potentially_ragged_concat``); data that does not fit the model run
+through it by shapes (``backend.compute_output_spec``) for Keras' own error.
 
 A model's own step (``step/applies.py``, ``step/assignments.py``): its
 applies (``BaseOptimizer.apply``, a ``LossScaleOptimizer``'s), assignments
@@ -51,6 +52,10 @@ import tensorflow as tf
 from keras.src.backend import compute_output_spec, get_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.variables import Variable as KerasVariable
+from keras.src.backend.tensorflow.trainer import (
+    convert_to_np_if_not_ragged,
+    potentially_ragged_concat,
+)
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -77,10 +82,12 @@ __all__ = [
     "PyDatasetAdapter",
     "apply_mask",
     "compute_output_spec",
+    "convert_to_np_if_not_ragged",
     "get_data_adapter",
     "get_keras_mask",
     "in_stateless_scope",
     "is_binary_or_sparse_categorical",
+    "potentially_ragged_concat",
     "pythonify_logs",
     "squeeze_or_expand_to_same_rank",
     "train_validation_split",

@@ -281,3 +281,89 @@ def test_compute_loss_sees_training_true_as_in_keras_fit():
     assert seen and all(seen)  # the probe's calls included
     engine.evaluate(*arrays(16), verbose=0)
     assert seen[-1] is False  # evaluate's, as Keras' evaluate
+
+
+class RaggedScale(keras.layers.Layer):
+    """Ragged rows times a learned scale: a ragged output."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def ragged_model():
+    inputs = keras.Input((None,), ragged=True)
+    model = keras.Model(inputs, RaggedScale()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=ragged_squared_error)
+    return model
+
+
+def ragged_squared_error(y_true, y_pred):
+    # One value for the batch, over every ragged row's values (dense where
+    # Keras builds its compiled loss from shapes).
+    import tensorflow as tf
+
+    diff = y_true - y_pred
+    values = diff.flat_values if isinstance(diff, tf.RaggedTensor) else diff
+    return tf.reduce_mean(tf.square(values))
+
+
+def test_a_ragged_output_trains_and_predicts_as_keras():
+    import tensorflow as tf
+
+    rows = [[1.0], [2.0, 3.0], [4.0, 5.0, 6.0], [7.0], [8.0, 9.0]]
+    x = tf.ragged.constant(rows)
+    y = tf.ragged.constant([[2.5 * v for v in row] for row in rows])
+    engine, reference = Towers(ragged_model(), devices=devices(2)), ragged_model()
+
+    engine.fit(x, y, batch_size=5, epochs=3, verbose=0)
+    reference.fit(x, y, batch_size=5, epochs=3, verbose=0)
+    engine.train_step(x, y)  # shards of known sizes: one trace for both towers
+    reference.train_on_batch(x, y)
+
+    np.testing.assert_allclose(
+        engine.model.get_weights(), reference.get_weights(), rtol=EQUIVALENCE_RTOL
+    )
+    got, want = engine.predict(x, batch_size=2), reference.predict(x, batch_size=2)
+    assert isinstance(got, tf.RaggedTensor)
+    assert got.row_lengths().numpy().tolist() == [1, 2, 3, 1, 2]
+    np.testing.assert_allclose(got.flat_values, want.flat_values, rtol=EQUIVALENCE_RTOL)
+
+
+def test_predict_returns_batches_whose_outputs_differ_in_shape_as_keras():
+    # A dynamic length after the batch axis (a spectrogram's frames, say):
+    # Keras' predict joins such batches as one ragged tensor.
+    def batches():
+        for length in (3, 5, 2):
+            yield (np.arange(4 * length, dtype="float32").reshape(4, length),)
+
+    inputs = keras.Input((None,))
+    model = keras.Model(inputs, keras.layers.Rescaling(2.0)(inputs))
+    engine = Towers(model, devices=devices(2))
+
+    got, want = (
+        engine.predict(batches(), verbose=0),
+        model.predict(batches(), verbose=0),
+    )
+
+    assert type(got) is type(want)
+    assert got.to_list() == want.to_list()
+
+
+def test_a_ragged_output_of_a_model_without_weights_fits_and_predicts():
+    # Keras' own ragged case: a loss that returns a number, no weights.
+    import tensorflow as tf
+
+    inputs = keras.Input((None,), ragged=True)
+    model = keras.Model(inputs, keras.layers.Rescaling(2.0)(inputs))
+    model.compile(optimizer="adam", loss=lambda y, y_pred, sample_weight=None: 0)
+    x = tf.ragged.constant([[1.0], [2.0, 3.0]])
+    engine = Towers(model, devices=devices(2))
+
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        history = engine.fit(x, x, verbose=0)
+
+    assert history.history["loss"] == [0.0]
+    assert engine.predict(x, verbose=0).to_list() == [[2.0], [4.0, 6.0]]

@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from towers._keras import compute_loss, layers_of, own_losses
 from towers.split import batch_size_of, split_sizes, take_rows
+from towers.step.gathered import concat_rows
 
 # How far apart a term's value on two examples and the mean of its values on
 # each may be before the probe calls it coupled: a thousandth, far above the
@@ -130,13 +131,23 @@ def _rows_match(both: Any, one: Any, other: Any) -> bool:
     """Whether the outputs on two examples together are the outputs on each
     alone, row by row."""
     for b, o, t in zip(*(tf.nest.flatten(n) for n in (both, one, other))):
-        b, apart = np.asarray(b), np.concatenate([np.asarray(o), np.asarray(t)])
+        b, apart = _dense(b), _dense(concat_rows([o, t]))
         scale = max(float(np.abs(apart).max(initial=0.0)), 1.0)
         if b.shape != apart.shape or not np.allclose(
             b, apart, rtol=PROBE_RTOL, atol=PROBE_RTOL * scale
         ):
             return False
     return True
+
+
+def _dense(value: Any) -> np.ndarray:
+    """An output's values as an array: ragged rows padded with zeros, sparse
+    ones made dense (the rows of two batches compare alike either way)."""
+    if isinstance(value, tf.RaggedTensor):
+        value = value.to_tensor()
+    elif isinstance(value, tf.SparseTensor):
+        value = tf.sparse.to_dense(value)
+    return np.asarray(value)
 
 
 def _close(value: float, expected: float) -> bool:

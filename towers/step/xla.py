@@ -307,8 +307,9 @@ LEAF = _Leaf()
 
 
 def split_leaves(obj: Any, leaves: list[Any]) -> Any:
-    """``obj`` with each tensor replaced by ``LEAF`` and appended to ``leaves``."""
-    if isinstance(obj, (tf.Tensor, tf.IndexedSlices)):
+    """``obj`` with each tensor replaced by ``LEAF`` and appended to ``leaves``
+    (a ragged or sparse one too: a function returns it whole)."""
+    if isinstance(obj, (tf.Tensor, tf.IndexedSlices, tf.RaggedTensor, tf.SparseTensor)):
         leaves.append(obj)
         return LEAF
     return _map_children(obj, lambda child: split_leaves(child, leaves))

@@ -10,10 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from towers._keras import pythonify_logs
+from towers._keras import (
+    convert_to_np_if_not_ragged,
+    potentially_ragged_concat,
+    pythonify_logs,
+)
 from towers.step.custom import own
 from towers.training.arguments import check_callbacks
 from towers.training.checkpoint import (
@@ -198,10 +201,13 @@ def predict_loop(
 
 
 def _concat(parts: list[Any]) -> Any:
-    """The outputs of consecutive batches, concatenated, as NumPy."""
-    return tf.nest.map_structure(
-        lambda *each: np.concatenate([np.asarray(p) for p in each]), *parts
+    """The outputs of consecutive batches joined as Keras' predict joins
+    them: NumPy, or ragged where their shapes differ after the batch axis
+    (or they are ragged)."""
+    joined = tf.nest.map_structure(
+        lambda *each: potentially_ragged_concat(list(each)), *parts
     )
+    return tf.nest.map_structure(convert_to_np_if_not_ragged, joined)
 
 
 def make_callbacks(
