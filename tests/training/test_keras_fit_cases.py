@@ -367,3 +367,25 @@ def test_a_ragged_output_of_a_model_without_weights_fits_and_predicts():
 
     assert history.history["loss"] == [0.0]
     assert engine.predict(x, verbose=0).to_list() == [[2.0], [4.0, 6.0]]
+
+
+def test_a_distiller_never_compiled_predicts_as_keras():
+    # Its own compute_loss is no reason to need an optimizer to predict.
+    from keras.distillation import Distiller, LogitsDistillation
+
+    keras.utils.set_random_seed(1)
+    teacher, student = (
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(10)]) for _ in "ts"
+    )
+    distiller = Distiller(
+        teacher=teacher,
+        student=student,
+        distillation_losses=LogitsDistillation(),
+        student_loss_weight=0.5,
+    )
+    x = np.random.default_rng(0).random((11, 5)).astype("float32")
+    engine = Towers(distiller, devices=devices(2))
+
+    assert_close(engine.predict(x, verbose=0), distiller.predict(x, verbose=0))
+    with pytest.raises(ValueError, match="optimizer"):
+        engine.fit(x, np.zeros((11, 10), "float32"), verbose=0)

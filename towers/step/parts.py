@@ -208,7 +208,9 @@ def check_model(model: Any) -> None:
 def _trains(where: Placement, loss: Any, own_loss: bool) -> bool:
     """Whether the engine can train: it has an optimizer and a loss (given,
     compiled, or the model's own). A model that was not compiled, given
-    neither, only predicts (``fit`` and ``evaluate`` then ask for them).
+    neither, only predicts (``fit`` and ``evaluate`` then ask for them); so
+    does one whose only loss is its own ``compute_loss`` (keras' Distiller,
+    never compiled, predicts).
 
     Raises:
       ValueError: one of the two without the other.
@@ -217,6 +219,8 @@ def _trains(where: Placement, loss: Any, own_loss: bool) -> bool:
     has_loss = loss is not FROM_COMPILE or own_loss
     if has_optimizer == has_loss:
         return has_optimizer
+    if own_loss:  # its own compute_loss, and no optimizer: it predicts
+        return False
     name = "optimizer" if has_loss else "loss"
     raise ValueError(
         f"Towers needs a {name} to train: pass {name}=..., or a model compiled "
