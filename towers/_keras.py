@@ -27,17 +27,13 @@ them (``potentially_ragged_concat``); data that does not fit the model run
 through it by shapes (``backend.compute_output_spec``) for Keras' own error.
 
 A model's own step (``step/applies.py``, ``step/assignments.py``): its
-applies (``BaseOptimizer.apply``, a ``LossScaleOptimizer``'s), assignments
-(``Variable.assign``) and metric updates (``update_state``) routed to where
-the towers meet while they are traced.
-
-Each layer's own loss terms: ``Layer._get_own_losses`` (``step/coupled.py``),
-found by ``Layer._loss_ids``, which each call clears: towers traced in
-lockstep put theirs back in turn (``step/lockstep.py``). The model's own
-metrics (``step/metrics.py``): its loss tracker, compiled metrics, per-output
-loss trackers and ``model.compile``'s arguments as passed, built as Keras'
-fit builds them under a distribution strategy (``Trainer._symbolic_build``);
-``evaluate`` lists results in Keras' order.
+applies (``BaseOptimizer.apply``), assignments (``Variable.assign``) and
+metric updates routed to where the towers meet while they are traced.
+A layer's own loss terms (``Layer._get_own_losses``, ``_loss_ids``,
+``_losses``), which each call clears: towers in lockstep put theirs back in
+turn. The model's metrics (``step/metrics.py``): its trackers and
+``model.compile``'s arguments as passed, built as Keras' fit builds them
+under a distribution strategy (``Trainer._symbolic_build``), in its order.
 """
 
 from __future__ import annotations
@@ -210,6 +206,9 @@ def array_tensors(adapter: Any) -> Any:
     )
 
 
+NESTS = (list, tuple, dict)  # traversed into by keras.tree.traverse
+
+
 def gather_rows(data: Any, rows: Any) -> Any:
     """Examples ``rows`` of an ``ArrayDataAdapter``'s data (as
     :func:`array_tensors` gives it), as Keras' adapter takes each batch:
@@ -218,7 +217,7 @@ def gather_rows(data: Any, rows: Any) -> Any:
     def grab(leaf: Any) -> Any:
         if isinstance(leaf, TensorflowSparseWrapper):
             return slice_tensorflow_sparse_wrapper(leaf, rows)
-        if isinstance(leaf, (list, tuple, dict)):
+        if isinstance(leaf, NESTS):
             return None
         if tf.is_tensor(leaf):
             return tf.gather(leaf, rows, axis=0)
@@ -232,8 +231,8 @@ def host_tensors(data: Any) -> Any:
     ragged tensors, and Keras' wrappers of sparse ones, as they are)."""
 
     def convert(leaf: Any) -> Any:
-        if isinstance(leaf, (TensorflowSparseWrapper, list, tuple, dict)):
-            return None
+        if leaf is None or isinstance(leaf, (TensorflowSparseWrapper, *NESTS)):
+            return None  # None: an optional input given none, kept
         if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
             return leaf
         return tf.convert_to_tensor(leaf)

@@ -103,6 +103,8 @@ def take_rows(leaf: Any, start: Any, stop: Any) -> Any:
     >>> tf.sparse.to_dense(take_rows(sparse, 1, 3)).numpy().tolist()
     [[2, 0], [0, 3]]
     """
+    if leaf is None:  # an optional input given none
+        return None
     if isinstance(leaf, tf.SparseTensor):
         first, last = tf.cast(start, tf.int64), tf.cast(stop, tf.int64)
         rest = leaf.dense_shape[1:]

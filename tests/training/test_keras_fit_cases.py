@@ -389,3 +389,47 @@ def test_a_distiller_never_compiled_predicts_as_keras():
     assert_close(engine.predict(x, verbose=0), distiller.predict(x, verbose=0))
     with pytest.raises(ValueError, match="optimizer"):
         engine.fit(x, np.zeros((11, 10), "float32"), verbose=0)
+
+
+class AddIfGiven(keras.layers.Layer):
+    """A dense view of x, plus y when an optional y is given."""
+
+    def build(self, x_shape, y_shape=None):
+        self.dense = keras.layers.Dense(2)
+        self.dense.build(x_shape)
+
+    def call(self, x, y=None):
+        return self.dense(x) if y is None else self.dense(x) + y
+
+    def compute_output_shape(self, x_shape, y_shape=None):
+        return (x_shape[0], 2)
+
+
+def optional_input_model():
+    keras.utils.set_random_seed(6)
+    given = keras.Input((2,), name="given")
+    maybe = keras.Input((2,), name="maybe", optional=True)
+    model = keras.Model({"given": given, "maybe": maybe}, AddIfGiven()(given, maybe))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_an_optional_input_given_none_trains_and_predicts_as_keras():
+    x = {"given": np.random.default_rng(0).random((7, 2)), "maybe": None}
+    y = np.ones((7, 2))
+    engine = Towers(optional_input_model(), devices=devices(2))
+    reference = optional_input_model()
+
+    engine.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL)
+    assert_close(engine.predict(x, verbose=0), reference.predict(x, verbose=0))
+
+
+def test_a_required_input_given_none_gets_keras_error():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="not optional"):
+        Towers(model, devices=devices(2)).fit([None], np.ones((4, 1)), verbose=0)

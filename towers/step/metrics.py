@@ -102,8 +102,13 @@ class Metrics:
         batch's shapes, on the device, as Keras does before its first step;
         a no-op once built (or for a model that was not compiled)."""
         if not self.built:
+            # An optional input given None is a NoneTensorSpec in a dataset's.
+            batch = tf.nest.map_structure(
+                lambda v: None if isinstance(v, tf.NoneTensorSpec) else v,
+                (x, y, sample_weight),
+            )
             with tf.device(self.device):
-                build_compiled_metrics(self.model, (x, y, sample_weight))
+                build_compiled_metrics(self.model, batch)
 
     def update(
         self, x: Any, y: Any, tower_predictions: list[Any], sample_weight: Any = None
