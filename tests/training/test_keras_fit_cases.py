@@ -433,3 +433,20 @@ def test_a_required_input_given_none_gets_keras_error():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="not optional"):
         Towers(model, devices=devices(2)).fit([None], np.ones((4, 1)), verbose=0)
+
+
+def test_an_optional_input_a_generator_gives_as_none_trains_as_keras():
+    rng = np.random.default_rng(1)
+    batches = [(rng.random((4, 2)), np.ones((4, 2))) for _ in range(3)]
+
+    def generator():
+        for x, y in batches:
+            yield {"given": x, "maybe": None}, y
+
+    engine = Towers(optional_input_model(), devices=devices(2))
+    reference = optional_input_model()
+    engine.fit(generator(), epochs=1, verbose=0)
+    reference.fit(generator(), epochs=1, verbose=0)
+
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL)

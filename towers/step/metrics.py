@@ -102,9 +102,11 @@ class Metrics:
         batch's shapes, on the device, as Keras does before its first step;
         a no-op once built (or for a model that was not compiled)."""
         if not self.built:
-            # An optional input given None is a NoneTensorSpec in a dataset's.
+            # An optional input given None: a dataset's NoneTensorSpec, a
+            # generator's OptionalSpec.
+            none = (tf.NoneTensorSpec, tf.OptionalSpec)
             batch = tf.nest.map_structure(
-                lambda v: None if isinstance(v, tf.NoneTensorSpec) else v,
+                lambda v: None if isinstance(v, none) else v,
                 (x, y, sample_weight),
             )
             with tf.device(self.device):

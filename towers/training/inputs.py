@@ -313,7 +313,13 @@ def unpack(batch: Any) -> tuple[Any, Any, Any]:
 
     >>> unpack((1, 2))
     (1, 2, None)
+
+    An optional input a generator gave as None arrives as an empty
+    ``tf.experimental.Optional``: None again, as Keras' step converts it.
     """
+    batch = tf.nest.map_structure(
+        lambda i: None if isinstance(i, tf.experimental.Optional) else i, batch
+    )
     return keras.utils.unpack_x_y_sample_weight(batch)
 
 

@@ -17,6 +17,7 @@ from towers._keras import (
     potentially_ragged_concat,
     pythonify_logs,
 )
+from towers.split import batch_size_of
 from towers.step.custom import own
 from towers.training.arguments import check_callbacks
 from towers.training.checkpoint import (
@@ -125,7 +126,7 @@ def fit_execution(
     batch index), and the checkpoint after it."""
     begin, end = steps
     batches = [unpack(batch) for batch in batches]
-    size = sum(int(tf.nest.flatten(x)[0].shape[0]) for x, _, _ in batches)
+    size = sum(int(batch_size_of(x)) for x, _, _ in batches)
     run.callbacks.on_train_batch_begin(begin)
     run.log.before_step(len(batches))
     run.preemption.before_step()
