@@ -1,9 +1,8 @@
 """A loss that gives one value for the batch, not one per example (a
 keras.losses.Loss that overrides __call__, as Keras' layer-test harness
 compiles one; a function that returns the batch's mean or sum) trains as
-Keras' own fit on one device: Keras' compute_loss of the batch, each tower's
-weighted by its share, or the whole batch's gathered where the probe finds it
-couples the examples (a sum). Float64, uneven shards."""
+Keras' own fit on one device: Keras' compute_loss of the whole batch,
+gathered from the towers. Float64, uneven shards."""
 
 import keras
 import numpy as np
@@ -91,8 +90,8 @@ def fit_both(loss, outputs=1, num_towers=3):
 )
 def test_a_loss_of_one_value_for_the_batch_trains_as_keras_fit(loss):
     engine = fit_both(loss)
-    # A sum couples the towers' examples: it is computed on the gathered batch.
-    assert engine.step.tower.coupled.gathered == isinstance(loss, BatchSumAbsolute)
+    # Keras' compute_loss of the whole batch, gathered from the towers.
+    assert engine.step.tower.own_loss and engine.step.tower.coupled.gathered
 
 
 def test_one_outputs_loss_of_one_value_beside_a_per_example_one():

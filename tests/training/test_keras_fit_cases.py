@@ -450,3 +450,41 @@ def test_an_optional_input_a_generator_gives_as_none_trains_as_keras():
 
     for got, want in zip(engine.model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL)
+
+
+def nested_losses_model():
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    first = keras.layers.Dense(1, name="first")(hidden)
+    second = keras.layers.Dense(1, name="second", activation="sigmoid")(hidden)
+    model = keras.Model(inputs, [first, second])
+    # The second output's loss in a list of its own: as Keras' compile takes
+    # it, not one loss per output.
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=["mean_squared_error", ["binary_crossentropy"]],
+        metrics=["mae", ["mae", "accuracy"]],
+        loss_weights=[0.1, 2.0],
+    )
+    return model
+
+
+def test_losses_nested_as_keras_compile_takes_them_train_as_keras():
+    rng = np.random.default_rng(2)
+    x = rng.random((11, 3))
+    y = (rng.random((11, 1)), rng.integers(0, 2, (11, 1)).astype("float32"))
+    engine = Towers(nested_losses_model(), devices=devices(3))
+    reference = nested_losses_model()
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+
+    history = engine.fit(x, y, **fit).history
+    expected = reference.fit(x, y, **fit).history
+
+    assert sorted(history) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=EQUIVALENCE_RTOL)
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )

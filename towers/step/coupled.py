@@ -272,6 +272,13 @@ class CoupledLosses:
         splits = self.towers > 1 or self.accumulate_steps > 1
         self.probed, self.sums = (None if splits else []), []
 
+    def gather_compute_loss(self) -> None:
+        """Keras' ``compute_loss`` of the whole batch, gathered, on more than
+        one tower: the step's loss is Keras' own (a loss towers cannot take
+        per output), whose per-output trackers then see the batch's."""
+        if self.towers > 1:
+            self.gathered = self.exact = True
+
     def _why_not_gathered(self, jit: bool, outputs_coupled: bool) -> str:
         """Where the whole batch's compute_loss is not built ('' where it is)."""
         if outputs_coupled:

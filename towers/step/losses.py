@@ -17,7 +17,9 @@ The loss is one loss for every output, one per output (a list in output order or
 a dict by output name, as ``model.compile`` takes them), or None when the model
 adds its loss itself (``add_loss``). A loss that gives one value for the batch
 raises :class:`OneValue` while the step is traced: the step then takes Keras'
-``compute_loss`` of the batch instead (``Step.whole_batch_loss``).
+``compute_loss`` of the batch instead (``Step.whole_batch_loss``), as it does
+from the start for losses nested as only Keras' compile maps them
+(``parts.py``).
 """
 
 from __future__ import annotations
@@ -308,7 +310,7 @@ def _as_loss(loss: Any) -> keras.losses.Loss | None:
 class OneValue(ValueError):
     """A loss gives one value for the batch, not one per example (a ``Loss``
     that overrides ``__call__`` only, a function returning a number or a
-    scalar); raised while the step is traced (the module docstring)."""
+    scalar)."""
 
 
 def _check_per_example(loss: keras.losses.Loss, values: tf.Tensor, y_pred: Any):

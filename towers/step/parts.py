@@ -10,6 +10,7 @@ its own loss, loss weights, optimizer and metrics; what is passed explicitly win
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import keras
@@ -118,11 +119,20 @@ def make_step(
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
-    step_loss = StepLoss(
-        loss,
-        option(options, compiled, "loss_weights"),
-        getattr(where.model, "output_names", None),
-    )
+    try:
+        step_loss = StepLoss(
+            loss,
+            option(options, compiled, "loss_weights"),
+            getattr(where.model, "output_names", None),
+        )
+    except ValueError:
+        if not trains or not isinstance(loss, (list, tuple, Mapping)):
+            raise
+        # Outputs and losses nested as only Keras' compile maps them (a dict
+        # of lists, one output's loss in a list): Keras' compute_loss of the
+        # whole batch, gathered (its per-output trackers see the batch's).
+        step_loss, own_loss = StepLoss(None), True
+        coupled.gather_compute_loss()
     hooks = custom_hooks(where.model)
     kinds = kinds_of(hooks)
     # A model's own train_step accumulates in its optimizers (applies.py).

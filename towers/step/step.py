@@ -178,14 +178,14 @@ class Step:
     def whole_batch_loss(self, x: Any, y: Any, sample_weight: Any = None) -> bool:
         """After a loss gave one value for the batch while the step was traced
         (``losses.OneValue``, nothing updated): the step takes Keras'
-        ``compute_loss`` of the batch instead, with the compiled loss, each
-        tower's weighted by its share, or the whole batch's gathered where
-        the probe (run again on this batch) finds it couples the examples (a
-        sum). False if it did already: the error stands."""
+        ``compute_loss`` of the whole batch instead, with the compiled loss,
+        gathered (its per-output trackers see the batch's; the probe runs
+        again on this batch). False if it did already: the error stands."""
         if self.tower.own_loss:
             return False
         self.tower.own_loss = True
         self.tower.coupled.probe_again()
+        self.tower.coupled.gather_compute_loss()
         self.probe(x, y, sample_weight)
         return True
 
