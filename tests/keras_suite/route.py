@@ -17,16 +17,13 @@ import weakref
 
 import towers
 
-DEVICES = towers.virtual_devices(2)  # before TensorFlow initialises
-
-import keras  # noqa: E402
-
 _inside = threading.local()
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 ROUTED = ("fit", "evaluate", "predict")
+DEVICES: list[str] = []  # set when the plugin is configured
 
 
-def _engine(model: keras.Model) -> towers.Towers:
+def _engine(model) -> towers.Towers:
     engine = _engines.get(model)
     if engine is None:
         engine = _engines[model] = towers.Towers(model, devices=DEVICES)
@@ -48,5 +45,9 @@ def _routed(name: str, own):
 
 
 def pytest_configure(config):
+    # Only as a plugin (-p): the devices are split before TensorFlow starts.
+    DEVICES[:] = towers.virtual_devices(2)
+    import keras
+
     for name in ROUTED:
         setattr(keras.Model, name, _routed(name, getattr(keras.Model, name)))
