@@ -126,7 +126,7 @@ def make_step(
             getattr(where.model, "output_names", None),
         )
     except ValueError:
-        if not trains or not isinstance(loss, (list, tuple, Mapping)):
+        if not trains or not _nested(loss, getattr(where.model, "output_names", [])):
             raise
         # Outputs and losses nested as only Keras' compile maps them (a dict
         # of lists, one output's loss in a list): Keras' compute_loss of the
@@ -186,6 +186,21 @@ def make_step(
         if own_train and not own_loss:  # its own data to its model
             coupled.probed = []
     return step
+
+
+def _nested(loss: Any, output_names: Any) -> bool:
+    """Whether ``loss`` is nested past one loss per output (a list within the
+    list, a dict of lists), or a structure for a model of one output: Keras'
+    compile maps it, towers' per-output terms do not.
+
+    >>> _nested(["mse", ["mae"]], ["a", "b"]), _nested({"a": "mse"}, ["a", "b"])
+    (True, False)
+    """
+    if not isinstance(loss, (list, tuple, Mapping)):
+        return False
+    entries = loss.values() if isinstance(loss, Mapping) else loss
+    deeper = any(isinstance(e, (list, tuple, Mapping)) for e in entries)
+    return deeper or len(output_names or []) <= 1
 
 
 def check_model(model: Any) -> None:
