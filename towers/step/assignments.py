@@ -37,7 +37,6 @@ each copy changes its own.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,22 +59,19 @@ from towers.step.state import rule_of, state_variables
 _MARKS: dict[Any, Any] = {}
 
 
-# Set on a tower's thread while what its step assigns is dropped (quiet()).
-_QUIET = threading.local()
-
-
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Within, on this tower's thread, what a model's own step assigns and
-    updates is dropped: a loss computed again only for a part of its
+    """Within, what this tower's own step assigns and updates is dropped
+    (its seat says so): a loss computed again only for a part of its
     gradient (``towers/step/gathered.py``). Every tower is quiet alike, so
     they still meet alike."""
-    before = getattr(_QUIET, "on", False)
-    _QUIET.on = True
+    seat = own_step_seat()
+    before = getattr(seat, "quiet", False)
+    seat.quiet = True
     try:
         yield
     finally:
-        _QUIET.on = before
+        seat.quiet = before
 
 
 def met_for(tensors: list[tf.Tensor], meeting: Any) -> None:
@@ -156,7 +152,7 @@ class Assignments:
         here = own_step_seat()
         if here is None or in_stateless_scope() or id(variable) in self._passed:
             return assign(value)
-        if getattr(_QUIET, "on", False):
+        if here.quiet:
             return value
         value = tf.convert_to_tensor(value, dtype=variable.dtype)
         if here.first:
@@ -230,7 +226,7 @@ class Assignments:
         here = own_step_seat()
         if here is None or in_stateless_scope():
             return update(*args, **kwargs)
-        if getattr(_QUIET, "on", False):
+        if here.quiet:
             return None
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]

@@ -55,6 +55,7 @@ class Seat:
 
     def __init__(self, meet: Any, rank: int, weight: Any = None, loss: Any = None):
         self.meet, self.rank, self.weight, self.loss = meet, rank, weight, loss
+        self.quiet = False  # what the own step assigns is dropped (assignments.py)
 
     @property
     def first(self) -> bool:
