@@ -133,16 +133,6 @@ def test_unknown_policy_lists_the_valid_ones():
         make_engine((5,), 2, "sync")
 
 
-def test_renorm_is_refused_with_the_layer_named():
-    def build():
-        return keras.Sequential(
-            [keras.Input((3,)), keras.layers.BatchNormalization(renorm=True, name="bn")]
-        )
-
-    with pytest.raises(ValueError, match="renorm=True.*'bn'"):
-        Towers(build, "mse", keras.optimizers.SGD(0.1), devices=["/cpu:0"])
-
-
 def test_a_layer_run_twice_in_one_step_is_a_clear_error():
     class Twice(keras.Model):
         def __init__(self):

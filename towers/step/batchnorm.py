@@ -17,6 +17,12 @@ with Keras' own rule ``moving = moving * momentum + stat * (1 - momentum)``, whe
 - ``"mean"``: the unweighted mean over towers of their means and of their variances
   (what MirroredStrategy's MEAN-aggregated assignment gives).
 
+A layer given a mask takes its moments over the unmasked values only, as Keras'
+does (dividing by their count plus Keras' ε), and the towers' combine to the
+whole batch's by the same rule; a tower whose values are all masked weighs
+nothing. A ``renorm=True`` layer moves its renorm statistics and its moving ones
+by its own method (``_update_renorm_statistics``), once, from the policy's stat.
+
 The update runs with the optimizer's apply, so a skipped step leaves the moving
 statistics unchanged too. A model's own ``train_step`` (``towers/step/custom.py``)
 may call a layer more than once a step, each call moving the statistics on one
@@ -67,8 +73,7 @@ class MovingStatistics:
       statistics: what the towers normalise with, ``"tower"`` or ``"global"``.
 
     Raises:
-      ValueError: an unknown policy or statistics, a layer with ``renorm=True``
-        (its moving statistics follow a different rule), or one with
+      ValueError: an unknown policy or statistics, or a layer with
         ``synchronized=True`` under ``"tower"`` (Keras would silently take each
         tower's statistics).
 
@@ -98,12 +103,8 @@ class MovingStatistics:
         self._model = model
         self._lock, self._users = threading.Lock(), 0
         self._local = threading.local()  # the recording tower's moments
+        self._epsilons: dict[int, float] = {}  # by layer: Keras' ε of its moments
         for layer in self.layers:
-            if layer.renorm:
-                raise ValueError(
-                    "BatchNormalization with renorm=True is not supported under "
-                    f"towers; received layer {layer.name!r} with renorm=True"
-                )
             if layer.synchronized and statistics == "tower":
                 raise ValueError(
                     f"layer {layer.name!r} has synchronized=True, which under towers "
@@ -170,13 +171,9 @@ class MovingStatistics:
 
         def recorded_moments(inputs, mask):
             moments = self._local.moments
-            if mask is not None and (
-                self.policy == "batch" or self.statistics == "global"
-            ):
-                raise ValueError(
-                    f"moving_statistics='batch' and batch_statistics='global' need "
-                    f"unmasked inputs; received a mask in layer {layer.name!r}"
-                )
+            kept = None if mask is None else _kept(inputs, mask)
+            # A masked layer divides by its count plus ε (Keras' _moments).
+            self._epsilons[index] = 0.0 if kept is None else keras.config.epsilon()
             if isinstance(moments, dict) and index in moments:
                 raise ValueError(
                     f"BatchNormalization layer {layer.name!r} ran twice in one "
@@ -184,20 +181,24 @@ class MovingStatistics:
                     "once per step"
                 )
             if self.statistics == "global" and meetings.current() is not None:
-                taken = _global_moments(layer, inputs)
+                taken = _global_moments(layer, inputs, kept)
             else:
                 mean, variance = moments_fn(inputs, mask)
-                taken = (mean, variance, _count(inputs, mean))
+                taken = (mean, variance, _count(layer, inputs, kept, mean))
             if not isinstance(moments, dict):  # a device: move them at once
-                self._move_at_once(layer, taken, moments)
+                self._move_at_once(layer, index, taken, moments)
                 return taken[:2]
             moments[index] = taken
             return taken[:2]
 
-        # Instance attributes shadow the class's methods while recording.
+        # Instance attributes shadow the class's methods while recording: a
+        # renorm layer moves its statistics in one method, others assign them.
         object.__setattr__(layer, "_moments", recorded_moments)
-        for moving in (layer.moving_mean, layer.moving_variance):
-            object.__setattr__(moving, "assign", _skip_assign)
+        if layer.renorm:
+            object.__setattr__(layer, "_update_renorm_statistics", _skip_update)
+        else:
+            for moving in (layer.moving_mean, layer.moving_variance):
+                object.__setattr__(moving, "assign", _skip_assign)
 
     def update(self, tower_moments: list[dict]) -> None:
         """Assigns every moving statistic once, as the policy says.
@@ -210,44 +211,71 @@ class MovingStatistics:
             per_tower = [m[index] for m in tower_moments if index in m]
             if not per_tower:
                 continue  # the layer did not run in training mode
-            _move(layer, *self._statistics(per_tower))
+            _move(layer, *self._statistics(per_tower, self._epsilons[index]))
 
-    def _move_at_once(self, layer, moments: tuple, device: Any) -> None:
+    def _move_at_once(self, layer, index: int, moments: tuple, device: Any) -> None:
         """Hands this tower's ``moments`` to the others; the first tower moves
         ``layer``'s statistics from every tower's."""
         seat = meetings.current()
         handed = seat.everyone(tf.nest.map_structure(tf.stop_gradient, moments))
         if seat.first:
             with tf.device(device), tf.name_scope("moving_statistics/"):
-                _move(layer, *self._statistics(handed), patched=True)
+                stat = self._statistics(handed, self._epsilons[index])
+                _move(layer, *stat, patched=True)
 
-    def _statistics(self, per_tower: list[tuple]) -> tuple[tf.Tensor, tf.Tensor]:
+    def _statistics(
+        self, per_tower: list[tuple], epsilon: float
+    ) -> tuple[tf.Tensor, tf.Tensor]:
         """The ``stat`` the policy takes from the towers' ``(mean, variance,
-        count)``. The towers' moments are stacked, so a layer's update is a few
-        ops whatever the number of towers (a graph of ops per tower grows the
-        trace and TensorFlow's optimisation of the step with T)."""
+        count)``, each as Keras' ``_moments`` gives it (``epsilon`` added to
+        the count of a masked layer's). The towers' moments are stacked, so a
+        layer's update is a few ops whatever the number of towers (a graph of
+        ops per tower grows the trace and TensorFlow's optimisation of the step
+        with T)."""
         if self.policy == "tower0" or len(per_tower) == 1:
             return per_tower[0][0], per_tower[0][1]
         if self.statistics == "global" and self.policy == "batch":
             # Every tower holds the whole batch's moments already.
             return per_tower[0][0], per_tower[0][1]
-        means = tf.stack([mean for mean, _, _ in per_tower])
-        variances = tf.stack([variance for _, variance, _ in per_tower])
+        means, variances, counts = [
+            tf.stack([tf.broadcast_to(t[i], tf.shape(t[0])) for t in per_tower])
+            for i in range(3)
+        ]
         if self.policy == "mean":
             return tf.reduce_mean(means, 0), tf.reduce_mean(variances, 0)
-        # "batch": weights n_t / n; variance = E[var_t] + E[(mean_t - mean)^2].
-        counts = tf.stack([count for _, _, count in per_tower])
-        counts = tf.reshape(counts, [-1] + [1] * (len(means.shape) - 1))
-        total = tf.reduce_sum(counts, 0)
-        mean = tf.reduce_sum(counts * means, 0) / total
-        spread = variances + tf.math.squared_difference(means, mean)
-        return mean, tf.reduce_sum(counts * spread, 0) / total
+        return _batch_moments(means, variances, counts, epsilon)
+
+
+def _batch_moments(means: Any, variances: Any, counts: Any, epsilon: float) -> tuple:
+    """The whole batch's moments from the towers' ``[T, C]`` moments and counts:
+    weights n_t / n, variance = E[var_t] + E[(mean_t - mean)^2]. Keras divides a
+    masked layer's sums by the count plus ``epsilon``: the towers' moments are
+    first made plain (divided by the count alone), and ε put back on the batch's.
+    A tower whose values are all masked weighs nothing."""
+    if epsilon:
+        plain = means * tf.math.divide_no_nan(counts + epsilon, counts)
+        variances = variances * tf.math.divide_no_nan(counts + epsilon, counts)
+        variances -= tf.math.squared_difference(plain, means)
+        means = plain
+    total = tf.reduce_sum(counts, 0)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
+    spread = variances + tf.math.squared_difference(means, mean)
+    variance = tf.math.divide_no_nan(tf.reduce_sum(counts * spread, 0), total)
+    if not epsilon:
+        return mean, variance
+    # Keras' mean S / (n + ε), and its mean squared distance from that mean.
+    kept = mean * total / (total + epsilon)
+    return kept, total * (variance + tf.square(mean - kept)) / (total + epsilon)
 
 
 def _move(layer, mean: Any, variance: Any, patched: bool = False) -> None:
-    """Keras' rule, ``moving = moving * momentum + stat * (1 - momentum)``;
+    """Keras' rule, ``moving = moving * momentum + stat * (1 - momentum)`` (a
+    renorm layer's own method, which moves its renorm statistics too);
     ``patched``: the layer's own assignments are dropped (``_skip_assign``),
     so the variable's class assigns."""
+    if layer.renorm:
+        type(layer)._update_renorm_statistics(layer, mean, variance)
+        return
     momentum = layer.momentum
     for moving, stat in [(layer.moving_mean, mean), (layer.moving_variance, variance)]:
         value = moving * momentum + tf.cast(stat, moving.dtype) * (1.0 - momentum)
@@ -255,58 +283,80 @@ def _move(layer, mean: Any, variance: Any, patched: bool = False) -> None:
         (assign if patched else moving.assign)(value)
 
 
-def _count(inputs: tf.Tensor, mean: tf.Tensor) -> tf.Tensor:
-    """The number of values each channel's mean was taken over (n_t * H * W), in
-    the mean's dtype."""
-    return tf.cast(tf.size(inputs), mean.dtype) / tf.cast(tf.size(mean), mean.dtype)
+def _kept(inputs: tf.Tensor, mask: Any) -> tf.Tensor:
+    """Where ``inputs`` count, as Keras' ``_moments`` reads a layer's mask: the
+    mask broadcast over the last axis."""
+    mask = tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs))
+    return tf.cast(mask, tf.bool)
 
 
-def _global_moments(layer, inputs: tf.Tensor) -> tuple:
+def _count(layer, inputs: tf.Tensor, kept: Any, mean: tf.Tensor) -> tf.Tensor:
+    """The number of values each channel's mean was taken over (n_t * H * W, or
+    the unmasked ones), in the mean's dtype."""
+    if kept is None:
+        size = tf.cast(tf.size(inputs), mean.dtype)
+        return size / tf.cast(tf.size(mean), mean.dtype)
+    weights = tf.cast(kept, mean.dtype)
+    return tf.squeeze(tf.reduce_sum(weights, layer._reduction_axes, keepdims=True))
+
+
+def _global_moments(layer, inputs: tf.Tensor, kept: Any) -> tuple:
     """The whole batch's mean and variance of ``layer``'s inputs over the towers
-    in lockstep, as ``tf.nn.moments`` takes them on one device: the mean first,
+    in lockstep, as Keras' ``_moments`` takes them on one device: the mean first,
     then the mean squared distance from it; and the count they were taken over.
     In the inputs' dtype: Keras has already cast 16-bit inputs to float32, and
     a float64 model keeps float64. Shaped as Keras' moments (the reduced axes
-    dropped)."""
+    dropped; every axis of one, with a mask)."""
     axes = layer._reduction_axes
-    mean, variance, count = _moments_over_towers(inputs, axes)
-    return tf.squeeze(mean, axes), tf.squeeze(variance, axes), count
+    epsilon = 0.0 if kept is None else keras.config.epsilon()
+    moments = _moments_over_towers(inputs, axes, kept, epsilon)
+    if kept is None:
+        return tuple(tf.squeeze(m, axes) for m in moments)
+    return tuple(tf.squeeze(m) for m in moments)
 
 
-def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
-    """``(mean, variance, count)`` of ``x`` over every tower's shard, the reduced
-    axes kept (so they broadcast against ``x`` whatever the layer's axis).
+def _moments_over_towers(x: tf.Tensor, axes: list[int], kept: Any, epsilon: float):
+    """``(mean, variance, count)`` of ``x`` over every tower's shard (the values
+    ``kept`` says count, if given), the reduced axes kept (so they broadcast
+    against ``x`` whatever the layer's axis); the sums are divided by the count
+    plus ``epsilon``, as Keras does a masked layer's.
 
-    Forward, two exchanges: the sums with the count riding along, then the
+    Forward, two exchanges: the sums with the counts riding along, then the
     squared distances from the mean. Backward, one: every tower's gradients
     with respect to the mean and the variance, summed over the towers (every
     tower's loss depends on them); then this tower's inputs take one device's
-    gradient, ``d mean / dx = 1 / N`` and ``d variance / dx = 2 (x - mean) / N``
-    (the mean's part of the latter sums to zero). Across workers each exchange
-    is a round of RPCs, so fewer is faster.
+    gradient, ``d mean / dx = 1 / (N + ε)`` and ``d variance / dx = 2 (x -
+    mean) / (N + ε)``, plus the mean's part of the latter, ``-2 ε mean / (N +
+    ε)`` times the former (zero without ε). Across workers each exchange is a
+    round of RPCs, so fewer is faster.
     """
+
+    def only_kept(values: tf.Tensor) -> tf.Tensor:
+        return values if kept is None else tf.where(kept, values, tf.zeros([], x.dtype))
 
     @tf.custom_gradient
     def moments(x: tf.Tensor):
-        local_sum = tf.reduce_sum(x, axes, keepdims=True)
-        packed = tf.concat([tf.reshape(local_sum, [-1]), [_count(x, local_sum)]], 0)
-        summed = meetings.total(packed)
-        count = summed[-1]
-        mean = tf.reshape(summed[:-1], tf.shape(local_sum)) / count
-        centred = x - mean
+        local_sum = tf.reduce_sum(only_kept(x), axes, keepdims=True)
+        if kept is None:
+            count = tf.fill(tf.shape(local_sum), _count(None, x, None, local_sum))
+        else:
+            count = tf.reduce_sum(tf.cast(kept, x.dtype), axes, keepdims=True)
+        summed = meetings.total(tf.stack([local_sum, count]))
+        count = summed[1]
+        mean = summed[0] / (count + epsilon)
+        centred = only_kept(x - mean)
         squares = tf.reduce_sum(tf.square(centred), axes, keepdims=True)
-        variance = meetings.total(squares) / count
+        variance = meetings.total(squares) / (count + epsilon)
 
         def gradient(d_mean: Any, d_variance: Any, _: Any) -> tf.Tensor:
             upstream = [
                 tf.zeros_like(mean) if d is None else d for d in (d_mean, d_variance)
             ]
-            both = tf.concat([tf.reshape(d, [-1]) for d in upstream], 0)
-            d_mean, d_variance = [
-                tf.reshape(d, tf.shape(mean))
-                for d in tf.split(meetings.total(both, backward=True), 2)
-            ]
-            return (d_mean + 2.0 * d_variance * centred) / count
+            d_mean, d_variance = tf.unstack(
+                meetings.total(tf.stack(upstream), backward=True)
+            )
+            d_mean -= 2.0 * epsilon * mean * d_variance / (count + epsilon)
+            return (only_kept(d_mean) + 2.0 * d_variance * centred) / (count + epsilon)
 
         return (mean, variance, count), gradient  # the count takes no gradient
 
@@ -316,6 +366,7 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int]) -> tuple:
 def _unpatch(layer) -> None:
     for obj, name in [
         (layer, "_moments"),
+        (layer, "_update_renorm_statistics"),
         (layer.moving_mean, "assign"),
         (layer.moving_variance, "assign"),
     ]:
@@ -326,3 +377,7 @@ def _unpatch(layer) -> None:
 def _skip_assign(value):
     """The tower's own moving-statistic assignment: dropped, the update is ours."""
     return value
+
+
+def _skip_update(mean, variance):
+    """A renorm layer's own update of its statistics: dropped, the update is ours."""
