@@ -1,7 +1,7 @@
 """Each apply of a model's own step: the towers meet, combine, apply once.
 
 Every ``optimizer.apply`` (or ``apply_gradients``) a tower's own
-``train_step`` makes is routed here (``towers/_keras.py``'s
+``train_step`` makes is routed here (``towers/_keras``'s
 ``routed_applies``). Each tower hands in its gradients and its weight (its
 share of the examples, ``n_t / B``; 1 for a sum loss); the first tower
 combines them (``combine_gradients``, weighted, summed), sums them over the

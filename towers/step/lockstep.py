@@ -188,7 +188,7 @@ def where(workers: Any) -> tuple[int, int] | None:
 
 def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
     """What a tower keeps while the others trace: its layers' ids of the
-    ``add_loss`` terms of its call, which each call clears (``towers/_keras.py``)."""
+    ``add_loss`` terms of its call, which each call clears (``towers/_keras``)."""
     return functools.partial(loss_ids_kept, models)
 
 

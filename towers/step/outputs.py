@@ -46,7 +46,7 @@ def entry(spec, name, i, repeat, default=None, what="", names=()):
         return spec.get(name, default)
     if isinstance(spec, (list, tuple)):
         return spec[i] if i < len(spec) else default
-    if repeat:
+    if repeat or len(names) == 1:  # one output's, as Keras takes it
         return spec
     raise ValueError(
         f"the model has {len(names)} outputs {names}: {what} must be a list or a "
@@ -77,6 +77,19 @@ def targets_of(y: Any, names: list[str], with_loss: list[int]) -> Any:
     for i, target in zip(with_loss, given):
         spread[i] = target
     return spread
+
+
+def names_of(model: Any) -> list[str] | None:
+    """The model's output names as ``compile`` maps a dict of losses onto
+    them: a dict output's keys (two keys may name one tensor), else Keras'
+    ``output_names``; None for a model not built on symbolic outputs."""
+    try:
+        output = model.output
+    except (AttributeError, ValueError):
+        output = None
+    if isinstance(output, Mapping):
+        return list(output)
+    return getattr(model, "output_names", None)
 
 
 def output_names(y_pred: Any, names: list[str] | None) -> list[str]:

@@ -15,14 +15,14 @@ from typing import Any, Literal
 
 import keras
 
-from towers._keras import compile_arguments
+from towers._keras import compile_arguments, compile_loss_error
 from towers.cluster.cluster import Cluster, resolve_cluster
 from towers.cluster.workers import join_workers
 from towers.placement.base import Placement
 from towers.placement.replicas import Independent, Replicated
 from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
-from towers.step import xla
+from towers.step import outputs, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.compiling import FROM_COMPILE, compile_model, given, option
 from towers.step.coupled import CoupledLosses
@@ -119,15 +119,12 @@ def make_step(
     moving = MovingStatistics(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
+    weights = option(options, compiled, "loss_weights")
     try:
-        step_loss = StepLoss(
-            loss,
-            option(options, compiled, "loss_weights"),
-            getattr(where.model, "output_names", None),
-        )
-    except ValueError:
-        if not trains or not _nested(loss, getattr(where.model, "output_names", [])):
-            raise
+        step_loss = StepLoss(loss, weights, outputs.names_of(where.model))
+    except ValueError as error:
+        if not trains or not _nested(loss, outputs.names_of(where.model) or []):
+            raise _with_keras_words(error, where.model, loss, weights) from None
         # Outputs and losses nested as only Keras' compile maps them (a dict
         # of lists, one output's loss in a list): Keras' compute_loss of the
         # whole batch, gathered (its per-output trackers see the batch's).
@@ -186,6 +183,16 @@ def make_step(
         if own_train and not own_loss:  # its own data to its model
             coupled.probed = []
     return step
+
+
+def _with_keras_words(error: ValueError, model: Any, loss: Any, weights: Any):
+    """``error`` with Keras' own words beside it, of the type Keras' fit
+    raises (a ``KeyError`` for a dict output's unknown key), where Keras'
+    compiled loss refuses the same spec."""
+    theirs = compile_loss_error(model, loss, weights)
+    if theirs is None:
+        return error
+    return type(theirs)(f"{error}. Keras: {theirs.args[0] if theirs.args else ''}")
 
 
 def _nested(loss: Any, output_names: Any) -> bool:

@@ -5,7 +5,7 @@ A layer may assign a variable in ``call``: a counter of the batches it saw, a
 metric it updates (in ``call`` or in the model's ``compute_loss``). Left
 alone, every tower would assign it in turn, so it would move T times a step.
 Instead each tower's pass keeps what it assigns in its scope (every tower
-starts from the value before the step: ``towers/_keras.py``'s ``ReadScope``),
+starts from the value before the step: ``towers/_keras``'s ``ReadScope``),
 and the step assigns each such variable once, as its ``aggregation`` says, the
 way tf.distribute reads it::
 

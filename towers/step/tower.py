@@ -331,7 +331,7 @@ def weights_here(
 ) -> Iterator[ReadScope]:
     """Within, each of ``model``'s weights reads as one tensor, read once on the
     current device (the tower's): a layer that compiles with XLA inside cannot
-    read a variable on another device (``towers/_keras.py``). Keras reads an
+    read a variable on another device (``towers/_keras``). Keras reads an
     Embedding's whole table before it gathers, so no layer reads less than this.
 
     With ``states`` (one value per ``state_variables(model)``), the seed

@@ -26,7 +26,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import warn_ran_out
+from towers._keras.inputs import warn_ran_out
 from towers.training.inputs import Source
 
 

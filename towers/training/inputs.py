@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import (
+from towers._keras.inputs import (
     PyDatasetAdapter,
     adapter_dataset,
     array_tensors,

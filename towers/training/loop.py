@@ -16,8 +16,8 @@ from typing import Any
 
 import keras
 
-from towers._keras import initial_epoch as restored_epoch
 from towers._keras import leaf_metrics, metrics_in_order
+from towers._keras.inputs import initial_epoch as restored_epoch
 from towers.training.arguments import (
     check_class_weight,
     check_fit_arguments,

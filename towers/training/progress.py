@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from towers._keras import set_in_place
+from towers._keras.inputs import set_in_place
 
 
 class History(keras.callbacks.History):

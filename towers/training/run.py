@@ -12,10 +12,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import (
+from towers._keras import pythonify_logs
+from towers._keras.inputs import (
     convert_to_np_if_not_ragged,
     potentially_ragged_concat,
-    pythonify_logs,
 )
 from towers.split import batch_size_of
 from towers.step.custom import own

@@ -1,10 +1,12 @@
-"""The non-public parts of Keras towers uses, in one place: jobs with no public call.
+"""The non-public parts of Keras towers uses, in one place (this package): jobs
+with no public call.
 
 Loss terms (``step/losses.py``): a loss *before* its reduction, weighted as
 Keras weights it, and what the reduction divides by (``Loss.__call__``'s
 helpers; ``LossFunctionWrapper`` as ``compile`` wraps a function), checked
 against Keras 3.15 (tests/step/test_losses.py); a model's own
 ``compute_loss`` called as Keras' steps call it (``Model._compute_loss``),
+a loss spec checked by Keras' own ``CompileLoss`` for its error,
 per tower or on the gathered batch (``ReadScope.forgetting``); "accuracy"
 as a loss name by Keras' rule of shapes.
 
@@ -17,14 +19,7 @@ read another device's variable): each tower runs the model in a
 by its aggregation (``step/state.py``). ``_trainable_variables`` tell a
 frozen layer's variables from moving statistics (slots for a later unfreeze).
 
-Input as Keras' fit takes it (``training/inputs.py``, ``training/epochs.py``):
-its data adapters (converted arrays gathered in towers' seeded order, sparse
-ones through Keras' wrapper of their rows; a ``PyDatasetAdapter`` handed the
-first pass's signature), the validation split, ``EpochIterator``'s rules and
-warning, ``BackupAndRestore``'s ``_initial_epoch``; ``Progbar`` rewriting its
-line only on a terminal; predict's batches joined as Keras' predict joins
-them (``potentially_ragged_concat``); data that does not fit the model run
-through it by shapes (``backend.compute_output_spec``) for Keras' own error.
+Input as Keras' fit takes it: ``towers/_keras/inputs.py``.
 
 A model's own step (``step/applies.py``, ``step/assignments.py``): its
 applies (``BaseOptimizer.apply``), assignments (``Variable.assign``) and
@@ -44,49 +39,30 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras.src.backend import compute_output_spec, get_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.variables import Variable as KerasVariable
-from keras.src.backend.tensorflow.trainer import (
-    convert_to_np_if_not_ragged,
-    potentially_ragged_concat,
-)
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.trainers.compile_utils import (
+    CompileLoss,
     CompileMetrics,
     is_binary_or_sparse_categorical,
 )
-from keras.src.trainers.data_adapters import get_data_adapter
-from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
-from keras.src.trainers.data_adapters.array_slicing import (
-    TensorflowSparseWrapper,
-    convert_to_sliceable,
-    slice_tensorflow_sparse_wrapper,
-    train_validation_split,
-)
-from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
 # Imported here for the modules that use them (the names defined below are
 # imported by name).
 __all__ = [
     "LossFunctionWrapper",
-    "PyDatasetAdapter",
     "apply_mask",
     "compute_output_spec",
-    "convert_to_np_if_not_ragged",
-    "get_data_adapter",
     "get_keras_mask",
     "in_stateless_scope",
     "is_binary_or_sparse_categorical",
-    "potentially_ragged_concat",
     "pythonify_logs",
     "squeeze_or_expand_to_same_rank",
-    "train_validation_split",
 ]
 
 
@@ -187,98 +163,6 @@ def trainable_capable(model: keras.Model) -> list[Any]:
     return [v for v in model.weights if id(v) in ids]
 
 
-def is_array_input(data: Any) -> bool:
-    """Whether Keras' fit reads ``data`` (a nest) as arrays: NumPy, tensors,
-    pandas, lists of them (its ``ArrayDataAdapter``).
-
-    >>> is_array_input((np.zeros(3), None)), is_array_input(iter([1]))
-    (True, False)
-    """
-    return can_convert_arrays(data)
-
-
-def array_tensors(adapter: Any) -> Any:
-    """An ``ArrayDataAdapter``'s data, packed as its batches are (``(x,)``,
-    ``(x, y)`` or ``(x, y, sample_weight)``, class weights applied), converted
-    for tf.data, lists as tuples."""
-    return keras.tree.lists_to_tuples(
-        convert_to_sliceable(adapter._inputs, target_backend="tensorflow")
-    )
-
-
-NESTS = (list, tuple, dict)  # traversed into by keras.tree.traverse
-
-
-def gather_rows(data: Any, rows: Any) -> Any:
-    """Examples ``rows`` of an ``ArrayDataAdapter``'s data (as
-    :func:`array_tensors` gives it), as Keras' adapter takes each batch:
-    tensors gathered, sparse ones through Keras' wrapper of their rows."""
-
-    def grab(leaf: Any) -> Any:
-        if isinstance(leaf, TensorflowSparseWrapper):
-            return slice_tensorflow_sparse_wrapper(leaf, rows)
-        if isinstance(leaf, NESTS):
-            return None
-        if tf.is_tensor(leaf):
-            return tf.gather(leaf, rows, axis=0)
-        return leaf
-
-    return keras.tree.traverse(grab, data)
-
-
-def host_tensors(data: Any) -> Any:
-    """:func:`array_tensors`' data with its arrays as tensors (sparse and
-    ragged tensors, and Keras' wrappers of sparse ones, as they are)."""
-
-    def convert(leaf: Any) -> Any:
-        if leaf is None or isinstance(leaf, (TensorflowSparseWrapper, *NESTS)):
-            return None  # None: an optional input given none, kept
-        if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
-            return leaf
-        return tf.convert_to_tensor(leaf)
-
-    return keras.tree.traverse(convert, data)
-
-
-def examples_of(adapter: Any) -> int:
-    return int(adapter._num_samples)  # an ArrayDataAdapter's examples
-
-
-def adapter_dataset(adapter: PyDatasetAdapter, like: PyDatasetAdapter) -> Any:
-    """``adapter``'s tf.data pipeline with the element signature ``like``
-    found (or finds now), so the batches it reads for it are read once."""
-    if like._output_signature is None:
-        like.get_tf_dataset()
-    adapter._output_signature = like._output_signature
-    return adapter.get_tf_dataset()
-
-
-def warn_ran_out() -> None:
-    """Keras' warning for input that ran out within an epoch."""
-    EpochIterator._interrupted_warning(None)
-
-
-def initial_epoch(model: keras.Model, forget: bool = False) -> int | None:
-    """The epoch ``keras.callbacks.BackupAndRestore`` restored to start at (it
-    sets it in ``on_train_begin``), or None; ``forget``: cleared after, as
-    Keras' fit clears it at its end."""
-    epoch = getattr(model, "_initial_epoch", None)
-    if forget:
-        model._initial_epoch = None
-    return epoch
-
-
-def peeked_batch(adapter: Any) -> Any:
-    """A generator's first batch, which Keras' adapter read to find the
-    batches' signature (reading the generator again would move it on)."""
-    return adapter._first_batches[0]
-
-
-def set_in_place(progbar: keras.utils.Progbar, in_place: bool) -> None:
-    """Whether ``progbar`` rewrites its line (``\\r``) or writes new ones."""
-    progbar._dynamic_display = in_place
-
-
 def compile_arguments(model: Any) -> dict[str, Any]:
     """What ``model.compile`` was given, the objects as passed (its metrics
     included, registered for serialization or not); {} for a model that was
@@ -293,6 +177,23 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
         return {}
     return dict(model._compile_config.config)
+
+
+def compile_loss_error(model: keras.Model, loss: Any, weights: Any) -> Any:
+    """The error Keras' compiled loss raises for ``loss`` and ``weights`` on
+    ``model``'s outputs when its fit builds it (a dict of losses naming
+    outputs the model lacks), or None: a new one, built on the model's
+    symbolic outputs, which stand for the targets too."""
+    try:
+        outputs = model.output
+    except (AttributeError, ValueError):
+        return None
+    names = getattr(model, "output_names", None)
+    try:
+        CompileLoss(loss, weights, output_names=names).build(outputs, outputs)
+    except (KeyError, ValueError) as error:
+        return error
+    return None
 
 
 def loss_tracker(model: keras.Model) -> Any:
