@@ -179,6 +179,11 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     return dict(model._compile_config.config)
 
 
+def compiled_with(model: Any) -> Any:
+    """What ``model.compile`` last made (a new object each compile), or None."""
+    return getattr(model, "_compile_config", None)
+
+
 def compile_loss_error(model: keras.Model, loss: Any, weights: Any) -> Any:
     """The error Keras' compiled loss raises for ``loss`` and ``weights`` on
     ``model``'s outputs when its fit builds it (a dict of losses naming

@@ -81,6 +81,10 @@ class Trainer(ModelMetrics, abc.ABC):
     def apply_accumulated(self) -> None:
         """Applies a partly filled accumulation window."""
 
+    @abc.abstractmethod
+    def follow_compile(self) -> None:
+        """Takes up a compile of the model since the engine was made."""
+
     def fit(
         self,
         x: Any = None,
@@ -184,6 +188,7 @@ class Trainer(ModelMetrics, abc.ABC):
           >>> history["loss"][-1] < history["loss"][0]
           True
         """
+        self.follow_compile()
         self.require_compiled("fit")
         check_inputs(x)
         check_fit_arguments(
@@ -322,6 +327,7 @@ class Trainer(ModelMetrics, abc.ABC):
           >>> eng.evaluate(x, y, verbose=0, return_dict=True)
           {'loss': 9.0, 'mae': 3.0}
         """
+        self.follow_compile()
         self.require_compiled("evaluate")
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
@@ -370,6 +376,7 @@ class Trainer(ModelMetrics, abc.ABC):
           ...                       verbose=0).shape
           (5, 1)
         """
+        self.follow_compile()
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)
