@@ -256,3 +256,40 @@ def test_a_metric_with_a_value_per_class_is_kept_in_the_logs():
     assert len(returned) == len(expected) == 3
     for mine, theirs in zip(returned, expected):
         assert_close(mine, theirs)
+
+
+class HoldsAMetric(keras.Model):
+    """A metric held as an attribute, never updated: Keras' fit still lists it
+    in ``model.metrics`` after the loss tracker and the compiled metrics."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3, use_bias=False)
+        self.held = keras.metrics.MeanSquaredError(name="held")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["metrics", "weighted"])
+def test_a_metric_the_model_holds_is_tracked_as_keras_fit_tracks_it(weighted):
+    def metrics_after_fit(fit_of):
+        model = HoldsAMetric()
+        given = [keras.metrics.MeanSquaredError()]
+        model.compile(
+            "sgd", "mse", **{"weighted_metrics" if weighted else "metrics": given}
+        )
+        x, y = np.ones((4, 4), "float32"), np.zeros((4, 3), "float32")
+        fit_of(model)(x, y, batch_size=4, verbose=0, sample_weight=np.ones(4))
+        return [
+            (type(m).__name__, m.name, len(m.variables)) for m in model.metrics
+        ], len(model.metrics_variables)
+
+    got = metrics_after_fit(lambda model: Towers(model, devices=devices(2)).fit)
+    want = metrics_after_fit(lambda model: model.fit)
+    assert got == want
+    assert want == (
+        [("Mean", "loss", 2), ("CompileMetrics", "compile_metrics", 2),
+         ("MeanSquaredError", "held", 2)],
+        6,
+    )  # fmt: skip
