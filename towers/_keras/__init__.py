@@ -21,9 +21,9 @@ frozen layer's variables from moving statistics (slots for a later unfreeze).
 
 Input as Keras' fit takes it: ``towers/_keras/inputs.py``.
 
-A model's own step (``step/applies.py``, ``step/assignments.py``): its
-applies (``BaseOptimizer.apply``), assignments (``Variable.assign``) and
-metric updates routed to where the towers meet while they are traced.
+What towers replaces while the towers are traced (BatchNormalization's
+moments, a mixture of experts' load-balancing loss, a model's own step's
+applies, assignments and metric updates): ``towers/_keras/patches.py``.
 A layer's own loss terms (``Layer._get_own_losses``, ``_loss_ids``,
 ``_losses``), which each call clears: towers in lockstep put theirs back in
 turn. The model's metrics (``step/metrics.py``): its trackers and
@@ -34,17 +34,14 @@ under a distribution strategy (``Trainer._symbolic_build``), in its order.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 from keras.src.backend import compute_output_spec, get_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.trainers.compile_utils import (
     CompileLoss,
     CompileMetrics,
@@ -253,53 +250,3 @@ def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
     """``evaluate``'s list: the results in the order of the model's metrics,
     the loss alone when it is the only one (Keras' own rule)."""
     return model._flatten_metrics_in_order(logs)
-
-
-@contextlib.contextmanager
-def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
-    """Within, Keras' optimizers' ``apply`` calls ``route(optimizer, grads,
-    variables, apply)`` (``apply``: its own); so does ``apply_gradients``."""
-    classes = (BaseOptimizer, keras.optimizers.LossScaleOptimizer)
-    originals = {cls: cls.__dict__["apply"] for cls in classes}
-    for cls, own in originals.items():
-        cls.apply = lambda self, grads, variables=None, own=own: route(
-            self, grads, variables, functools.partial(own, self)
-        )
-    try:
-        yield
-    finally:
-        for cls, own in originals.items():
-            cls.apply = own
-
-
-@contextlib.contextmanager
-def routed_assignments(route: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """Within, a Keras variable's ``assign`` (``assign_add`` and ``assign_sub``
-    call it) calls ``route(variable, value, assign)`` (``assign``: Keras' own,
-    bound); yields Keras' own, unbound, for the router's own assignments."""
-    own = KerasVariable.assign
-    KerasVariable.assign = lambda self, value: route(
-        self, value, functools.partial(own, self)
-    )
-    try:
-        yield own
-    finally:
-        KerasVariable.assign = own
-
-
-@contextlib.contextmanager
-def routed_calls(objects: list[Any], name: str, route: Callable) -> Iterator[None]:
-    """Within, each of ``objects``' method ``name`` (a metric's
-    ``update_state``, a model's ``compute_loss``) calls ``route(obj, own,
-    args, kwargs)`` (``own``: its own, bound)."""
-    for obj in objects:
-        own = getattr(type(obj), name).__get__(obj)
-        routed = lambda *args, obj=obj, own=own, **kwargs: route(  # noqa: E731
-            obj, own, args, kwargs
-        )
-        object.__setattr__(obj, name, routed)  # not tracked
-    try:
-        yield
-    finally:
-        for obj in objects:
-            vars(obj).pop(name, None)

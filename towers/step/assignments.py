@@ -43,12 +43,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import (
-    in_stateless_scope,
-    layers_of,
-    routed_assignments,
-    routed_calls,
-)
+from towers._keras import in_stateless_scope, layers_of
+from towers._keras.patches import routed_assignments, routed_calls
 from towers.combine import in_dtype
 from towers.step.meetings import own_step_seat
 from towers.step.state import rule_of, state_variables

@@ -46,7 +46,6 @@ What each tower normalises with is ``batch_statistics``:
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -54,6 +53,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
+from towers._keras import patches
 from towers.step import meetings
 
 MovingStatisticsPolicy = Literal["batch", "tower0", "mean"]
@@ -101,8 +101,16 @@ class MovingStatistics:
                 )
         self.policy, self.statistics = policy, statistics
         self._model = model
-        self._lock, self._users = threading.Lock(), 0
         self._local = threading.local()  # the recording tower's moments
+        self._patch = patches.Patch(
+            lambda: [
+                replacement
+                for index, layer in enumerate(self.layers)
+                for replacement in patches.batch_norm_replacements(
+                    layer, self._recorded_moments(layer, index)
+                )
+            ]
+        )
         self._epsilons: dict[int, float] = {}  # by layer: Keras' ε of its moments
         for layer in self.layers:
             if layer.synchronized and statistics == "tower":
@@ -148,26 +156,17 @@ class MovingStatistics:
     def _patched(self, record: Any) -> Iterator[None]:
         """Within, this thread's tower records its moments in ``record`` (a
         dict), or moves the statistics at once on ``record`` (a device)."""
-        with self._lock:  # towers traced in lockstep record at the same time
-            if not self._users:
-                for index, layer in enumerate(self.layers):
-                    self._patch(layer, index)
-            self._users += 1
-        self._local.moments = record
-        try:
-            yield
-        finally:
-            self._local.moments = None
-            with self._lock:
-                self._users -= 1
-                if not self._users:
-                    for layer in self.layers:
-                        _unpatch(layer)
+        with self._patch.applied():  # towers in lockstep record at one time
+            self._local.moments = record
+            try:
+                yield
+            finally:
+                self._local.moments = None
 
-    def _patch(self, layer, index: int) -> None:
-        """Makes ``layer`` record its moments into the recording tower's dict
-        and leave its moving variables alone."""
-        moments_fn = layer._moments
+    def _recorded_moments(self, layer, index: int) -> Callable:
+        """``layer``'s moments, recorded into the recording tower's dict (or
+        moved at once), its moving variables left alone."""
+        moments_fn = patches.own_moments(layer)
 
         def recorded_moments(inputs, mask):
             moments = self._local.moments
@@ -191,14 +190,7 @@ class MovingStatistics:
             moments[index] = taken
             return taken[:2]
 
-        # Instance attributes shadow the class's methods while recording: a
-        # renorm layer moves its statistics in one method, others assign them.
-        object.__setattr__(layer, "_moments", recorded_moments)
-        if layer.renorm:
-            object.__setattr__(layer, "_update_renorm_statistics", _skip_update)
-        else:
-            for moving in (layer.moving_mean, layer.moving_variance):
-                object.__setattr__(moving, "assign", _skip_assign)
+        return recorded_moments
 
     def update(self, tower_moments: list[dict]) -> None:
         """Assigns every moving statistic once, as the policy says.
@@ -221,7 +213,7 @@ class MovingStatistics:
         if seat.first:
             with tf.device(device), tf.name_scope("moving_statistics/"):
                 stat = self._statistics(handed, self._epsilons[index])
-                _move(layer, *stat, patched=True)
+                _move(layer, *stat)
 
     def _statistics(
         self, per_tower: list[tuple], epsilon: float
@@ -268,19 +260,17 @@ def _batch_moments(means: Any, variances: Any, counts: Any, epsilon: float) -> t
     return kept, total * (variance + tf.square(mean - kept)) / (total + epsilon)
 
 
-def _move(layer, mean: Any, variance: Any, patched: bool = False) -> None:
+def _move(layer, mean: Any, variance: Any) -> None:
     """Keras' rule, ``moving = moving * momentum + stat * (1 - momentum)`` (a
-    renorm layer's own method, which moves its renorm statistics too);
-    ``patched``: the layer's own assignments are dropped (``_skip_assign``),
-    so the variable's class assigns."""
+    renorm layer's own method, which moves its renorm statistics too), past
+    the layer's own assignments that recording drops."""
     if layer.renorm:
-        type(layer)._update_renorm_statistics(layer, mean, variance)
+        patches.move_renorm(layer, mean, variance)
         return
     momentum = layer.momentum
     for moving, stat in [(layer.moving_mean, mean), (layer.moving_variance, variance)]:
         value = moving * momentum + tf.cast(stat, moving.dtype) * (1.0 - momentum)
-        assign = functools.partial(type(moving).assign, moving)
-        (assign if patched else moving.assign)(value)
+        patches.assign(moving, value)
 
 
 def _kept(inputs: tf.Tensor, mask: Any) -> tf.Tensor:
@@ -297,7 +287,9 @@ def _count(layer, inputs: tf.Tensor, kept: Any, mean: tf.Tensor) -> tf.Tensor:
         size = tf.cast(tf.size(inputs), mean.dtype)
         return size / tf.cast(tf.size(mean), mean.dtype)
     weights = tf.cast(kept, mean.dtype)
-    return tf.squeeze(tf.reduce_sum(weights, layer._reduction_axes, keepdims=True))
+    return tf.squeeze(
+        tf.reduce_sum(weights, patches.reduction_axes(layer), keepdims=True)
+    )
 
 
 def _global_moments(layer, inputs: tf.Tensor, kept: Any) -> tuple:
@@ -307,7 +299,7 @@ def _global_moments(layer, inputs: tf.Tensor, kept: Any) -> tuple:
     In the inputs' dtype: Keras has already cast 16-bit inputs to float32, and
     a float64 model keeps float64. Shaped as Keras' moments (the reduced axes
     dropped; every axis of one, with a mask)."""
-    axes = layer._reduction_axes
+    axes = patches.reduction_axes(layer)
     epsilon = 0.0 if kept is None else keras.config.epsilon()
     moments = _moments_over_towers(inputs, axes, kept, epsilon)
     if kept is None:
@@ -361,23 +353,3 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int], kept: Any, epsilon: floa
         return (mean, variance, count), gradient  # the count takes no gradient
 
     return moments(x)
-
-
-def _unpatch(layer) -> None:
-    for obj, name in [
-        (layer, "_moments"),
-        (layer, "_update_renorm_statistics"),
-        (layer.moving_mean, "assign"),
-        (layer.moving_variance, "assign"),
-    ]:
-        if name in vars(obj):
-            object.__delattr__(obj, name)
-
-
-def _skip_assign(value):
-    """The tower's own moving-statistic assignment: dropped, the update is ours."""
-    return value
-
-
-def _skip_update(mean, variance):
-    """A renorm layer's own update of its statistics: dropped, the update is ours."""

@@ -43,14 +43,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import keras
 
-from towers._keras import layers_of
+from towers._keras import layers_of, patches
 from towers.split import batch_size_of
 from towers.step import meetings
 from towers.step.balancing import load_balancing_over_towers
@@ -162,7 +161,11 @@ class CoupledLosses:
         self.gathered = False
         splits = towers > 1 or accumulate_steps > 1
         self.probed: list[Measured] | None = None if splits else []
-        self._lock, self._users, self._saved = threading.Lock(), 0, {}
+        self._patch = patches.module_functions(
+            [sys.modules[name] for name in {term.module for term in self.terms}],
+            FUNCTION,
+            _over_the_batch,
+        )
         if not self.terms:
             return
         named = "; ".join(str(term) for term in self.terms)
@@ -342,23 +345,8 @@ class CoupledLosses:
         if not self.exact:
             yield
             return
-        with self._lock:
-            if not self._users:
-                for name in {term.module for term in self.terms}:
-                    module = sys.modules[name]
-                    own = getattr(module, FUNCTION)
-                    self._saved[name] = own
-                    setattr(module, FUNCTION, _over_the_batch(own))
-            self._users += 1
-        try:
+        with self._patch.applied():
             yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                if not self._users:
-                    for name, own in self._saved.items():
-                        setattr(sys.modules[name], FUNCTION, own)
-                    self._saved.clear()
 
 
 def _why_not_exact(terms: list[Term], accumulate_steps: int) -> str:

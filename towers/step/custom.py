@@ -54,7 +54,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras import routed_applies
+from towers._keras.patches import routed_applies
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update

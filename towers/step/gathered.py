@@ -60,7 +60,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import ReadScope, compute_loss, routed_calls
+from towers._keras import ReadScope, compute_loss
+from towers._keras.patches import routed_calls
 from towers.combine import in_dtype
 from towers.split import batch_size_of
 from towers.step import meetings

@@ -1,0 +1,183 @@
+"""Where towers replaces what Keras does while the towers are traced, for want
+of a public hook: the one patch point.
+
+A :class:`Patch` replaces attributes of Keras' objects (an instance's method,
+a class's, a module's function) while any tower is within it: the first
+thread to enter replaces them, the last to leave restores them (towers
+traced in lockstep enter together, each in its own thread). What is
+replaced, and why:
+
+- BatchNormalization's ``_moments``, and its own updates of its moving
+  statistics (``step/batchnorm.py``): the towers' moments are recorded or
+  met, the statistics moved once a step;
+- keras_hub's mixture-of-experts ``compute_load_balancing_loss``
+  (``step/coupled.py``): the whole batch's, when the towers meet;
+- in a model's own step, Keras' optimizers' ``apply``, Keras variables'
+  ``assign``, metrics' ``update_state`` and ``result``, and a model's
+  ``compute_loss`` (``step/applies.py``, ``step/assignments.py``,
+  ``step/gathered.py``): routed to where the towers meet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+from keras.src.backend.common.variables import Variable as KerasVariable
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+Replacement = tuple[Any, str, Any]  # (owner, attribute name, new value)
+_ABSENT = object()  # the owner had no attribute of its own: delete on restore
+
+
+class Patch:
+    """Replacements made while any thread is within :meth:`applied`.
+
+    Args:
+      replacements: a zero-arg function giving ``(owner, name, value)``
+        triples, asked at each first entry (the objects may have been rebuilt
+        since: a balanced placement builds a lazily built model anew).
+
+    Example:
+      >>> import types
+      >>> module = types.SimpleNamespace(twice=lambda v: 2 * v)
+      >>> patch = Patch(lambda: [(module, "twice", lambda v: 3 * v)])
+      >>> with patch.applied():
+      ...     with patch.applied():  # a second tower's thread
+      ...         inside = module.twice(1)
+      ...     still = module.twice(1)
+      >>> inside, still, module.twice(1)
+      (3, 3, 2)
+    """
+
+    def __init__(self, replacements: Callable[[], list[Replacement]]):
+        self._replacements = replacements
+        self._lock, self._users = threading.Lock(), 0
+        self._saved: list[Replacement] = []
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with self._lock:
+            if not self._users:
+                for owner, name, value in self._replacements():
+                    self._saved.append((owner, name, vars(owner).get(name, _ABSENT)))
+                    _set(owner, name, value)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    for owner, name, saved in reversed(self._saved):
+                        _restore(owner, name, saved)
+                    self._saved.clear()
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    # Keras' own __setattr__ would track the value (a layer's, a variable's).
+    setter = type.__setattr__ if isinstance(owner, type) else object.__setattr__
+    setter(owner, name, value)
+
+
+def _restore(owner: Any, name: str, saved: Any) -> None:
+    if saved is not _ABSENT:
+        _set(owner, name, saved)
+    elif isinstance(owner, type):
+        type.__delattr__(owner, name)
+    else:
+        object.__delattr__(owner, name)
+
+
+def batch_norm_replacements(layer: Any, moments: Callable) -> list[Replacement]:
+    """``layer`` (a BatchNormalization) takes its moments from
+    ``moments(inputs, mask)`` and leaves its moving statistics alone: a renorm
+    layer moves them in one method, others assign their two variables."""
+    replacements = [(layer, "_moments", moments)]
+    if layer.renorm:
+        return [*replacements, (layer, "_update_renorm_statistics", _dropped)]
+    moving = (layer.moving_mean, layer.moving_variance)
+    return [*replacements, *[(v, "assign", _kept_value) for v in moving]]
+
+
+def own_moments(layer: Any) -> Callable:
+    """Keras' own moments of a BatchNormalization ``layer``: ``(inputs,
+    mask) -> (mean, variance)``, ``mask`` broadcast over the last axis."""
+    return type(layer)._moments.__get__(layer)
+
+
+def reduction_axes(layer: Any) -> list[int]:
+    """The axes a BatchNormalization ``layer`` takes its moments over."""
+    return layer._reduction_axes
+
+
+def move_renorm(layer: Any, mean: Any, variance: Any) -> None:
+    """A renorm layer's own update of its renorm and moving statistics."""
+    type(layer)._update_renorm_statistics(layer, mean, variance)
+
+
+def assign(variable: Any, value: Any) -> Any:
+    """Keras' own ``assign`` of ``variable``, past any replacement."""
+    return type(variable).assign(variable, value)
+
+
+def _dropped(*_: Any) -> None:
+    """A layer's own update, dropped: towers makes it."""
+
+
+def _kept_value(value: Any) -> Any:
+    """A layer's own assignment, dropped: towers makes it."""
+    return value
+
+
+def module_functions(modules: list[Any], name: str, wrap: Callable) -> Patch:
+    """Each of ``modules``' function ``name`` replaced by ``wrap(its own)``."""
+    return Patch(lambda: [(m, name, wrap(getattr(m, name))) for m in modules])
+
+
+@contextlib.contextmanager
+def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
+    """Within, Keras' optimizers' ``apply`` calls ``route(optimizer, grads,
+    variables, apply)`` (``apply``: its own); so does ``apply_gradients``."""
+    classes = (BaseOptimizer, keras.optimizers.LossScaleOptimizer)
+
+    def routed(own: Callable) -> Callable:
+        return lambda self, grads, variables=None: route(
+            self, grads, variables, functools.partial(own, self)
+        )
+
+    patch = Patch(lambda: [(c, "apply", routed(c.__dict__["apply"])) for c in classes])
+    with patch.applied():
+        yield
+
+
+@contextlib.contextmanager
+def routed_assignments(route: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Within, a Keras variable's ``assign`` (``assign_add`` and ``assign_sub``
+    call it) calls ``route(variable, value, assign)`` (``assign``: Keras' own,
+    bound); yields Keras' own, unbound, for the router's own assignments."""
+    own = KerasVariable.assign
+
+    def routed(self: Any, value: Any) -> Any:
+        return route(self, value, functools.partial(own, self))
+
+    with Patch(lambda: [(KerasVariable, "assign", routed)]).applied():
+        yield own
+
+
+@contextlib.contextmanager
+def routed_calls(objects: list[Any], name: str, route: Callable) -> Iterator[None]:
+    """Within, each of ``objects``' method ``name`` (a metric's
+    ``update_state``, a model's ``compute_loss``) calls ``route(obj, own,
+    args, kwargs)`` (``own``: its own, bound)."""
+
+    def routed(obj: Any) -> Callable:
+        own = getattr(type(obj), name).__get__(obj)
+        return lambda *args, **kwargs: route(obj, own, args, kwargs)
+
+    with Patch(lambda: [(obj, name, routed(obj)) for obj in objects]).applied():
+        yield
