@@ -250,9 +250,12 @@ class Towers(Trainer):
           >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
           (2.0, 1.0)
         """
-        return self._run(
-            "evaluate", *self._training_batch("evaluate_step", x, y, sample_weight)
-        )
+        batch = self._training_batch("evaluate_step", x, y, sample_weight)
+        with named_misfits(self.model, batch):
+            # As before a first training step: a term coupling the examples
+            # is gathered or named, one summing them is taken as a sum.
+            self.step.probe(*batch)
+        return self._run("evaluate", *batch)
 
     def predict_step(self, x: Any) -> Any:
         """The model's outputs on one batch: each tower predicts its shard; the

@@ -156,3 +156,33 @@ def test_mean_terms_and_regularisers_pass_the_probe_and_train_as_keras_fit():
         got, want = fit_both(with_layer(MeanPenalty), 3)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL)
+
+
+class SumPenalty(keras.layers.Layer):
+    """Adds a sum over the examples: each tower's adds up to one device's."""
+
+    def call(self, inputs):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(inputs)))
+        return inputs
+
+
+def test_evaluate_before_any_training_refuses_a_term_of_the_batch_by_name():
+    # Not a mean of the towers' shares in silence: evaluate probes the first
+    # batch as a first training step does.
+    x, y = data()
+    engine = Towers(with_layer(BatchSpread)(), devices=devices(3))
+    with pytest.raises(ValueError, match=r"layer sequential/term's add_loss term"):
+        engine.evaluate(x, y, batch_size=EXAMPLES, verbose=0)
+
+
+@pytest.mark.parametrize("build", [contrastive, with_layer(SumPenalty)])
+def test_evaluate_before_any_training_is_keras_evaluate(build):
+    # A coupled compute_loss is gathered, a sum taken as a sum, from the
+    # first evaluation on.
+    x, y = data()
+    engine = Towers(build(), devices=devices(3))
+    reference = build()
+    reference.set_weights(engine.model.get_weights())
+    got = engine.evaluate(x, y, batch_size=EXAMPLES, verbose=0)
+    want = reference.evaluate(x, y, batch_size=EXAMPLES, verbose=0)
+    np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL)
