@@ -121,3 +121,33 @@ def test_dropout_draws_as_a_trace_per_tower_and_no_tower_waits(monkeypatch):
     np.testing.assert_array_equal(after[0], seed_states(per_tower)[0])
     for got, want in zip(shared.model.get_weights(), per_tower.model.get_weights()):
         np.testing.assert_array_equal(got, want)
+
+
+class Counted(keras.layers.Layer):
+    """Counts its calls: each is a trace of the pass it is in."""
+
+    calls = 0
+
+    def call(self, inputs):
+        Counted.calls += 1
+        return inputs
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+@pytest.mark.parametrize("examples, traces", [(9, 1), (8, 2)])
+def test_evaluate_and_predict_trace_once_per_shard_size(call, examples, traces):
+    # 9 on 3 towers: 3 + 3 + 3; 8: 3 + 3 + 2. A trace per tower would be 3.
+    eng = Towers(
+        lambda: keras.Sequential([keras.Input((4,)), Counted(), keras.layers.Dense(2)]),
+        "mse",
+        keras.optimizers.SGD(0.1),
+        devices=[f"/cpu:{t}" for t in range(3)],
+    )
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((examples, 4)), rng.standard_normal((examples, 2))
+    run = getattr(eng, call)
+    args = (x,) if call == "predict" else (x, y)
+    run(*[a[:2] for a in args], verbose=0)  # the first call's probe and builds
+    Counted.calls = 0
+    run(*args, batch_size=examples, verbose=0)
+    assert Counted.calls == traces

@@ -57,28 +57,29 @@ def by_kind(decided):
 
 
 @pytest.mark.parametrize(
-    "build, towers, options, train",
+    "build, towers, options, train, inference",
     [
-        (build_mlp, 1, {}, "alone"),  # nobody to share a trace with
-        (build_mlp, 3, {}, "once"),
-        (build_mlp, 3, {"placement": "replicated"}, "alone"),  # a copy each
-        (build_mlp, 3, {"jit_compile": True}, "once"),
-        (batch_norm_mlp, 3, {"batch_statistics": "global"}, "phases"),
-        (batch_norm_mlp, 1, {"batch_statistics": "global"}, "alone"),
+        (build_mlp, 1, {}, "alone", "alone"),  # nobody to share a trace with
+        (build_mlp, 3, {}, "once", "once"),
+        (build_mlp, 3, {"placement": "replicated"}, "alone", "alone"),  # a copy each
+        (build_mlp, 3, {"jit_compile": True}, "once", "once"),
+        (batch_norm_mlp, 3, {"batch_statistics": "global"}, "phases", "once"),
+        (batch_norm_mlp, 1, {"batch_statistics": "global"}, "alone", "alone"),
     ],
     ids=["one", "shared", "replicated", "xla", "global", "global-alone"],
 )
 def test_towers_own_steps_take_the_way_the_runner_decides(
-    ways, build, towers, options, train
+    ways, build, towers, options, train, inference
 ):
     engine = Towers(
         build, "mse", keras.optimizers.SGD(0.1), devices=devices(towers), **options
     )
     run_all(engine, *regression())
+    # Evaluation and prediction meet nowhere (moving statistics, no sums).
     assert by_kind(ways) == {
         "train": {train},
-        "evaluate": {"alone"},
-        "predict": {"alone"},
+        "evaluate": {inference},
+        "predict": {inference},
     }
 
 
@@ -88,7 +89,7 @@ def test_a_models_own_train_step_takes_turns(ways):
     x, y = rng.standard_normal((10, 5)), rng.standard_normal((10, 2))
     run_all(engine, x, y)
     # test_step is the model's own too; predict_step is towers'.
-    assert by_kind(ways) == {"own": {"turns"}, "predict": {"alone"}}
+    assert by_kind(ways) == {"own": {"turns"}, "predict": {"once"}}
 
 
 def test_a_gathered_loss_takes_turns_in_training_and_evaluation(ways):
@@ -98,7 +99,7 @@ def test_a_gathered_loss_takes_turns_in_training_and_evaluation(ways):
     assert by_kind(ways) == {
         "train": {"turns"},
         "evaluate": {"turns"},
-        "predict": {"alone"},
+        "predict": {"once"},
     }
 
 

@@ -8,8 +8,9 @@ how, and nothing else does:
 
 - ``"alone"``: each tower traced in turn, on its device; nobody meets.
 - ``"once"``: one trace of the tower's pass serves every tower of a shared
-  model (``towers/step/once.py``); nobody meets, and with XLA each tower's
-  pass is one computation.
+  model (training: ``towers/step/once.py``, where with XLA each tower's pass
+  is one computation; evaluation and prediction: :meth:`Runner.each`);
+  nobody meets.
 - ``"phases"``: the pass traced once and cut where the towers meet by sums
   (BatchNormalization's global moments, a mixture of experts' load-balancing
   sums, a divisor from sample weights), the sums between the phases
@@ -32,7 +33,7 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from towers.split import Shards
-from towers.step import lockstep, once, segments
+from towers.step import lockstep, once, segments, xla
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
@@ -65,9 +66,9 @@ class Runner:
         turns. A pass that gathers a loss's rows (a coupled ``compute_loss``)
         meets in turns (never under XLA: the probe sees to it). A
         training pass whose towers meet by sums (global batch statistics, a
-        mixture of experts' terms) is cut into phases. A training pass nobody
-        meets in is traced once for every tower when they share a model and
-        the shard sizes are known (always with XLA); else tower by tower.
+        mixture of experts' terms) is cut into phases. A pass nobody meets in
+        is traced once for every tower when they share a model and the shard
+        sizes are known (a training pass always with XLA); else tower by tower.
         """
         meets = len(working) > 1 or self.workers is not None
         if kind == "own":
@@ -75,7 +76,10 @@ class Runner:
         # Never under XLA: the probe turns "auto" off, and refuses True.
         gathered = meets and self.tower.coupled.gathered
         if kind != "train":
-            return "turns" if gathered and kind == "evaluate" else "alone"
+            if gathered and kind == "evaluate":
+                return "turns"
+            shared = once.shareable(self.placement, shards, working)
+            return "once" if shared else "alone"
         statistics = self.moving_statistics
         sums = statistics.statistics == "global" and bool(statistics.layers)
         if meets and (sums or self.tower.coupled.exact):
@@ -147,14 +151,28 @@ class Runner:
             args = (model, x, y, sample_weight, shards.normaliser)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
+        way = self.way(kind, working, shards)
+        if way == "once":  # one trace of work for the towers' shared model
+            model = self.placement.model_of(working[0])
+            work = xla.function(partial(work, model), False, self.tower.inline)
+            run = partial(_run_shared, self.placement, shards, work, kind)
         works = [run(t) for t in working]
-        if self.way(kind, working, shards) != "turns":
+        if way != "turns":
             return [work() for work in works]
         weights, loss, across = seats or (None, None, None)
         meet = lockstep.meeting(
             len(works), self.placement, self.workers, across, "eval"
         )
         return lockstep.in_lockstep(works, meet, weights, loss)
+
+
+def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any]:
+    """Tower ``t``'s call of ``work``, traced once for every tower (a shard
+    shape's first call traces it): ``work(x_t)`` for a prediction, else
+    ``work(x_t, y_t, sw_t, B)``."""
+    x, y, sample_weight = shards.parts[t]
+    args = (x,) if kind == "predict" else (x, y, sample_weight, shards.normaliser)
+    return partial(on_tower, placement, t, partial(work, *args))
 
 
 def on_tower(placement: Any, t: int, work: Callable[[], Any]) -> Any:
