@@ -9,6 +9,7 @@ from keras import ops
 
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from tests.training.test_output_structures import assert_trains_as_keras
 from towers import Towers
 
 
@@ -474,17 +475,4 @@ def test_losses_nested_as_keras_compile_takes_them_train_as_keras():
     rng = np.random.default_rng(2)
     x = rng.random((11, 3))
     y = (rng.random((11, 1)), rng.integers(0, 2, (11, 1)).astype("float32"))
-    engine = Towers(nested_losses_model(), devices=devices(3))
-    reference = nested_losses_model()
-    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
-
-    history = engine.fit(x, y, **fit).history
-    expected = reference.fit(x, y, **fit).history
-
-    assert sorted(history) == sorted(expected)
-    for key in expected:
-        np.testing.assert_allclose(history[key], expected[key], rtol=EQUIVALENCE_RTOL)
-    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(
-            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
-        )
+    assert_trains_as_keras(nested_losses_model, x, y)  # batches of 4, 2 epochs
