@@ -152,7 +152,7 @@ class Runner:
             return partial(on_tower, self.placement, t, partial(work, *args))
 
         way = self.way(kind, working, shards)
-        if way == "once":  # one trace of work for the towers' shared model
+        if way == "once" and kind != "train":  # (training's: once.py)
             model = self.placement.model_of(working[0])
             work = xla.function(partial(work, model), False, self.tower.inline)
             run = partial(_run_shared, self.placement, shards, work, kind)
