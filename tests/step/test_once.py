@@ -151,3 +151,14 @@ def test_evaluate_and_predict_trace_once_per_shard_size(call, examples, traces):
     Counted.calls = 0
     run(*args, batch_size=examples, verbose=0)
     assert Counted.calls == traces
+
+
+def test_a_functional_model_without_weights_is_never_called_to_build_it():
+    # Built from its Input with nothing to make: Keras' predict calls it only
+    # in its one trace, and so do the towers.
+    inputs = keras.Input((4,))
+    eng = Towers(keras.Model(inputs, Counted()(inputs)), devices=["/cpu:0", "/cpu:1"])
+    Counted.calls = 0
+    got = eng.predict(np.ones((6, 4)), verbose=0)
+    assert Counted.calls == 1
+    np.testing.assert_array_equal(got, np.ones((6, 4)))

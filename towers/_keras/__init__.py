@@ -42,6 +42,7 @@ from keras.src.backend import compute_output_spec, get_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.models.functional import Functional
 from keras.src.trainers.compile_utils import (
     CompileLoss,
     CompileMetrics,
@@ -174,6 +175,12 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
         return {}
     return dict(model._compile_config.config)
+
+
+def built_symbolically(model: Any) -> bool:
+    """Whether ``model`` was built from symbolic inputs (a functional model, a
+    ``Sequential`` given an ``Input``): its layers are built, variables or not."""
+    return isinstance(model, Functional) or bool(getattr(model, "_functional", None))
 
 
 def compiled_with(model: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import trainable_capable
+from towers._keras import built_symbolically, trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -200,7 +200,8 @@ class Step:
         check_sizes(x, y, sample_weight, allow_empty=self.workers is not None)
         x, y, sample_weight = on_host((x, y, sample_weight))
         model = self.placement.model
-        if (not model.built or not model.variables) and overrides(model, "call"):
+        unbuilt = not model.built or not (model.variables or built_symbolically(model))
+        if unbuilt and overrides(model, "call"):
             # Built from the first batch, as Keras' fit builds it, whatever
             # variables it made already; one with no call() is never called.
             self.placement.build_from(first_example(x))
