@@ -254,7 +254,7 @@ class Towers(Trainer):
         with named_misfits(self.model, batch):
             # As before a first training step: a term coupling the examples
             # is gathered or named, one summing them is taken as a sum.
-            self.step.probe(*batch)
+            self.step.probe(*batch, training=False)
         return self._run("evaluate", *batch)
 
     def predict_step(self, x: Any) -> Any:

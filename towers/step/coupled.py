@@ -161,6 +161,7 @@ class CoupledLosses:
         self.gathered = False
         splits = towers > 1 or accumulate_steps > 1
         self.probed: list[Measured] | None = None if splits else []
+        self._evaluated = not splits  # an evaluation has been probed
         self._patch = patches.module_functions(
             [sys.modules[name] for name in {term.module for term in self.terms}],
             FUNCTION,
@@ -214,6 +215,7 @@ class CoupledLosses:
         own_loss: bool,
         device: str,
         jit: bool = False,
+        training: bool = True,
     ) -> None:
         """Probes the model's other loss terms on ``batch`` (x, y,
         sample_weight), once, on the first batch of two or more examples
@@ -227,11 +229,12 @@ class CoupledLosses:
             is ``"exact"`` (and cannot gather it) or ``"refuse"``. Nothing was
             updated.
         """
-        if self.probed is not None or batch_size_of(batch[0]) < 2:
+        done = self.probed is not None or (not training and self._evaluated)
+        if done or batch_size_of(batch[0]) < 2:
             return
-        if self.terms and not self.exact:
+        if self.terms and not self.exact and training:
             self._warn_per_tower(model, batch[0], device)
-        probed = probe_terms(model, batch, own_loss, device)
+        probed = probe_terms(model, batch, own_loss, device, training)
         self._check_sums(probed.sums)
         found = probed.coupled
         named = "; ".join(str(term) for term in found)
@@ -247,7 +250,7 @@ class CoupledLosses:
                     "then differs from one device's), or train on one device."
                 )
             self.gathered = self.exact = True
-            self.probed, self.sums = found, probed.sums
+            self._record(found, probed.sums, training)
             return
         if found and self.policy != "per_tower":
             raise ValueError(
@@ -268,12 +271,21 @@ class CoupledLosses:
                 f"device's on the whole batch: {named}",
                 stacklevel=4,
             )
-        self.probed, self.sums = found, probed.sums
+        self._record(found, probed.sums, training)
+
+    def _record(self, found: list, sums: list, training: bool) -> None:
+        """What a probe found. One before evaluation (``training`` False)
+        serves the evaluations only: training probes again, in its mode."""
+        self.sums = sums
+        if training:
+            self.probed = found
+        self._evaluated = True
 
     def probe_again(self) -> None:
         """The next :meth:`probe` runs again (the step's loss changed)."""
         splits = self.towers > 1 or self.accumulate_steps > 1
         self.probed, self.sums = (None if splits else []), []
+        self._evaluated = False
 
     def gather_compute_loss(self) -> None:
         """Keras' ``compute_loss`` of the whole batch, gathered, on more than

@@ -93,7 +93,11 @@ class Probed:
 
 
 def probe_terms(
-    model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool, device: str
+    model: keras.Model,
+    batch: tuple[Any, Any, Any],
+    own_loss: bool,
+    device: str,
+    training: bool = True,
 ) -> Probed:
     """The model's loss terms that are not a mean over the examples, found on
     the first two examples of ``batch`` (x, y, sample_weight): every layer's
@@ -101,17 +105,19 @@ def probe_terms(
     on ``device``, nothing assigned. A term whose value on the two is the sum
     of its values on each sums over the examples (an ``add_loss`` term of
     ``ops.sum``: each tower's adds up to one device's, taken unweighted).
+    ``compute_loss`` is called with ``training``: True as Keras' fit calls it,
+    False as its evaluate does.
 
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
     Probed(coupled=[], sums=[], outputs_coupled=False)
     """
     with tf.device(device):
-        together, both = _term_values(model, _examples(batch, 0, 2), own_loss)
+        together, both = _term_values(model, _examples(batch, 0, 2), own_loss, training)
         if not together:
             return Probed([], [])  # no add_loss term, no compute_loss: one call
-        first, one = _term_values(model, _examples(batch, 0, 1), own_loss)
-        second, other = _term_values(model, _examples(batch, 1, 2), own_loss)
+        first, one = _term_values(model, _examples(batch, 0, 1), own_loss, training)
+        second, other = _term_values(model, _examples(batch, 1, 2), own_loss, training)
     found = Probed([], [], not _rows_match(both, one, other))
     for key, (name, value) in together.items():
         if key not in first or key not in second:
@@ -167,14 +173,14 @@ def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
 
 
 def _term_values(
-    model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool
+    model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool, training: bool
 ) -> tuple[dict[tuple, tuple[str, float]], Any]:
     """Each loss term's name and value on ``batch``, by ``(layer path,
     index)`` (``("compute_loss",)`` for the model's override), and the
     model's outputs. The forward
     pass runs in inference mode (its random draws would differ between the
     two examples together and each alone); ``compute_loss`` is called with
-    ``training=True``, as Keras' fit calls it. In a ``keras.StatelessScope``:
+    ``training``. In a ``keras.StatelessScope``:
     what the calls assign (a metric's total, a statistic, a seed) stays in
     the scope."""
     x, y, sample_weight = batch
@@ -193,7 +199,7 @@ def _term_values(
                 name = f"layer {layer.path}{which}"
                 values[(layer.path, i)] = (name, _number(term))
         if own_loss:
-            loss = compute_loss(model, x, y, y_pred, sample_weight, True)
+            loss = compute_loss(model, x, y, y_pred, sample_weight, training)
             name = f"{type(model).__name__}.compute_loss"
             values[("compute_loss",)] = (name, _number(loss))
     return values, y_pred

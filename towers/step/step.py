@@ -158,13 +158,16 @@ class Step:
         if self.workers is not None:
             self.workers.start_together(self.placement.model.variables)
 
-    def probe(self, x: Any, y: Any, sample_weight: Any = None) -> None:
-        """Before the first training step: the model's loss terms that are not
-        a mean over the examples gathered, refused by name or warned of
-        (``towers/step/coupled.py``); a no-op after."""
+    def probe(
+        self, x: Any, y: Any, sample_weight: Any = None, training: bool = True
+    ) -> None:
+        """Before the first training step (or evaluation, ``training`` False):
+        the model's loss terms that are not a mean over the examples gathered,
+        refused by name or warned of (``towers/step/coupled.py``); a no-op
+        after."""
         coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
         batch, own = (x, y, sample_weight), self.tower.own_loss
-        coupled.probe(model, batch, own, self.device, jit.strict)
+        coupled.probe(model, batch, own, self.device, jit.strict, training)
         if coupled.gathered and jit.enabled:  # "auto"
             self.tower.jit = xla.without("the model's compute_loss gathers the batch")
 
