@@ -229,12 +229,13 @@ class MovingStatistics:
         if self.statistics == "global" and self.policy == "batch":
             # Every tower holds the whole batch's moments already.
             return per_tower[0][0], per_tower[0][1]
-        means, variances, counts = [
-            tf.stack([tf.broadcast_to(t[i], tf.shape(t[0])) for t in per_tower])
-            for i in range(3)
-        ]
+        means = tf.stack([mean for mean, _, _ in per_tower])
+        variances = tf.stack([variance for _, variance, _ in per_tower])
         if self.policy == "mean":
             return tf.reduce_mean(means, 0), tf.reduce_mean(variances, 0)
+        counts = tf.stack([count for _, _, count in per_tower])
+        if counts.shape.rank < means.shape.rank:  # a count per tower: no mask
+            counts = tf.reshape(counts, [-1] + [1] * (means.shape.rank - 1))
         return _batch_moments(means, variances, counts, epsilon)
 
 
@@ -244,15 +245,17 @@ def _batch_moments(means: Any, variances: Any, counts: Any, epsilon: float) -> t
     masked layer's sums by the count plus ``epsilon``: the towers' moments are
     first made plain (divided by the count alone), and ε put back on the batch's.
     A tower whose values are all masked weighs nothing."""
+    # Without a mask every tower that runs has values: no count is 0.
+    divide = tf.math.divide_no_nan if epsilon else tf.math.divide
     if epsilon:
-        plain = means * tf.math.divide_no_nan(counts + epsilon, counts)
-        variances = variances * tf.math.divide_no_nan(counts + epsilon, counts)
+        plain = means * divide(counts + epsilon, counts)
+        variances = variances * divide(counts + epsilon, counts)
         variances -= tf.math.squared_difference(plain, means)
         means = plain
     total = tf.reduce_sum(counts, 0)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
+    mean = divide(tf.reduce_sum(counts * means, 0), total)
     spread = variances + tf.math.squared_difference(means, mean)
-    variance = tf.math.divide_no_nan(tf.reduce_sum(counts * spread, 0), total)
+    variance = divide(tf.reduce_sum(counts * spread, 0), total)
     if not epsilon:
         return mean, variance
     # Keras' mean S / (n + ε), and its mean squared distance from that mean.
@@ -301,10 +304,10 @@ def _global_moments(layer, inputs: tf.Tensor, kept: Any) -> tuple:
     dropped; every axis of one, with a mask)."""
     axes = patches.reduction_axes(layer)
     epsilon = 0.0 if kept is None else keras.config.epsilon()
-    moments = _moments_over_towers(inputs, axes, kept, epsilon)
-    if kept is None:
-        return tuple(tf.squeeze(m, axes) for m in moments)
-    return tuple(tf.squeeze(m) for m in moments)
+    mean, variance, count = _moments_over_towers(inputs, axes, kept, epsilon)
+    if kept is None:  # one count: a scalar
+        return tf.squeeze(mean, axes), tf.squeeze(variance, axes), count
+    return tf.squeeze(mean), tf.squeeze(variance), tf.squeeze(count)
 
 
 def _moments_over_towers(x: tf.Tensor, axes: list[int], kept: Any, epsilon: float):
@@ -329,16 +332,19 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int], kept: Any, epsilon: floa
     @tf.custom_gradient
     def moments(x: tf.Tensor):
         local_sum = tf.reduce_sum(only_kept(x), axes, keepdims=True)
-        if kept is None:
-            count = tf.fill(tf.shape(local_sum), _count(None, x, None, local_sum))
-        else:
+        if kept is None:  # the count rides along: one per tower
+            count = _count(None, x, None, local_sum)
+            packed = tf.concat([tf.reshape(local_sum, [-1]), [count]], 0)
+            summed = meetings.total(packed)
+            total, count = tf.reshape(summed[:-1], tf.shape(local_sum)), summed[-1]
+        else:  # a count per channel
             count = tf.reduce_sum(tf.cast(kept, x.dtype), axes, keepdims=True)
-        summed = meetings.total(tf.stack([local_sum, count]))
-        count = summed[1]
-        mean = summed[0] / (count + epsilon)
+            total, count = tf.unstack(meetings.total(tf.stack([local_sum, count])))
+        denominator = count + epsilon if epsilon else count
+        mean = total / denominator
         centred = only_kept(x - mean)
         squares = tf.reduce_sum(tf.square(centred), axes, keepdims=True)
-        variance = meetings.total(squares) / (count + epsilon)
+        variance = meetings.total(squares) / denominator
 
         def gradient(d_mean: Any, d_variance: Any, _: Any) -> tf.Tensor:
             upstream = [
@@ -347,8 +353,9 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int], kept: Any, epsilon: floa
             d_mean, d_variance = tf.unstack(
                 meetings.total(tf.stack(upstream), backward=True)
             )
-            d_mean -= 2.0 * epsilon * mean * d_variance / (count + epsilon)
-            return (only_kept(d_mean) + 2.0 * d_variance * centred) / (count + epsilon)
+            if epsilon:
+                d_mean -= 2.0 * epsilon * mean * d_variance / denominator
+            return (only_kept(d_mean) + 2.0 * d_variance * centred) / denominator
 
         return (mean, variance, count), gradient  # the count takes no gradient
 
