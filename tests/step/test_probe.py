@@ -14,6 +14,7 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
+from towers.step import probe as probe_module
 
 EXAMPLES = 10
 
@@ -221,3 +222,29 @@ def test_the_probe_calls_compute_loss_as_the_step_it_precedes_does():
     SeesTraining.seen = []
     engine.fit(x, y, batch_size=EXAMPLES, verbose=0)
     assert set(SeesTraining.seen) == {True}
+
+
+@pytest.mark.parametrize(
+    "layer, probed",
+    [
+        (lambda: keras.layers.Dense(4), False),
+        (lambda: keras.layers.Dense(4, activity_regularizer="l2"), True),
+        (lambda: MeanPenalty(), True),  # not Keras' own: it may add_loss
+    ],
+    ids=["keras", "activity", "own-layer"],
+)
+def test_the_probe_calls_a_model_only_where_a_term_may_be_added(
+    monkeypatch, layer, probed
+):
+    called = []
+    term_values = probe_module._term_values
+    monkeypatch.setattr(
+        probe_module,
+        "_term_values",
+        lambda *args: called.append(1) or term_values(*args),
+    )
+    x, y = data()
+    build = keras.Sequential([keras.Input((6,)), layer(), keras.layers.Dense(4)])
+    build.compile(keras.optimizers.SGD(0.1), "mse")
+    Towers(build, devices=devices(2)).fit(x, y, batch_size=EXAMPLES, verbose=0)
+    assert bool(called) is probed

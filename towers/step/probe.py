@@ -108,10 +108,15 @@ def probe_terms(
     ``compute_loss`` is called with ``training``: True as Keras' fit calls it,
     False as its evaluate does.
 
+    A model of Keras' own layers only, none with an activity regulariser,
+    and no ``compute_loss`` of its own adds no term: it is not called.
+
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
     Probed(coupled=[], sums=[], outputs_coupled=False)
     """
+    if not own_loss and not _may_add_terms(model):
+        return Probed([], [])
     with tf.device(device):
         together, both = _term_values(model, _examples(batch, 0, 2), own_loss, training)
         if not together:
@@ -169,6 +174,17 @@ def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
         if part is None
         else tf.nest.map_structure(lambda a: take_rows(a, start, stop), part)
         for part in batch
+    )
+
+
+def _may_add_terms(model: keras.Model) -> bool:
+    """Whether a call of ``model`` may add a loss term: Keras' own layers add
+    one only through an activity regulariser; any other layer (the model's
+    own class included) may call ``add_loss``."""
+    return any(
+        not type(layer).__module__.startswith("keras.")
+        or getattr(layer, "activity_regularizer", None) is not None
+        for layer in layers_of(model)  # the model first
     )
 
 
