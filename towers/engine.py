@@ -1,6 +1,5 @@
-"""Towers, the front door: the arguments resolved into the step's parts, and the
-data path of ``towers/step/step.py`` run as one ``tf.function``
-(docs/architecture.md)."""
+"""Towers, the front door: the arguments resolved into the step's parts, and
+the data path of ``step/step.py`` run as one ``tf.function`` (architecture.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras import compiled_with
 from towers.cluster.cluster import Cluster
 from towers.devices import canonical_device, resolve_devices
 from towers.explain.run import Explanation, explain
@@ -24,6 +22,7 @@ from towers.step.parts import PlacementName, join_cluster, make_step
 from towers.step.xla import JitCompile
 from towers.training.fits import named_misfits
 from towers.training.loop import Trainer
+from towers.training.recompile import remember_compile
 
 
 class Towers(Trainer):
@@ -108,7 +107,6 @@ class Towers(Trainer):
         own_step_loss: OwnStepLoss = "mean",
         tower_functions: Literal["inline", "call"] = "inline",
     ):
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "k", "v")}
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
         self.devices = resolve_devices(devices)
@@ -129,37 +127,9 @@ class Towers(Trainer):
         self.moving_statistics = self.step.moving_statistics
         self.model, self.optimizer = self.placement.model, self.placement.optimizer
         self._compiled = Compiled(self.step)
+        remember_compile(self, locals())  # what a later compile changes
         if self.model.built and self.model.variables:
             self.step.start()  # else the first batch builds the model first
-        self._arguments, self._compiled_with = arguments, compiled_with(self.model)
-
-    def follow_compile(self) -> None:
-        """Takes up a compile of the model since this engine was made (a new
-        optimizer, loss or metrics, as a fine-tuning script compiles again
-        after it unfreezes layers), as Keras' next ``fit``, ``evaluate`` or
-        ``predict`` does: each calls this first. The engine is made again
-        from its arguments on the same model (a loss or optimizer given to
-        ``Towers`` itself still wins over the compile's).
-
-        >>> import keras, towers
-        >>> eng = towers.Towers(make_engine().model, devices=["/cpu:0", "/cpu:1"])
-        >>> eng.model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mae")
-        >>> x, y = np.zeros((4, 3), "f4"), np.full((4, 1), 2.0, "f4")  # errors of 2
-        >>> eng.evaluate(x, y, verbose=0), float(eng.optimizer.learning_rate)
-        (2.0, 0.5)
-
-        Raises:
-          ValueError: in a cluster, where every worker would have to make its
-            engine again together: make a new ``Towers`` on each instead.
-        """
-        if compiled_with(self.model) is self._compiled_with:
-            return
-        if self.cluster is not None:
-            raise ValueError(
-                "the model was compiled again after its Towers engine was made; "
-                "in a cluster make a new towers.Towers(model, ...) on every worker"
-            )
-        self.__init__(**dict(self._arguments, model=self.model))
 
     @property
     def num_towers(self) -> int:
@@ -232,7 +202,6 @@ class Towers(Trainer):
         """
         prepared = [self._training_batch("train_step", *b) for b in batches]
         with named_misfits(self.model, prepared[0]):
-            self.step.probe(*prepared[0])
             return self._compiled.train_on(prepared, self._call)["logs"]
 
     def evaluate_step(
@@ -250,12 +219,9 @@ class Towers(Trainer):
           >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
           (2.0, 1.0)
         """
-        batch = self._training_batch("evaluate_step", x, y, sample_weight)
-        with named_misfits(self.model, batch):
-            # As before a first training step: a term coupling the examples
-            # is gathered or named, one summing them is taken as a sum.
-            self.step.probe(*batch, training=False)
-        return self._run("evaluate", *batch)
+        return self._run(
+            "evaluate", *self._training_batch("evaluate_step", x, y, sample_weight)
+        )
 
     def predict_step(self, x: Any) -> Any:
         """The model's outputs on one batch: each tower predicts its shard; the

@@ -1,6 +1,6 @@
 """A model compiled again while its Towers engine is kept: the engine's next
 fit, evaluate or predict takes up the new compile, as Keras' own do
-(``Towers.follow_compile``), against Keras' fit on one device."""
+(``towers/training/recompile.py``), against Keras' fit on one device."""
 
 import keras
 import numpy as np

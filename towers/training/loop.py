@@ -35,6 +35,7 @@ from towers.training.inputs import source_of, split_validation, unpack
 from towers.training.model_metrics import ModelMetrics
 from towers.training.preemption import Preemption
 from towers.training.progress import History
+from towers.training.recompile import follow_compile
 from towers.training.run import (
     FitRun,
     evaluate_loop,
@@ -58,7 +59,8 @@ class Trainer(ModelMetrics, abc.ABC):
     (its ``finalize()`` ends a fit, as Keras'), and what checkpoints
     and logs need: ``variable_device``, ``optimizer``, ``steps_done``,
     ``training_state()``, ``after_restore()`` (``towers/training/checkpoint.py``,
-    ``towers/training/summaries.py``).
+    ``towers/training/summaries.py``); each call first takes up a compile of
+    the model since the engine was made (``towers/training/recompile.py``).
     """
 
     @abc.abstractmethod
@@ -80,10 +82,6 @@ class Trainer(ModelMetrics, abc.ABC):
     @abc.abstractmethod
     def apply_accumulated(self) -> None:
         """Applies a partly filled accumulation window."""
-
-    @abc.abstractmethod
-    def follow_compile(self) -> None:
-        """Takes up a compile of the model since the engine was made."""
 
     def fit(
         self,
@@ -188,7 +186,7 @@ class Trainer(ModelMetrics, abc.ABC):
           >>> history["loss"][-1] < history["loss"][0]
           True
         """
-        self.follow_compile()
+        follow_compile(self)  # the model's compile as it is now
         self.require_compiled("fit")
         check_inputs(x)
         check_fit_arguments(
@@ -327,7 +325,7 @@ class Trainer(ModelMetrics, abc.ABC):
           >>> eng.evaluate(x, y, verbose=0, return_dict=True)
           {'loss': 9.0, 'mae': 3.0}
         """
-        self.follow_compile()
+        follow_compile(self)  # the model's compile as it is now
         self.require_compiled("evaluate")
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
@@ -376,7 +374,7 @@ class Trainer(ModelMetrics, abc.ABC):
           ...                       verbose=0).shape
           (5, 1)
         """
-        self.follow_compile()
+        follow_compile(self)  # the model's compile as it is now
         verbose = check_verbose(verbose) if _is_chief(self) else 0
         if steps is not None:
             check_positive("steps", steps)

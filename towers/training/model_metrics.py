@@ -91,9 +91,12 @@ class ModelMetrics:
 
     def _training_batch(self, method: str, *batch: Any) -> tuple:
         """A training or evaluation batch, prepared (``prepare``), with the
-        model compiled and its metrics built."""
+        model compiled, its metrics built and, before a first step, its loss
+        terms probed (a term coupling the examples gathered or named, one
+        summing them taken as a sum: ``towers/step/coupled.py``)."""
         self.require_compiled(method)
         batch = self.prepare(*batch)
         with named_misfits(self.model, batch):
             self.build_metrics(*batch)
+            self.step.probe(*batch, training=method != "evaluate_step")
         return batch
