@@ -46,12 +46,15 @@ bench: $(INSTALLED)
 # Keras' own tests of fit, evaluate, predict and its callbacks (in the Keras
 # wheel), every fit, evaluate and predict routed through towers on 2 logical
 # CPUs (tests/keras_suite/route.py); then the same files on Keras alone, to
-# compare. trainer_test.py imports jax: it goes to .keras-tests, not .venv.
+# compare. trainer_test.py imports jax: it goes to .keras-tests, not .venv;
+# so does our own test of jax's sparse arrays as input, run first.
 KERAS_SRC = $(shell $(BIN)/python -c "import keras, os; print(os.path.dirname(keras.__file__))" 2>/dev/null)/src
 KERAS_TESTS ?= $(KERAS_SRC)/trainers/trainer_test.py $(KERAS_SRC)/callbacks
 keras-tests: $(INSTALLED)
 	test -d .keras-tests || $(BIN)/python -m pip install -q --no-deps \
 		--target .keras-tests jax==0.10.2 jaxlib==0.10.2
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.keras-tests $(BIN)/python -m pytest -q \
+		-p no:cacheprovider tests/keras_suite/jax_sparse.py
 	cd /tmp && PYTHONPATH=$(CURDIR):$(CURDIR)/.keras-tests $(CURDIR)/$(BIN)/python \
 		-m pytest -q -p tests.keras_suite.route -p no:cacheprovider -n 2 \
 		-p no:warnings --rootdir /tmp $(KERAS_TESTS) -rf || true
