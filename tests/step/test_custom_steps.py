@@ -592,3 +592,33 @@ def test_a_predict_step_alone_leaves_training_to_towers_own_exact_step():
     got = engine.predict(x, batch_size=8, verbose=0)
     want = reference.predict(x, batch_size=8, verbose=0)
     np.testing.assert_allclose(got["doubled"], want["doubled"], rtol=1e-12)
+
+
+class KeywordApply(GuideStep):
+    """The guide's step, its apply given the variables by Keras' keyword."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        self.optimizer.apply(grads, trainable_variables=variables)
+        return self.update_metrics(y, y_pred, loss)
+
+
+def test_an_apply_given_its_variables_by_keyword_trains_as_keras_fit():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        model = KeywordApply(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    x, y = regression(23)
+    engine, reference = Towers(build(), devices=devices(2)), build()
+    before = reference.get_weights()
+    engine.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert_same_updates(engine.model, reference, before)

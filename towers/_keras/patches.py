@@ -146,8 +146,9 @@ def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
     classes = (BaseOptimizer, keras.optimizers.LossScaleOptimizer)
 
     def routed(own: Callable) -> Callable:
-        return lambda self, grads, variables=None: route(
-            self, grads, variables, functools.partial(own, self)
+        # Keras' own parameter names: a step may pass trainable_variables=.
+        return lambda self, grads, trainable_variables=None: route(
+            self, grads, trainable_variables, functools.partial(own, self)
         )
 
     patch = Patch(lambda: [(c, "apply", routed(c.__dict__["apply"])) for c in classes])
