@@ -36,8 +36,11 @@ class GuideStep(keras.Model):
             y_pred = self(x, training=True)
             loss = self.compute_loss(y=y, y_pred=y_pred)
         variables = self.trainable_variables
-        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        self.apply_update(tape.gradient(loss, variables), variables)
         return self.update_metrics(y, y_pred, loss)
+
+    def apply_update(self, grads, variables):
+        self.optimizer.apply(grads, variables)
 
     def test_step(self, data):
         x, y = data
@@ -597,15 +600,8 @@ def test_a_predict_step_alone_leaves_training_to_towers_own_exact_step():
 class KeywordApply(GuideStep):
     """The guide's step, its apply given the variables by Keras' keyword."""
 
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        variables = self.trainable_variables
-        grads = tape.gradient(loss, variables)
+    def apply_update(self, grads, variables):
         self.optimizer.apply(grads, trainable_variables=variables)
-        return self.update_metrics(y, y_pred, loss)
 
 
 def test_an_apply_given_its_variables_by_keyword_trains_as_keras_fit():

@@ -189,41 +189,6 @@ def test_evaluate_before_any_training_is_keras_evaluate(build):
     np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL)
 
 
-class SeesTraining(keras.Model):
-    """Records the ``training`` its compute_loss is called with."""
-
-    seen: list = []
-
-    def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(4)
-
-    def call(self, x):
-        return self.dense(x)
-
-    def compute_loss(
-        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
-    ):
-        SeesTraining.seen.append(training)
-        return super().compute_loss(x, y, y_pred, sample_weight, training)
-
-
-def test_the_probe_calls_compute_loss_as_the_step_it_precedes_does():
-    # Keras' evaluate calls compute_loss with training=False, its fit with
-    # True: so does the probe before each, and evaluating first does not
-    # stand in for training's probe.
-    x, y = data()
-    model = SeesTraining()
-    model.compile(keras.optimizers.SGD(0.1), "mse")
-    engine = Towers(model, devices=devices(2))
-    SeesTraining.seen = []
-    engine.evaluate(x, y, batch_size=EXAMPLES, verbose=0)
-    assert set(SeesTraining.seen) == {False}
-    SeesTraining.seen = []
-    engine.fit(x, y, batch_size=EXAMPLES, verbose=0)
-    assert set(SeesTraining.seen) == {True}
-
-
 @pytest.mark.parametrize(
     "layer, probed",
     [

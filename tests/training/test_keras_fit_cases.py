@@ -257,31 +257,50 @@ def test_an_add_loss_sum_is_refused_with_micro_batches_before_any_update():
         np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_compute_loss_sees_training_true_as_in_keras_fit():
-    seen = []
+class Watched(keras.Model):
+    """Records the ``training`` its compute_loss is called with outside
+    Keras' symbolic build (``seen``)."""
 
-    class Watched(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(3)
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.seen = []
 
-        def call(self, x):
-            return self.dense(x)
+    def call(self, x):
+        return self.dense(x)
 
-        def compute_loss(
-            self, x=None, y=None, y_pred=None, sample_weight=None, training=True
-        ):
-            if not keras.src.backend.common.symbolic_scope.in_symbolic_scope():
-                seen.append(training)
-            return super().compute_loss(x, y, y_pred, sample_weight, training)
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        if not keras.src.backend.common.symbolic_scope.in_symbolic_scope():
+            self.seen.append(training)
+        return super().compute_loss(x, y, y_pred, sample_weight, training)
 
+
+def watched():
     model = Watched()
     model.compile(optimizer="sgd", loss="mse")
-    engine = Towers(model, devices=devices(2))
+    return model, Towers(model, devices=devices(2))
+
+
+def test_compute_loss_sees_training_true_as_in_keras_fit():
+    model, engine = watched()
     engine.fit(*arrays(16), batch_size=8, verbose=0)
-    assert seen and all(seen)  # the probe's calls included
+    assert model.seen and all(model.seen)  # the probe's calls included
     engine.evaluate(*arrays(16), verbose=0)
-    assert seen[-1] is False  # evaluate's, as Keras' evaluate
+    assert model.seen[-1] is False  # evaluate's, as Keras' evaluate
+
+
+def test_an_evaluation_first_probes_as_keras_evaluate_calls_compute_loss():
+    # The probe before a first evaluation calls compute_loss with False, as
+    # Keras' evaluate does; it does not stand in for training's probe, whose
+    # calls say True as Keras' fit's.
+    model, engine = watched()
+    engine.evaluate(*arrays(16), batch_size=16, verbose=0)
+    assert model.seen and set(model.seen) == {False}
+    model.seen.clear()
+    engine.fit(*arrays(16), batch_size=16, verbose=0)
+    assert model.seen and set(model.seen) == {True}
 
 
 class RaggedScale(keras.layers.Layer):
