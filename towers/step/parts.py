@@ -120,10 +120,11 @@ def make_step(
         lambda: where.model, options["moving_statistics"], options["batch_statistics"]
     )
     weights = option(options, compiled, "loss_weights")
+    names = outputs.names_of(where.model)
     try:
-        step_loss = StepLoss(loss, weights, outputs.names_of(where.model))
+        step_loss = StepLoss(loss, weights, names)
     except ValueError as error:
-        if not trains or not _nested(loss, outputs.names_of(where.model) or []):
+        if not trains or not _nested(loss, names or []):
             raise _with_keras_words(error, where.model, loss, weights) from None
         # Outputs and losses nested as only Keras' compile maps them (a dict
         # of lists, one output's loss in a list): Keras' compute_loss of the
