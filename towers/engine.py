@@ -56,8 +56,8 @@ class Towers(Trainer):
         (``"exact"``), taken per tower (``"per_tower"``) or refused (step/coupled.py).
       steps_per_execution: fit's steps per call (a loop in the graph), as
         ``compile`` takes it; None: the compiled model's, else 1.
-      own_step_loss: a model's own ``train_step``'s loss is a ``"mean"`` over its
-        batch (towers weighted by share) or a ``"sum"`` (step/custom.py).
+      own_step_loss: a model's own ``train_step``'s scalar loss is a ``"mean"`` over
+        its batch (towers weighted by share) or a ``"sum"`` (step/applies.py).
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
         fastest steps) or a ``"call"`` of its own: quicker to a first step with
         many towers, slower after (step/once.py, docs/sync-cost.md).

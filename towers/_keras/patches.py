@@ -15,7 +15,9 @@ replaced, and why:
 - in a model's own step, Keras' optimizers' ``apply``, Keras variables'
   ``assign``, metrics' ``update_state`` and ``result``, and a model's
   ``compute_loss`` (``step/applies.py``, ``step/assignments.py``,
-  ``step/gathered.py``): routed to where the towers meet.
+  ``step/gathered.py``): routed to where the towers meet; and
+  ``tf.GradientTape.gradient`` (``step/applies.py``): what its target sums
+  over says how the towers' gradients combine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
@@ -153,6 +156,20 @@ def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
 
     patch = Patch(lambda: [(c, "apply", routed(c.__dict__["apply"])) for c in classes])
     with patch.applied():
+        yield
+
+
+@contextlib.contextmanager
+def routed_gradients(route: Callable[..., Any]) -> Iterator[None]:
+    """Within, ``tf.GradientTape.gradient(target, sources, ...)`` calls
+    ``route(target, gradient)`` (``gradient(target)``: the tape's own, with
+    the call's other arguments)."""
+    own = tf.GradientTape.gradient
+
+    def routed(self: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        return route(target, lambda target: own(self, target, *args, **kwargs))
+
+    with Patch(lambda: [(tf.GradientTape, "gradient", routed)]).applied():
         yield
 
 

@@ -2,8 +2,13 @@
 
 Every ``optimizer.apply`` (or ``apply_gradients``) a tower's own
 ``train_step`` makes is routed here (``towers/_keras``'s
-``routed_applies``). Each tower hands in its gradients and its weight (its
-share of the examples, ``n_t / B``; 1 for a sum loss); the first tower
+``routed_applies``). Each tower hands in its gradients and its weight: its
+share of the examples, ``n_t / B``, for the gradient of a mean over its
+rows; 1 for the gradient of a sum over them. ``tape.gradient`` is routed
+here too, to tell which: a target with a value per row (a first axis of
+the shard's rows, as ``keras.losses.mean_squared_error(y, y_pred)``
+returns) is summed by the tape, and so is a scalar loss with
+``own_step_loss="sum"``; any other scalar is a mean. The first tower
 combines them (``combine_gradients``, weighted, summed), sums them over the
 workers in a cluster (each weighted by its share of the global batch), and
 applies once, on the variable device; the others apply nothing and read the
@@ -62,12 +67,65 @@ class Applies:
         self.accumulate_steps = accumulate_steps
         self.names: list[str] = []
         self.checked: list[tuple[tf.Tensor, list[Any]]] = []
-        self.over_workers: Callable[[tf.Tensor], tf.Tensor] | None = None
+        self.over_workers: Callable[[tf.Tensor, bool], tf.Tensor] | None = None
+        # Per tower, while a step is traced: its shard's rows, and whether
+        # each gradient it took (by id, kept alive) was of a sum.
+        self._rows: dict[int, Any] = {}
+        self._sums: dict[int, dict[int, tuple[Any, bool]]] = {}
 
-    def begin(self, over_workers: Callable[[tf.Tensor], tf.Tensor] | None) -> None:
-        """A step is traced: ``over_workers(value)``, a value weighted by this
-        worker's share and summed over the workers (None: no cluster)."""
+    def begin(self, over_workers: Callable[[tf.Tensor, bool], tf.Tensor] | None):
+        """A step is traced: ``over_workers(value, summed)``, a value weighted
+        by this worker's weight (in a gradient of a sum, 1) and summed over
+        the workers (None: no cluster)."""
         self.names, self.checked, self.over_workers = [], [], over_workers
+        self._rows, self._sums = {}, {}
+
+    def shard(self, data: Any) -> None:
+        """A tower's step is traced on ``data``: its rows, as traced (None:
+        known when it runs)."""
+        here = own_step_seat()
+        if here is not None:
+            leaves = [v for v in tf.nest.flatten(data) if hasattr(v, "shape")]
+            self._rows[here.rank] = tf.TensorShape(leaves[0].shape)[0]
+            self._sums[here.rank] = {}
+
+    def gradient(self, target: Any, gradient: Callable[[Any], Any]) -> Any:
+        """``tape.gradient(target, ...)`` inside a tower's step (``gradient``:
+        the tape's own): taken, each gradient remembered as one of a sum over
+        the tower's rows or of a mean (the module docstring)."""
+        here = own_step_seat()
+        if here is None:
+            return gradient(target)
+        summed = here.loss == "sum" or _per_row(target, self._rows[here.rank])
+        before, here.summing = here.summing, summed  # what a backward sum reads
+        try:
+            grads = gradient(target)
+        finally:
+            here.summing = before
+        for g in tf.nest.flatten(grads):
+            if g is not None:
+                self._sums[here.rank][id(g)] = (g, summed)
+        return grads
+
+    def _summed(self, rank: int, grads: Any) -> bool:
+        """Whether ``grads`` are of a sum over tower ``rank``'s rows: as its
+        tape took them, or, for values the step made of them, as every
+        gradient it took."""
+        taken = self._sums.get(rank, {})
+        grads = [g for g in tf.nest.flatten(grads) if g is not None]
+        kinds = {taken[id(g)][1] for g in grads if id(g) in taken}
+        if not kinds or any(id(g) not in taken for g in grads):
+            kinds |= {summed for _, summed in taken.values()}
+        if len(kinds) > 1:
+            raise ValueError(
+                "a train_step on towers applied gradients of a sum over its "
+                "rows (a loss with a value per example) and of a mean (a "
+                "scalar loss) together, or gradients it made of both: the "
+                "towers cannot tell how to weigh them. Reduce every loss the "
+                "same way before tape.gradient (keras.ops.mean). Nothing was "
+                "updated."
+            )
+        return kinds.pop() if kinds else False
 
     def finite(self) -> tuple[tf.Tensor, list[Any]] | None:
         """The step's flags, every checked apply's in order, and their
@@ -101,7 +159,9 @@ class Applies:
             return apply(grads, variables)
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
-        handed = here.everyone((optimizer, variables or [], grads, here.weight))
+        summed = here.loss == "sum" or self._summed(here.rank, grads)
+        weight = 1.0 if summed else here.weight
+        handed = here.everyone((optimizer, variables or [], grads, weight, summed))
         copies = len(self.placement.models) > 1
         check_same(handed, copies)
         if here.first:
@@ -115,15 +175,15 @@ class Applies:
             with tf.device(self.placement.variable_device):
                 with tf.name_scope("combine/"):
                     combined = combine_gradients(
-                        [grads for _, _, grads, _ in handed],
-                        weights=[share for *_, share in handed],
+                        [grads for _, _, grads, *_ in handed],
+                        weights=[share for *_, share, _ in handed],
                         reduction="sum",
                         reducer=self.placement.reducer,
                     )
                 if self.over_workers is not None:
                     with tf.name_scope("across_workers/"):
                         combined = [
-                            None if g is None else self.over_workers(g)
+                            None if g is None else self.over_workers(g, summed)
                             for g in combined
                         ]
                 with tf.name_scope("apply/"):
@@ -152,7 +212,7 @@ class Applies:
         """The apply of ``seat``'s tower to its copy's variables (what it
         handed in, with every tower's ``handed``)."""
         rank = seat.rank
-        _, variables, grads, _ = handed[rank]
+        _, variables, grads, *_ = handed[rank]
         if self.placement.name == "replicated":
             sums = seat.from_first(lambda: self._all_reduced(handed))
             grads = sums[rank]
@@ -164,12 +224,12 @@ class Applies:
         the placement (``Replicated.combine``): per tower, the sums (None
         where no tower has a gradient)."""
         weighted = []
-        for t, (_, _, grads, share) in enumerate(handed):
+        for t, (_, _, grads, share, _) in enumerate(handed):
             with tf.device(self.placement.devices[t]):
                 weighted.append(
                     combine_gradients([list(grads)], weights=[share], reduction="sum")
                 )
-        variables = [variables for _, variables, _, _ in handed]
+        variables = [variables for _, variables, *_ in handed]
         first = (len(self.names) - 1) * INSTANCES_PER_APPLY
         with tf.name_scope("all_reduce/"):
             return self.placement.combine(weighted, variables, first)
@@ -178,9 +238,19 @@ class Applies:
 def check_same(handed: list[tuple], copies: bool = False) -> None:
     """Refuses towers that met at different applies (another optimizer, or
     other variables; with a copy per tower, another kind or shapes), naming
-    the two."""
-    optimizer, variables, *_ = handed[0]
-    for other, (theirs, their_variables, *_) in enumerate(handed[1:], start=1):
+    the two; or towers whose gradients were of a sum on one, of a mean on
+    another."""
+    optimizer, variables, *_, summed = handed[0]
+    for other, (theirs, their_variables, *_, sums) in enumerate(handed[1:], 1):
+        if sums != summed:
+            raise ValueError(
+                f"the towers' train_step took its gradients of a "
+                f"{'sum' if summed else 'mean'} over tower 0's rows and of a "
+                f"{'sum' if sums else 'mean'} over tower {other}'s: a loss "
+                "with a first axis as long as a tower's rows is read as a "
+                "value per example. Reduce the loss to a scalar "
+                "(keras.ops.mean) before tape.gradient; nothing was updated."
+            )
         key = (lambda v: v.shape) if copies else id
         same = [key(v) for v in their_variables] == [key(v) for v in variables]
         same = same and (
@@ -193,6 +263,19 @@ def check_same(handed: list[tuple], copies: bool = False) -> None:
                 f"{other} {theirs.name} to {len(their_variables)}. A step must "
                 "make the same applies on every shard; nothing was updated."
             )
+
+
+def _per_row(target: Any, rows: Any) -> bool:
+    """Whether ``target`` (``tape.gradient``'s) has a value per row of a
+    shard of ``rows`` (a first axis that long, or unknown with it), which the
+    tape sums; else it is read as a mean (a scalar, or a vector of means).
+
+    >>> _per_row(tf.zeros([4]), tf.TensorShape([4])[0]), _per_row(tf.zeros([]), 4)
+    (True, False)
+    """
+    shapes = [tf.TensorShape(t.shape) for t in tf.nest.flatten(target)]
+    rows = tf.compat.dimension_value(rows)
+    return any(s.rank and s[0] in (rows, None) for s in shapes)
 
 
 def _accumulating(optimizer: Any, steps: int) -> None:

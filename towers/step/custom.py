@@ -21,10 +21,12 @@ apply); every tower then goes on reading the updated variables (the
 reads are traced after the apply, and TensorFlow runs a variable's reads and
 assignments in the order they were traced). So a generator whose loss is
 computed through the discriminator after the discriminator's update trains
-to one device's weights. A step's loss is a mean over its batch, as Keras'
-losses are: each tower's gradient is weighted by ``n_t / B``; with
+to one device's weights. A step's scalar loss is a mean over its batch, as
+Keras' losses are: each tower's gradient is weighted by ``n_t / B``; with
 ``Towers(own_step_loss="sum")``, a sum over it: the towers' gradients (and
-returned values) are added up unweighted.
+returned values) are added up unweighted. A loss with a value per example
+is a sum to the tape, and its gradients are added up so
+(``towers/step/applies.py``).
 
 What the step assigns and the metrics it updates meet too, and change once,
 as on one device (``towers/step/assignments.py``). The logs are what the step
@@ -54,7 +56,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras.patches import routed_applies
+from towers._keras.patches import routed_applies, routed_gradients
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -223,11 +225,14 @@ class CustomStep:
             return tf.cast(mine > 0, tf.float64)
         return tf.math.divide_no_nan(mine, self._across(mine, False))
 
-    def _over_workers(self, value: tf.Tensor) -> tf.Tensor:
-        """``value`` weighted by this worker's weight, summed over the workers
-        (a worker without examples adds zeros, whatever its value)."""
+    def _over_workers(self, value: tf.Tensor, summed: bool = False) -> tf.Tensor:
+        """``value`` weighted by this worker's weight (1 for a gradient of a
+        sum, ``summed``), summed over the workers (a worker without examples
+        adds zeros, whatever its value)."""
         value = tf.convert_to_tensor(value)
         weight = tf.cast(self._weight_here, value.dtype)
+        if summed:
+            weight = tf.cast(weight > 0, value.dtype)
         return self._across(tf.math.multiply_no_nan(value, weight), False)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
@@ -240,6 +245,7 @@ class CustomStep:
         def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
             del examples  # the step's own loss divides by its shard's
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+            self.applies.shard(data)
             with self._moving_at_once(len(working)):
                 return getattr(model, hook)(data)
 
@@ -254,6 +260,7 @@ class CustomStep:
         try:
             with (
                 routed_applies(self.applies.meet),
+                routed_gradients(self.applies.gradient),
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):

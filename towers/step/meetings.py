@@ -51,11 +51,14 @@ class Seat:
     and hands back the sum over this tower's weight, so the weighted combine
     gives one device's. None: the towers' losses are shares of the step's
     already. ``loss``: a model's own step's ``"mean"`` or ``"sum"``; None in
-    towers' own step."""
+    towers' own step. ``summing``: while the own step takes the gradient of
+    a sum over its rows (``towers/step/applies.py``), whatever ``loss``
+    says: a backward sum is then unweighted."""
 
     def __init__(self, meet: Any, rank: int, weight: Any = None, loss: Any = None):
         self.meet, self.rank, self.weight, self.loss = meet, rank, weight, loss
         self.quiet = False  # what the own step assigns is dropped (assignments.py)
+        self.summing = False
 
     @property
     def first(self) -> bool:
@@ -75,6 +78,8 @@ class Seat:
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
         if not backward or self.weight is None:
             return _total(self.meet, self.rank, value, backward)
+        if self.summing:  # every tower's gradient counts whole, as one device's
+            return _total(self.meet, self.rank, value)
         weight = in_dtype(self.weight, value.dtype)  # a float64 model's digits
         summed = _total(self.meet, self.rank, value * weight, backward)
         return summed / weight  # only towers with examples run
