@@ -17,7 +17,9 @@ replaced, and why:
   ``compute_loss`` (``step/applies.py``, ``step/assignments.py``,
   ``step/gathered.py``): routed to where the towers meet; and
   ``tf.GradientTape.gradient`` (``step/applies.py``): what its target sums
-  over says how the towers' gradients combine.
+  over says how the towers' gradients combine;
+- Keras' random draws (``step/draws.py``): drawn for the whole batch and cut
+  to the tower's rows.
 """
 
 from __future__ import annotations
@@ -171,6 +173,32 @@ def routed_gradients(route: Callable[..., Any]) -> Iterator[None]:
 
     with Patch(lambda: [(tf.GradientTape, "gradient", routed)]).applied():
         yield
+
+
+# Keras' random functions of the backend, as its layers and keras.random call them.
+DRAWS = ("normal", "uniform", "truncated_normal", "randint", "gamma", "binomial",
+         "beta", "dropout", "categorical", "shuffle")  # fmt: skip
+
+
+@contextlib.contextmanager
+def routed_draws(route: Callable[..., Any]) -> Iterator[None]:
+    """Within, Keras' random function ``name`` (``DRAWS``) calls ``route(name,
+    own, args, kwargs)`` (``own``: Keras' own)."""
+    module = keras.src.backend.random
+
+    def routed(name: str) -> Callable:
+        own = getattr(module, name)
+        return lambda *args, **kwargs: route(name, own, args, kwargs)
+
+    # One patch per router: entered again within, it is not routed twice.
+    patch = _DRAW_PATCHES.setdefault(
+        route, Patch(lambda: [(module, name, routed(name)) for name in DRAWS])
+    )
+    with patch.applied():
+        yield
+
+
+_DRAW_PATCHES: dict[Callable, Patch] = {}
 
 
 @contextlib.contextmanager

@@ -28,7 +28,8 @@ numbers weighted by their shares, as the loss is (added up under
 that adds them up (``keras.metrics.Sum``), the towers' changes add up; the
 same values on every tower (gathered rows) count once.
 
-A seed generator's state is left to advance tower after tower, and
+A seed generator's state is assigned alike by every tower (each draws its
+rows of the batch's numbers, ``towers/step/draws.py``): it moves once.
 BatchNormalization's moving statistics meet at each call
 (``MovingStatistics.moving_at_once``). With a copy of the model per tower,
 each copy changes its own.
@@ -47,7 +48,7 @@ from towers._keras import in_stateless_scope, layers_of
 from towers._keras.patches import routed_assignments, routed_calls
 from towers.combine import in_dtype
 from towers.step.meetings import own_step_seat
-from towers.step.state import rule_of, state_variables
+from towers.step.state import rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -97,9 +98,8 @@ class Assignments:
         self.assigned: list[str] = []  # what the step assigned, when traced
         # A metric's result() the step read, by its values' ids (when traced).
         self._results: dict[Any, Any] = {}
-        passed = [v for model in models for v in state_variables(model)]
         # BatchNormalization's moving statistics meet on their own.
-        passed += [v for m in models for layer in layers_of(m)
+        passed = [v for m in models for layer in layers_of(m)
                    if isinstance(layer, keras.layers.BatchNormalization)
                    for v in (layer.moving_mean, layer.moving_variance)]  # fmt: skip
         self._passed = {id(v) for v in passed}

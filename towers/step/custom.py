@@ -37,9 +37,10 @@ shares. In a cluster, the first tower sums the combined gradients of each
 apply over the workers, each weighted by its share of the global batch
 (``B_w / B``), before applying; the metrics are summed over the workers after
 the step, and the other values weighted alike. A random draw in the step
-(``keras.random`` with the model's ``SeedGenerator``) advances the
-generator's state tower after tower: deterministic for a seed, but not one
-device's draws. Each call of a BatchNormalization layer in training mode is
+(``keras.random`` with the model's ``SeedGenerator``, a Dropout layer) is
+one device's: each tower draws its rows of the whole batch's numbers, and
+the generator's state, assigned alike by every tower, moves once
+(``towers/step/draws.py``). Each call of a BatchNormalization layer in training mode is
 a meeting too: the first tower moves its moving statistics at once, from
 every tower's moments (``MovingStatistics.moving_at_once``); under global
 batch statistics each tower's upstream gradient through the moments is
@@ -56,12 +57,12 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras.patches import routed_applies, routed_gradients
+from towers._keras.patches import routed_applies, routed_draws, routed_gradients
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of, split_for_towers
-from towers.step import xla
+from towers.step import draws, xla
 from towers.step.applies import Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
@@ -261,6 +262,7 @@ class CustomStep:
             with (
                 routed_applies(self.applies.meet),
                 routed_gradients(self.applies.gradient),
+                routed_draws(draws.route),
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):

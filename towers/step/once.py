@@ -15,14 +15,13 @@ example. When a divisor comes from sample weights or a mask, every tower's
 pass is needed first, and :func:`compute` says so (None): the step then traces
 tower by tower (``towers/step/runner.py``).
 
-A layer that draws random numbers (Dropout in training) assigns its seed
-generator's state as it draws. Assigned inside the function, that state would
-order the calls: TensorFlow runs a call that writes a variable after the call
-before it that also writes it, so tower 1 would wait for tower 0. The states are
-read once before the calls instead, handed from each tower's call to the next
-(tower ``t`` starts where tower ``t - 1`` ended, as a trace per tower does: the
-same draws), and assigned once after the last. A state only depends on the
-state before it, so no tower waits for another's work.
+A layer that draws random numbers (Dropout in training) draws as one device
+does (``towers/step/draws.py``): every tower's call starts from the seed
+generators' states read once before the calls, draws its rows of the whole
+batch's numbers (its first row is an argument of the call), and the first
+tower's last states are assigned once after the calls. Assigned inside the
+function instead, a state would order the calls (TensorFlow runs a call that
+writes a variable after the call before it that also writes it).
 
 With XLA (``Towers(jit_compile=True)``, ``towers/step/xla.py``) the same function
 is compiled, so each tower's forward and backward pass is one XLA computation
@@ -42,8 +41,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.split import Shards, batch_size_of
-from towers.step import xla
-from towers.step.state import state_variables
+from towers.step import draws, xla
 from towers.step.tower import Tower, TowerResult
 
 
@@ -77,10 +75,11 @@ def compute(
     held = _Held(placement, working)
 
     def one_tower(model: Any) -> Callable[..., Any]:
-        def tower_pass(x, y, sample_weight, states, weights, scale) -> tuple:
-            recorded = tower.forward(
-                model, x, y, sample_weight, examples, states, weights
-            )
+        def tower_pass(x, y, sample_weight, first, states, weights, scale) -> tuple:
+            with draws.rows(draws.size_of(x), shards.size, first):
+                recorded = tower.forward(
+                    model, x, y, sample_weight, examples, states, weights
+                )
             size = batch_size_of(x)
             own = divisors_of([recorded])
             divisors = [
@@ -105,11 +104,12 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
     examples = shards.normaliser
 
     def forward(model: Any) -> Callable[..., Any]:
-        def forward_pass(x, y, sample_weight, states, weights, scale) -> tuple:
+        def forward_pass(x, y, sample_weight, first, states, weights, scale):
             del scale
-            tower_pass = tower.forward(
-                model, x, y, sample_weight, examples, states, weights
-            )
+            with draws.rows(draws.size_of(x), shards.size, first):
+                tower_pass = tower.forward(
+                    model, x, y, sample_weight, examples, states, weights
+                )
             # The tape and the weights' values stay in the computation.
             tower_pass.tape, tower_pass.sources = None, []
             return tower_pass, tower_pass.states
@@ -117,37 +117,33 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
         return xla.function(forward_pass, jit=True)
 
     held, scale = _Held(placement, working), _scale(tower)
-    starts = dict(held.states)
     passes = held.run(working, shards, forward, scale, assign=False)
     divisors = divisors_of(passes)
 
     def both(model: Any) -> Callable[..., Any]:
         def forward_and_backward(
-            x, y, sample_weight, states, weights, scale, divisors
+            x, y, sample_weight, first, states, weights, scale, divisors
         ) -> tuple:
-            tower_pass = tower.forward(
-                model, x, y, sample_weight, examples, states, weights
-            )
+            with draws.rows(draws.size_of(x), shards.size, first):
+                tower_pass = tower.forward(
+                    model, x, y, sample_weight, examples, states, weights
+                )
             return tower.gradients(tower_pass, divisors, scale), tower_pass.states
 
         return xla.function(forward_and_backward, jit=True)
 
-    held.states = starts  # the same draws as the forward passes made
+    # The same draws as the forward passes made: the same starts.
     return held.run(working, shards, both, scale, extra=(divisors,))
 
 
 class _Held:
-    """The seed generators' states of each model, handed from each tower's call
-    to the next and assigned once after the last (the module's docstring)."""
+    """Each model's one function, called on every tower: every call starts
+    from the step's seed states, the first tower's last states assigned once
+    after the calls (the module's docstring, ``draws.Starts``)."""
 
     def __init__(self, placement: Any, working: list[int]):
         self.placement = placement
-        models = [placement.model_of(t) for t in working]
-        self.models = {id(model): model for model in models}
-        self.states = {
-            key: [tf.identity(v) for v in state_variables(model)]
-            for key, model in self.models.items()
-        }
+        self.starts = draws.Starts([placement.model_of(t) for t in working])
 
     def run(
         self, working, shards, make, scale: Any, extra: tuple = (), assign=True
@@ -156,20 +152,22 @@ class _Held:
         model), in tower order; with ``assign``, the states assigned after the
         last. ``scale``: the loss scale, read outside an XLA computation (None:
         read in the call, and so are the weights)."""
-        functions = {key: make(model) for key, model in self.models.items()}
+        functions = {key: make(m) for key, m in self.starts.models.items()}
+        firsts = draws.first_rows(shards)
         results = []
         for t in working:
             model = self.placement.model_of(t)
-            key = id(model)
             x, y, sample_weight = shards.parts[t]
             with tf.device(self.placement.devices[t]), tf.name_scope(f"tower_{t}"):
                 weights = None if scale is None else xla.read_weights(model)
-                args = (x, y, sample_weight, self.states[key], weights, scale)
-                result, self.states[key] = functions[key](*args, *extra)
+                first = tf.cast(firsts[t], tf.int32)
+                states = self.starts.of(model)
+                args = (x, y, sample_weight, first, states, weights, scale)
+                result, ended = functions[id(model)](*args, *extra)
+            self.starts.ended(model, ended)
             results.append(result)
-        for key, model in self.models.items() if assign else ():
-            for variable, value in zip(state_variables(model), self.states[key]):
-                variable.assign(value)
+        if assign:
+            self.starts.settle()
         return results
 
 

@@ -26,14 +26,16 @@ Every meeting, whichever way runs it, goes through a tower's seat
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal
 
 import tensorflow as tf
 
+from towers._keras.patches import routed_draws
 from towers.split import Shards
-from towers.step import lockstep, once, segments, xla
+from towers.step import draws, lockstep, once, segments, xla
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
@@ -104,6 +106,10 @@ class Runner:
         runs alone (without XLA; with it, ``once`` runs the forward twice).
         """
         working = self.placement.working_towers(shards)
+        with routed_draws(draws.route):  # one device's draws: draws.py
+            return self._train(shards, working, divisors_of, weight_of)
+
+    def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
         way = self.way("train", working, shards)
         args = (self.placement, self.tower, shards, working, divisors_of)
         if way == "phases":
@@ -119,7 +125,10 @@ class Runner:
             results = once.compute(*args)
             if results is not None:
                 return results
-        passes = self.each(shards, self.tower.forward, "train")
+        starts = draws.Starts([self.placement.model_of(t) for t in working])
+        forward = partial(_forward, self.placement, self.tower, shards, starts)
+        passes = [forward(t)() for t in working]
+        starts.settle()
         divisors = divisors_of(passes)
         gradients = self.tower.gradients
         return [
@@ -143,16 +152,21 @@ class Runner:
         if kind == "predict":  # no copy need join a prediction without examples
             working = shards.working()
 
+        firsts = draws.first_rows(shards)
+
         def run(t: int) -> Callable[[], Any]:
             model = self.placement.model_of(t)
             x, y, sample_weight = shards.parts[t]
             if kind == "predict":
                 return partial(on_tower, self.placement, t, partial(work, model, x))
             args = (model, x, y, sample_weight, shards.normaliser)
+            if kind == "own":  # its states meet where it assigns them
+                rows = draws.rows(draws.size_of(x), shards.size, firsts[t])
+                return partial(on_tower, self.placement, t, partial(work, *args), rows)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
         way = self.way(kind, working, shards)
-        if way == "once" and kind != "train":  # (training's: once.py)
+        if way == "once":  # (training's: once.py)
             model = self.placement.model_of(working[0])
             work = xla.function(partial(work, model), False, self.tower.inline)
             run = partial(_run_shared, self.placement, shards, work, kind)
@@ -175,10 +189,30 @@ def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any
     return partial(on_tower, placement, t, partial(work, *args))
 
 
-def on_tower(placement: Any, t: int, work: Callable[[], Any]) -> Any:
-    """``work()`` under tower ``t``'s device and name scope."""
+def on_tower(placement: Any, t: int, work: Callable[[], Any], within=None) -> Any:
+    """``work()`` under tower ``t``'s device and name scope (and the context
+    ``within``, if given)."""
     with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
-        return work()
+        with within or contextlib.nullcontext():
+            return work()
+
+
+def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
+    """Tower ``t``'s forward pass in training mode, to run: from the step's
+    seed states (``starts``), its draws its rows of the batch's."""
+    x, y, sample_weight = shards.parts[t]
+    model = placement.model_of(t)
+    first = draws.first_rows(shards)[t]
+
+    def forward() -> Any:
+        with draws.rows(draws.size_of(x), shards.size, first):
+            tower_pass = tower.forward(
+                model, x, y, sample_weight, shards.normaliser, starts.of(model)
+            )
+        starts.ended(model, tower_pass.states)
+        return tower_pass
+
+    return partial(on_tower, placement, t, forward)
 
 
 def turns(
@@ -204,14 +238,10 @@ def turns(
     """
     across, weight = lockstep.across_workers(workers)
     meet = lockstep.meeting(len(working), placement, workers, across)
-
-    def forward(t: int) -> Callable[[], Any]:
-        x, y, sample_weight = shards.parts[t]
-        model = placement.model_of(t)
-        work = partial(tower.forward, model, x, y, sample_weight, shards.normaliser)
-        return partial(on_tower, placement, t, work)
-
+    starts = draws.Starts([placement.model_of(t) for t in working])
+    forward = partial(_forward, placement, tower, shards, starts)
     passes = lockstep.in_lockstep([forward(t) for t in working], meet)
+    starts.settle()
     divisors = divisors_of(passes)
     if workers is not None:
         weight["examples"] = weight_of(passes)

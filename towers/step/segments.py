@@ -23,11 +23,13 @@ functions (one trace per shard shape, as in ``towers/step/once.py``).
 Without XLA the same phases are plain functions, inlined into the step's
 graph: the tower's pass is traced once per shard shape instead of once per
 tower in lockstep, which at 8 towers was most of the first step's extra time
-over tower statistics. A pass that cannot be cut so (a seed state that the
-next tower reads before this one has made it, traces that differ with the
-shard's shape) falls back to the lockstep (``towers/step/lockstep.py``),
-which traces every tower; so does a step whose towers gather a loss's rows
-(``towers/step/gathered.py``), since the cut knows sums only.
+over tower statistics. A pass that cannot be cut so (traces that differ
+with the shard's shape) falls back to the lockstep
+(``towers/step/lockstep.py``), which traces every tower; so does a step whose
+towers gather a loss's rows (``towers/step/gathered.py``), since the cut
+knows sums only. Random draws are one device's (``towers/step/draws.py``):
+every tower starts from the step's seed states and draws its rows of the
+whole batch's numbers.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ from typing import Any
 import tensorflow as tf
 
 from towers.split import Shards, batch_size_of
-from towers.step import cut, lockstep, meetings, xla
+from towers.step import cut, draws, lockstep, meetings, xla
 from towers.step.cut import Plan
-from towers.step.state import state_variables
 from towers.step.tower import Tower, TowerResult
 
 
@@ -50,47 +51,28 @@ def run(
     devices: list[str],
     ranks: list[int],
     across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
-    chain: dict[int, int] | None = None,
 ) -> list[Any]:
     """Every tower's pass, phase by phase: ``plans[i]`` called with
     ``calls[i]`` (its ``trace`` arguments' structure) on ``devices[i]``
     (named scope ``tower_{ranks[i]}``), the towers' sums between phases.
-
     ``across(value, backward)``: the towers' sum summed over the workers.
-    ``chain``: ``{input position: result position}``: each tower after the
-    first takes those inputs from the tower before's results (its calls may
-    hold anything there), as soon as that tower's phases have made them.
     Returns each tower's result, as ``work`` returned it.
 
     Raises:
-      ValueError: the towers' passes meet at different phases (their shards'
-        shapes made the traces differ), or a chained input is made in a later
-        phase than the one that reads it.
+      Uncuttable: the towers' passes meet at different phases (their shards'
+        shapes made the traces differ).
     """
     _check_alike(plans)
-    chain = chain or {}
-    _check_chain(plans, chain)
-    values: list[dict[str, Any]] = []
-    links: list[dict[str, str]] = []
-    for i, (plan, args) in enumerate(zip(plans, calls)):
-        given = cut.tensors_of(args) + plan.captured
-        links.append(
-            {plan.inputs[n]: plans[i - 1].results[r] for n, r in chain.items()}
-            if i
-            else {}
-        )
-        values.append(
-            {name: a for name, a in zip(plan.inputs, given) if name not in links[i]}
-        )
+    values = [
+        dict(zip(plan.inputs, cut.tensors_of(args) + plan.captured))
+        for plan, args in zip(plans, calls)
+    ]
     phases = max(len(plan.phases) for plan in plans)
     for k in range(phases):
         for i, (plan, known) in enumerate(zip(plans, values)):
             phase = plan.phases[k] if k < len(plan.phases) else None
             if phase is None:
                 continue
-            for name in phase.inputs:
-                if name not in known:
-                    known[name] = _chained(values[i - 1], links[i][name], k)
             with tf.device(devices[i]), tf.name_scope(f"tower_{ranks[i]}"):
                 outputs = phase.function(*[known[name] for name in phase.inputs])
             known.update(zip(phase.outputs, outputs))
@@ -103,13 +85,10 @@ def run(
                 plans, values, _sums(handed, devices, across, exchange.backward)
             ):
                 known[plan.exchanges[c].result.name] = total
-    results = []
-    for i, (plan, known) in enumerate(zip(plans, values)):
-        for name, link in links[i].items():  # read by no phase: passed on
-            known.setdefault(name, _value(plans[i - 1], values[i - 1], link))
-        leaves = [_value(plan, known, name) for name in plan.results]
-        results.append(cut.join(plan.skeleton, leaves))
-    return results
+    return [
+        cut.join(plan.skeleton, [_value(plan, known, name) for name in plan.results])
+        for plan, known in zip(plans, values)
+    ]
 
 
 class Uncuttable(ValueError):
@@ -131,9 +110,8 @@ def compute(
     ``divisors_of(passes)``: the step's checks on the towers' passes (given
     one). A divisor from sample weights or a mask is summed over the towers
     as the statistics are; one that is the examples times a constant follows
-    from the tower's own (``towers/step/once.py``). The seed generators'
-    states are handed from tower to tower as ``towers/step/once.py`` hands
-    them: tower ``t`` starts where tower ``t - 1`` ended.
+    from the tower's own (``towers/step/once.py``). Every tower starts from
+    the step's seed states, as in ``towers/step/once.py``.
 
     Raises:
       Uncuttable: the pass cannot be cut so (the runner then takes turns).
@@ -142,8 +120,11 @@ def compute(
     examples = shards.normaliser
     traced: list[Any] = []
 
-    def tower_pass(x, y, sample_weight, states, weights, scale) -> tuple:
-        recorded = tower.forward(model, x, y, sample_weight, examples, states, weights)
+    def tower_pass(x, y, sample_weight, first, states, weights, scale) -> tuple:
+        with draws.rows(draws.size_of(x), shards.size, first):
+            recorded = tower.forward(
+                model, x, y, sample_weight, examples, states, weights
+            )
         own = divisors_of([recorded])
         size = batch_size_of(x)
         divisors = [
@@ -154,15 +135,18 @@ def compute(
         return recorded.states, tower.gradients(recorded, divisors, scale)
 
     across, weight = lockstep.across_workers(workers)
-    states = [tf.identity(v) for v in state_variables(model)]
+    starts = draws.Starts([model])
+    states = starts.of(model)
     scale = tower.loss_scale()
     plans: dict[tuple, Plan] = {}
     chosen, calls = [], []
+    firsts = draws.first_rows(shards)
     for t in working:
         x, y, sample_weight = shards.parts[t]
         with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
             weights = xla.read_weights(model)
-        args = (x, y, sample_weight, states, weights, scale)
+            first = tf.cast(firsts[t], tf.int32)
+        args = (x, y, sample_weight, first, states, weights, scale)
         key = xla.signature(args)
         if key not in plans:
             with tf.name_scope(f"tower_{t}"):
@@ -171,14 +155,10 @@ def compute(
         calls.append(args)
     if workers is not None:
         weight["examples"] = weight_of(traced[:1])
-    # The states come first in the arguments (after the shard's tensors) and
-    # first in the result.
-    start = len(cut.tensors_of(calls[0][:3]))
-    chain = {start + n: n for n in range(len(states))}
     devices = [placement.devices[t] for t in working]
-    outputs = run(chosen, calls, devices, working, across, chain)
-    for variable, value in zip(state_variables(model), outputs[-1][0]):
-        variable.assign(value)
+    outputs = run(chosen, calls, devices, working, across)
+    starts.ended(model, outputs[0][0])
+    starts.settle()
     return [result for _, result in outputs]
 
 
@@ -186,30 +166,6 @@ def _value(plan: Plan, known: dict[str, Any], name: str) -> Any:
     """What the traced tensor ``name`` is in the run: a constant's value, or
     what an input, a sum or a phase made."""
     return plan.constants[name] if name in plan.constants else known[name]
-
-
-def _check_chain(plans: list[Plan], chain: dict[int, int]) -> None:
-    """Raises :func:`_chained`'s error before the step's graph holds a phase:
-    a tower reads an input the tower before it makes in a later phase."""
-    for before, plan in zip(plans, plans[1:]):
-        made = {name: k for k, p in enumerate(before.phases) if p for name in p.outputs}
-        for n, r in chain.items():
-            reads = [
-                k for k, p in enumerate(plan.phases) if p and plan.inputs[n] in p.inputs
-            ]
-            if reads and made.get(before.results[r], -1) > reads[0]:
-                _chained({}, before.results[r], reads[0])
-
-
-def _chained(before: dict[str, Any], name: str, k: int) -> Any:
-    if name not in before:
-        raise Uncuttable(
-            "batch_statistics='global' with jit_compile: a layer's seed state "
-            f"is read in phase {k} of a tower's pass before the tower before "
-            "it has made it; received a model whose random draws follow a sum "
-            "over the towers. Use jit_compile=False."
-        )
-    return before[name]
 
 
 def _sums(

@@ -1,0 +1,122 @@
+"""Random draws on towers are one device's (towers/step/draws.py): every
+tower starts from the step's seed states and draws its rows of the whole
+batch's numbers, and the states move once. Against Keras' own fit on one
+device, float64, uneven shards, every way the runner runs the towers."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests.test_equivalence import devices
+from towers import Towers
+from towers.step import runner, segments
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+
+class Picked(keras.layers.Layer):
+    """In training, adds a tenth of a class drawn from each row's first three
+    values (``keras.random.categorical``: a draw per row of its input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed = keras.random.SeedGenerator(11)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        picked = keras.random.categorical(x[:, :3], 1, seed=self.seed)
+        return x + 0.1 * keras.ops.cast(picked, x.dtype)
+
+
+def noisy(normalised=False, loss="mse"):
+    """Dropout, GaussianNoise and a categorical draw in training; with a
+    BatchNormalization layer before them (``normalised``)."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(16, activation="tanh", use_bias=not normalised)
+    x = hidden(inputs)
+    if normalised:
+        x = keras.layers.BatchNormalization(momentum=0.5)(x)
+    x = keras.layers.Dropout(0.4, seed=3)(x)
+    x = keras.layers.GaussianNoise(0.1, seed=4)(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(Picked()(x)))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss)
+    return model
+
+
+def assert_every_variable_as_keras(model, reference, before):
+    """Every variable's update, the seed generators' states included."""
+    states = [v for v in reference.variables if "seed_generator" in v.path]
+    assert len(states) == 3
+    for got, want, b in zip(model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
+            err_msg=want.path,
+        )  # fmt: skip
+
+
+def fit_both(build, num_towers, sample_weight=None, **options):
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((23, 5)), rng.standard_normal((23, 2))
+    engine = Towers(build(), devices=devices(num_towers), **options)
+    reference = build()
+    before = [v.numpy() for v in reference.variables]
+    engine.fit(x, y, sample_weight=sample_weight, **FIT)
+    reference.fit(x, y, sample_weight=sample_weight, **FIT)
+    return engine.model, reference, before
+
+
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_draws_in_one_traced_pass_are_one_devices(num_towers):
+    assert_every_variable_as_keras(*fit_both(noisy, num_towers))
+
+
+def test_draws_tower_by_tower_are_one_devices():
+    # A divisor from sample weights: the towers are traced one by one.
+    weighted = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    weights = np.linspace(0.5, 2.0, 23)
+    build = lambda: noisy(loss=weighted)  # noqa: E731
+    assert_every_variable_as_keras(*fit_both(build, 3, sample_weight=weights))
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["phases", "turns"])
+def test_draws_after_global_batch_moments_are_one_devices(monkeypatch, cut):
+    if not cut:  # the lockstep the runner falls back to
+        monkeypatch.setattr(segments, "compute", _uncuttable)
+    fallbacks = []
+    turns = runner.turns
+    monkeypatch.setattr(runner, "turns", lambda *a: fallbacks.append(1) or turns(*a))
+    build = lambda: noisy(normalised=True)  # noqa: E731
+    trained = fit_both(build, 3, batch_statistics="global")
+    assert bool(fallbacks) is not cut
+    assert_every_variable_as_keras(*trained)
+
+
+class Shuffling(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.seed = keras.random.SeedGenerator(2)
+
+    def call(self, x, training=False):
+        return keras.random.shuffle(x, seed=self.seed) if training else x
+
+
+def test_a_shuffle_of_the_examples_is_refused_by_name_before_any_update():
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(Shuffling()(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    before = [v.numpy() for v in model.variables]
+    engine = Towers(model, devices=devices(2))
+    x, y = np.ones((8, 5)), np.ones((8, 2))
+
+    with pytest.raises(ValueError, match=r"keras.random.shuffle along the examples"):
+        engine.fit(x, y, batch_size=8, verbose=0)
+
+    for v, b in zip(model.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def _uncuttable(*arguments):
+    raise segments.Uncuttable("forced by the test")

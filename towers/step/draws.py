@@ -1,0 +1,186 @@
+"""Random draws on the towers as one device draws them.
+
+A layer or a step that draws (Dropout in training, GaussianNoise, a GAN's
+latent vectors, a VAE's epsilon) draws from a seed generator's state, which
+one device reads once and advances once per draw. So every tower starts from
+the step's states (``states_at_start``), and each draw with a value per row
+of the tower's shard (a first axis as long as its rows) is drawn for the
+whole batch and cut to the tower's rows, ``[first, first + n_t)``::
+
+    one device:  normal((B, d), seed=s)                    -> rows 0 .. B-1
+    tower t:     normal((B, d), seed=s)[first : first + n_t]  (the same rows)
+
+A draw of any other shape is every tower's alike, as one device's. The
+states then move once (each tower ends where one device ends). Within a
+tower's pass the tower's rows are set by :func:`rows`; Keras' random
+functions are routed here while the step is traced (``towers/_keras``'s
+``routed_draws``). Each tower draws B rows for its n_t: T times one
+device's random numbers.
+
+A draw that couples the batch's rows (``keras.random.shuffle`` along the
+examples) is refused by name: a tower's rows shuffled are not the batch's.
+In a cluster each worker draws for its own share of the global batch, as if
+it were the whole (the workers' draws are not one device's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from towers.split import batch_size_of
+from towers.step.state import state_variables
+
+_here = threading.local()
+
+# Keras' draws by the name of their shape argument and its position.
+SHAPED = {"normal", "uniform", "truncated_normal", "randint", "gamma",
+          "binomial", "beta"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def rows(size: Any, batch: Any, first: Any) -> Iterator[None]:
+    """Within, this thread's tower draws as rows ``[first, first + size)``
+    of a batch of ``batch`` (``size``: the shard's static rows, None if
+    unknown; ``first`` and ``batch`` ints or scalar tensors)."""
+    before = getattr(_here, "rows", None)
+    _here.rows = (tf.compat.dimension_value(size), batch, first)
+    try:
+        yield
+    finally:
+        _here.rows = before
+
+
+def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Keras' ``name`` draw (``own``) in a tower, as one device's rows."""
+    where = getattr(_here, "rows", None)
+    if where is None:
+        return own(*args, **kwargs)
+    size, batch, first = where
+    if name == "dropout":
+        return _dropout(own, size, batch, first, *args, **kwargs)
+    if name == "categorical":
+        return _categorical(own, size, batch, first, *args, **kwargs)
+    if name == "shuffle":
+        x, axis = args[0], kwargs.get("axis", args[1] if len(args) > 1 else 0)
+        if axis == 0 and _per_row(tf.TensorShape(x.shape)[:1], size):
+            raise ValueError(
+                "keras.random.shuffle along the examples on towers shuffles "
+                "each tower's rows alone, not the batch's; received a shuffle "
+                f"of {x.shape}. Shuffle the data before the step, or train "
+                "on one device."
+            )
+        return own(*args, **kwargs)
+    args, kwargs = list(args), dict(kwargs)
+    shape = kwargs["shape"] if "shape" in kwargs else args[0]
+    dims = list(shape) if isinstance(shape, (list, tuple)) else None
+    if dims is None or not dims or not _per_row(dims[:1], size):
+        return own(*args, **kwargs)
+    whole = [batch, *dims[1:]]
+    if "shape" in kwargs:
+        kwargs["shape"] = whole
+    else:
+        args[0] = whole
+    return _cut(own(*args, **kwargs), first, dims[0])
+
+
+def _per_row(leading: Any, size: Any) -> bool:
+    """Whether a first axis ``leading`` (a shape's first entry, in a list)
+    is as long as the tower's rows."""
+    dim = leading[0]
+    if isinstance(dim, tf.Tensor):
+        dim = tf.get_static_value(dim)
+    dim = tf.compat.dimension_value(dim)
+    return dim == size
+
+
+def _cut(whole: tf.Tensor, first: Any, size: Any) -> tf.Tensor:
+    """Rows ``[first, first + size)`` of ``whole``."""
+    begin = tf.stack([tf.cast(first, tf.int32)] + [0] * (whole.shape.rank - 1))
+    size = tf.stack([tf.cast(size, tf.int32)] + [-1] * (whole.shape.rank - 1))
+    return tf.slice(whole, begin, size)
+
+
+def _dropout(own, size, batch, first, inputs, rate, noise_shape=None, seed=None):
+    """Keras' dropout of ``inputs`` with the whole batch's mask cut to the
+    tower's rows, applied as TensorFlow's ``stateless_dropout`` applies it
+    (``x * scale`` kept, else 0)."""
+    inputs = tf.convert_to_tensor(inputs)
+    if noise_shape is None:
+        noise_shape = [None] * inputs.shape.rank
+    if not _per_row([inputs.shape[0]], size) or noise_shape[0] == 1:
+        return own(inputs, rate, noise_shape=noise_shape, seed=seed)
+    if isinstance(rate, numbers.Real) and rate in (0.0, 1.0):
+        return own(inputs, rate, noise_shape=noise_shape, seed=seed)
+    dynamic = tf.shape(inputs)
+    shape = [batch] + [
+        dynamic[i] if value is None else value for i, value in enumerate(noise_shape)
+    ][1:]
+    ones = tf.ones(tf.stack([tf.cast(d, tf.int32) for d in shape]), inputs.dtype)
+    kept = _cut(own(ones, rate, seed=seed), first, tf.shape(inputs)[0]) != 0
+    if isinstance(rate, numbers.Real):
+        scaled = inputs * tf.constant(1 / (1 - rate), inputs.dtype)
+    else:
+        scaled = inputs / (1 - tf.cast(rate, inputs.dtype))
+    return tf.where(kept, scaled, tf.zeros([], inputs.dtype))
+
+
+def _categorical(own, size, batch, first, logits, num_samples, *args, **kwargs):
+    """Samples of the tower's rows of logits, drawn as the whole batch's:
+    its rows placed among zeros (each row's samples read its own row)."""
+    logits = tf.convert_to_tensor(logits)
+    if not _per_row([logits.shape[0]], size):
+        return own(logits, num_samples, *args, **kwargs)
+    n = tf.shape(logits)[0]
+    after = tf.cast(batch, tf.int32) - tf.cast(first, tf.int32) - n
+    padded = tf.pad(logits, [[tf.cast(first, tf.int32), after], [0, 0]])
+    return _cut(own(padded, num_samples, *args, **kwargs), first, n)
+
+
+def first_rows(shards: Any) -> list[Any]:
+    """Each tower's first row in the batch: ints when the sizes are known
+    when traced, else scalar tensors."""
+    sizes = shards.sizes or [batch_size_of(part) for part in shards.parts]
+    return [sum(sizes[:t], 0) for t in range(len(sizes))]
+
+
+def size_of(x: Any) -> int | None:
+    """A shard's rows as traced (None: known when it runs)."""
+    size = batch_size_of(x)
+    return size if isinstance(size, int) else None
+
+
+class Starts:
+    """The seed generators' states every tower of a step starts from, read
+    once; the first tower's last states, assigned once after the towers.
+
+    Args:
+      models: the models the working towers run (one, or a copy each).
+    """
+
+    def __init__(self, models: list[Any]):
+        self.models = {id(model): model for model in models}
+        self.states = {
+            key: [tf.identity(v) for v in state_variables(model)]
+            for key, model in self.models.items()
+        }
+        self._ends: dict[int, list[Any]] = {}
+
+    def of(self, model: Any) -> list[Any]:
+        """The states ``model``'s towers start from."""
+        return self.states[id(model)]
+
+    def ended(self, model: Any, states: list[Any]) -> None:
+        """A tower of ``model`` ended with ``states`` (the first one counts)."""
+        self._ends.setdefault(id(model), states)
+
+    def settle(self) -> None:
+        """Assigns each model's states as its first tower ended them."""
+        for key, model in self.models.items():
+            for variable, value in zip(state_variables(model), self._ends[key]):
+                variable.assign(value)
