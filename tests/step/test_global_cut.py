@@ -2,7 +2,7 @@
 shape and cut it where the towers meet (``towers/step/segments.py``), as the
 XLA path does; a pass that cannot be cut falls back to the lockstep, which
 traces every tower. The cut pass gives the lockstep's numbers, random draws
-after the towers' sums included."""
+after the towers' sums included (both one device's: test_draws.py)."""
 
 import keras
 import numpy as np
@@ -75,7 +75,7 @@ def test_the_cut_pass_gives_the_locksteps_numbers(
     fallback = runner.turns
     monkeypatch.setattr(runner, "turns", lambda *a: fallbacks.append(1) or fallback(*a))
     _, cut = trained("global", towers, dropout, examples)
-    assert not fallbacks  # the seed states are handed on within a phase
+    assert not fallbacks  # cut, draws included: every tower starts alike
     monkeypatch.setattr(segments, "compute", _uncuttable)
     _, lockstep_numbers = trained("global", towers, dropout, examples)
     assert len(fallbacks) == 1
