@@ -71,24 +71,11 @@ def compute(
     given one tower's pass, that tower's own.
     """
     jit = tower.jit.enabled
-    examples = shards.normaliser
     held = _Held(placement, working)
 
     def one_tower(model: Any) -> Callable[..., Any]:
-        def tower_pass(x, y, sample_weight, first, states, weights, scale) -> tuple:
-            with draws.rows(draws.size_of(x), shards.size, first):
-                recorded = tower.forward(
-                    model, x, y, sample_weight, examples, states, weights
-                )
-            size = batch_size_of(x)
-            own = divisors_of([recorded])
-            divisors = [
-                _step_divisor(term, d, size, examples)
-                for term, d in zip(recorded.terms, own)
-            ]
-            return tower.gradients(recorded, divisors, scale), recorded.states
-
-        return xla.function(tower_pass, jit, tower.inline)
+        work = tower_pass(tower, model, shards, divisors_of, _step_divisor)
+        return xla.function(work, jit, tower.inline)
 
     try:
         return held.run(working, shards, one_tower, _scale(tower))
@@ -96,6 +83,39 @@ def compute(
         if not jit:
             return None
     return _forward_twice(placement, tower, shards, working, divisors_of)
+
+
+def tower_pass(
+    tower: Tower,
+    model: Any,
+    shards: Shards,
+    divisors_of: Callable[[list], list[Any]],
+    step_divisor: Callable[..., Any],
+    traced: list | None = None,
+) -> Callable[..., tuple]:
+    """A tower's pass as one function of ``(x, y, sample_weight, first,
+    states, weights, scale)``: its forward pass drawing its rows of the batch
+    (``first``: its first row), its divisors (``step_divisor(term, divisor,
+    size, examples)`` of each of ``divisors_of``'s for its own pass), its
+    loss share and gradients. Returns ``(TowerResult, its last states)``;
+    ``traced`` collects the forward passes."""
+    examples = shards.normaliser
+
+    def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
+        with draws.rows(draws.size_of(x), shards.size, first):
+            recorded = tower.forward(
+                model, x, y, sample_weight, examples, states, weights
+            )
+        size = batch_size_of(x)
+        divisors = [
+            step_divisor(term, d, size, examples)
+            for term, d in zip(recorded.terms, divisors_of([recorded]))
+        ]
+        if traced is not None:
+            traced.append(recorded)
+        return tower.gradients(recorded, divisors, scale), recorded.states
+
+    return run
 
 
 def _forward_twice(placement, tower, shards, working, divisors_of) -> list:

@@ -39,8 +39,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.split import Shards, batch_size_of
-from towers.step import cut, draws, lockstep, meetings, xla
+from towers.split import Shards
+from towers.step import cut, draws, lockstep, meetings, once, xla
 from towers.step.cut import Plan
 from towers.step.tower import Tower, TowerResult
 
@@ -117,22 +117,8 @@ def compute(
       Uncuttable: the pass cannot be cut so (the runner then takes turns).
     """
     model = placement.model_of(working[0])
-    examples = shards.normaliser
     traced: list[Any] = []
-
-    def tower_pass(x, y, sample_weight, first, states, weights, scale) -> tuple:
-        with draws.rows(draws.size_of(x), shards.size, first):
-            recorded = tower.forward(
-                model, x, y, sample_weight, examples, states, weights
-            )
-        own = divisors_of([recorded])
-        size = batch_size_of(x)
-        divisors = [
-            _step_divisor(term, d, size, examples)
-            for term, d in zip(recorded.terms, own)
-        ]
-        traced.append(recorded)
-        return recorded.states, tower.gradients(recorded, divisors, scale)
+    work = once.tower_pass(tower, model, shards, divisors_of, _step_divisor, traced)
 
     across, weight = lockstep.across_workers(workers)
     starts = draws.Starts([model])
@@ -150,16 +136,16 @@ def compute(
         key = xla.signature(args)
         if key not in plans:
             with tf.name_scope(f"tower_{t}"):
-                plans[key] = cut.trace(tower_pass, args, tower.jit.enabled)
+                plans[key] = cut.trace(work, args, tower.jit.enabled)
         chosen.append(plans[key])
         calls.append(args)
     if workers is not None:
         weight["examples"] = weight_of(traced[:1])
     devices = [placement.devices[t] for t in working]
     outputs = run(chosen, calls, devices, working, across)
-    starts.ended(model, outputs[0][0])
+    starts.ended(model, outputs[0][1])
     starts.settle()
-    return [result for _, result in outputs]
+    return [result for result, _ in outputs]
 
 
 def _value(plan: Plan, known: dict[str, Any], name: str) -> Any:
