@@ -72,8 +72,10 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             raise ValueError(
                 "keras.random.shuffle along the examples on towers shuffles "
                 "each tower's rows alone, not the batch's; received a shuffle "
-                f"of {x.shape}. Shuffle the data before the step, or train "
-                "on one device."
+                f"of {x.shape} in a tower's step (MixUp and CutMix layers "
+                "shuffle so, to mix examples across the batch). Apply such a "
+                "layer in the input pipeline (dataset.map), where it sees the "
+                "whole batch, or train on one device. Nothing was updated."
             )
         return own(*args, **kwargs)
     args, kwargs = list(args), dict(kwargs)
