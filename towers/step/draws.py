@@ -4,18 +4,23 @@ A layer or a step that draws (Dropout in training, GaussianNoise, a GAN's
 latent vectors, a VAE's epsilon) draws from a seed generator's state, which
 one device reads once and advances once per draw. So every tower starts from
 the step's states (``states_at_start``), and each draw with a value per row
-of the tower's shard (a first axis as long as its rows) is drawn for the
-whole batch and cut to the tower's rows, ``[first, first + n_t)``::
+of the tower's shard (a first axis as long as its rows) is drawn as one
+device draws the whole batch's, up to the tower's last row, and cut to its
+rows, ``[first, first + n_t)``::
 
-    one device:  normal((B, d), seed=s)                    -> rows 0 .. B-1
-    tower t:     normal((B, d), seed=s)[first : first + n_t]  (the same rows)
+    one device:  normal((B, d), seed=s)                       -> rows 0 .. B-1
+    tower t:     normal((first + n_t, d), seed=s)[first:]     (the same rows)
+
+TensorFlow's stateless draws give a value by its place in the draw (its
+flat index), so the first rows of a larger draw are a smaller draw's, under
+XLA too.
 
 A draw of any other shape is every tower's alike, as one device's. The
 states then move once (each tower ends where one device ends). Within a
 tower's pass the tower's rows are set by :func:`rows`; Keras' random
 functions are routed here while the step is traced (``towers/_keras``'s
-``routed_draws``). Each tower draws B rows for its n_t: T times one
-device's random numbers.
+``routed_draws``). Tower t draws ``first + n_t`` rows for its ``n_t``:
+the towers together draw about ``(T + 1) / 2`` times one device's numbers.
 
 A draw that couples the batch's rows (``keras.random.shuffle`` along the
 examples) is refused by name: a tower's rows shuffled are not the batch's.
@@ -38,18 +43,14 @@ from towers.step.state import state_variables
 
 _here = threading.local()
 
-# Keras' draws by the name of their shape argument and its position.
-SHAPED = {"normal", "uniform", "truncated_normal", "randint", "gamma",
-          "binomial", "beta"}  # fmt: skip
-
 
 @contextlib.contextmanager
-def rows(size: Any, batch: Any, first: Any) -> Iterator[None]:
+def rows(size: Any, first: Any) -> Iterator[None]:
     """Within, this thread's tower draws as rows ``[first, first + size)``
-    of a batch of ``batch`` (``size``: the shard's static rows, None if
-    unknown; ``first`` and ``batch`` ints or scalar tensors)."""
+    of the batch (``size``: the shard's static rows, None if unknown;
+    ``first``: an int or a scalar tensor)."""
     before = getattr(_here, "rows", None)
-    _here.rows = (tf.compat.dimension_value(size), batch, first)
+    _here.rows = (tf.compat.dimension_value(size), first)
     try:
         yield
     finally:
@@ -57,15 +58,22 @@ def rows(size: Any, batch: Any, first: Any) -> Iterator[None]:
 
 
 def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Keras' ``name`` draw (``own``) in a tower, as one device's rows."""
+    """Keras' ``name`` draw (``own``) in a tower, as one device's rows.
+
+    >>> def own(shape, seed=None):  # a draw that numbers its values
+    ...     return tf.reshape(tf.range(shape[0] * shape[1]), shape)
+    >>> with rows(2, 3):  # a tower of rows 3 and 4
+    ...     route("normal", own, ((2, 1),), {}).numpy().ravel().tolist()
+    [3, 4]
+    """
     where = getattr(_here, "rows", None)
     if where is None:
         return own(*args, **kwargs)
-    size, batch, first = where
+    size, first = where
     if name == "dropout":
-        return _dropout(own, size, batch, first, *args, **kwargs)
+        return _dropout(own, size, first, *args, **kwargs)
     if name == "categorical":
-        return _categorical(own, size, batch, first, *args, **kwargs)
+        return _categorical(own, size, first, *args, **kwargs)
     if name == "shuffle":
         x, axis = args[0], kwargs.get("axis", args[1] if len(args) > 1 else 0)
         if axis == 0 and _per_row(tf.TensorShape(x.shape)[:1], size):
@@ -78,12 +86,16 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
                 "whole batch, or train on one device. Nothing was updated."
             )
         return own(*args, **kwargs)
+    # normal, uniform, truncated_normal, randint, gamma, binomial, beta
     args, kwargs = list(args), dict(kwargs)
     shape = kwargs["shape"] if "shape" in kwargs else args[0]
+    if tf.is_tensor(shape):  # tf.shape(x): its values as far as they are known
+        known = tf.get_static_value(shape)
+        shape = list(known) if known is not None else tf.unstack(shape)
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
-    if dims is None or not dims or not _per_row(dims[:1], size):
+    if not dims or not _per_row(dims[:1], size):
         return own(*args, **kwargs)
-    whole = [batch, *dims[1:]]
+    whole = [first + dims[0], *dims[1:]]
     if "shape" in kwargs:
         kwargs["shape"] = whole
     else:
@@ -108,8 +120,8 @@ def _cut(whole: tf.Tensor, first: Any, size: Any) -> tf.Tensor:
     return tf.slice(whole, begin, size)
 
 
-def _dropout(own, size, batch, first, inputs, rate, noise_shape=None, seed=None):
-    """Keras' dropout of ``inputs`` with the whole batch's mask cut to the
+def _dropout(own, size, first, inputs, rate, noise_shape=None, seed=None):
+    """Keras' dropout of ``inputs`` with the batch's mask cut to the
     tower's rows, applied as TensorFlow's ``stateless_dropout`` applies it
     (``x * scale`` kept, else 0)."""
     inputs = tf.convert_to_tensor(inputs)
@@ -120,7 +132,7 @@ def _dropout(own, size, batch, first, inputs, rate, noise_shape=None, seed=None)
     if isinstance(rate, numbers.Real) and rate in (0.0, 1.0):
         return own(inputs, rate, noise_shape=noise_shape, seed=seed)
     dynamic = tf.shape(inputs)
-    shape = [batch] + [
+    shape = [first + dynamic[0]] + [
         dynamic[i] if value is None else value for i, value in enumerate(noise_shape)
     ][1:]
     ones = tf.ones(tf.stack([tf.cast(d, tf.int32) for d in shape]), inputs.dtype)
@@ -132,15 +144,14 @@ def _dropout(own, size, batch, first, inputs, rate, noise_shape=None, seed=None)
     return tf.where(kept, scaled, tf.zeros([], inputs.dtype))
 
 
-def _categorical(own, size, batch, first, logits, num_samples, *args, **kwargs):
-    """Samples of the tower's rows of logits, drawn as the whole batch's:
-    its rows placed among zeros (each row's samples read its own row)."""
+def _categorical(own, size, first, logits, num_samples, *args, **kwargs):
+    """Samples of the tower's rows of logits, drawn as the batch's: its rows
+    after ``first`` rows of zeros (each row's samples read its own row)."""
     logits = tf.convert_to_tensor(logits)
     if not _per_row([logits.shape[0]], size):
         return own(logits, num_samples, *args, **kwargs)
     n = tf.shape(logits)[0]
-    after = tf.cast(batch, tf.int32) - tf.cast(first, tf.int32) - n
-    padded = tf.pad(logits, [[tf.cast(first, tf.int32), after], [0, 0]])
+    padded = tf.pad(logits, [[tf.cast(first, tf.int32), 0], [0, 0]])
     return _cut(own(padded, num_samples, *args, **kwargs), first, n)
 
 

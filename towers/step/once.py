@@ -102,7 +102,7 @@ def tower_pass(
     examples = shards.normaliser
 
     def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
-        with draws.rows(draws.size_of(x), shards.size, first):
+        with draws.rows(draws.size_of(x), first):
             recorded = tower.forward(
                 model, x, y, sample_weight, examples, states, weights
             )
@@ -126,7 +126,7 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
     def forward(model: Any) -> Callable[..., Any]:
         def forward_pass(x, y, sample_weight, first, states, weights, scale):
             del scale
-            with draws.rows(draws.size_of(x), shards.size, first):
+            with draws.rows(draws.size_of(x), first):
                 tower_pass = tower.forward(
                     model, x, y, sample_weight, examples, states, weights
                 )
@@ -144,7 +144,7 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
         def forward_and_backward(
             x, y, sample_weight, first, states, weights, scale, divisors
         ) -> tuple:
-            with draws.rows(draws.size_of(x), shards.size, first):
+            with draws.rows(draws.size_of(x), first):
                 tower_pass = tower.forward(
                     model, x, y, sample_weight, examples, states, weights
                 )

@@ -161,7 +161,7 @@ class Runner:
                 return partial(on_tower, self.placement, t, partial(work, model, x))
             args = (model, x, y, sample_weight, shards.normaliser)
             if kind == "own":  # its states meet where it assigns them
-                rows = draws.rows(draws.size_of(x), shards.size, firsts[t])
+                rows = draws.rows(draws.size_of(x), firsts[t])
                 return partial(on_tower, self.placement, t, partial(work, *args), rows)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
@@ -205,7 +205,7 @@ def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
     first = draws.first_rows(shards)[t]
 
     def forward() -> Any:
-        with draws.rows(draws.size_of(x), shards.size, first):
+        with draws.rows(draws.size_of(x), first):
             tower_pass = tower.forward(
                 model, x, y, sample_weight, shards.normaliser, starts.of(model)
             )
