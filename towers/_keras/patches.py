@@ -18,8 +18,9 @@ replaced, and why:
   ``step/gathered.py``): routed to where the towers meet; and
   ``tf.GradientTape.gradient`` (``step/applies.py``): what its target sums
   over says how the towers' gradients combine;
-- Keras' random draws (``step/draws.py``): drawn for the whole batch and cut
-  to the tower's rows.
+- Keras' random draws (``step/draws.py``), and TensorFlow's stateless
+  uniform and normal draws under them: a tower draws its rows of the
+  batch's numbers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.optimizers.base_optimizer import BaseOptimizer
+from tensorflow.python.ops import gen_stateless_random_ops_v2
 
 Replacement = tuple[Any, str, Any]  # (owner, attribute name, new value)
 _ABSENT = object()  # the owner had no attribute of its own: delete on restore
@@ -190,15 +192,63 @@ def routed_draws(route: Callable[..., Any]) -> Iterator[None]:
         own = getattr(module, name)
         return lambda *args, **kwargs: route(name, own, args, kwargs)
 
+    def replacements() -> list[Replacement]:
+        ops = [(_V2, name, _skipping(getattr(_V2, name))) for name in _COUNTED]
+        return [(module, name, routed(name)) for name in DRAWS] + ops
+
     # One patch per router: entered again within, it is not routed twice.
-    patch = _DRAW_PATCHES.setdefault(
-        route, Patch(lambda: [(module, name, routed(name)) for name in DRAWS])
-    )
-    with patch.applied():
+    with _DRAW_PATCHES.setdefault(route, Patch(replacements)).applied():
         yield
 
 
 _DRAW_PATCHES: dict[Callable, Patch] = {}
+
+# TensorFlow's stateless draws whose values follow from a key and a Philox
+# counter by their place alone: one counter step gives four 32-bit words, a
+# value of 64 bits takes two, any other one (TensorFlow's kernels and XLA's
+# alike; tests/step/test_draws.py holds them to Keras' draws).
+_V2 = gen_stateless_random_ops_v2
+_COUNTED = ("stateless_random_uniform_v2", "stateless_random_normal_v2",
+            "stateless_random_uniform_int_v2")  # fmt: skip
+_skip = threading.local()
+
+
+@contextlib.contextmanager
+def drawn_after(values: Any) -> Iterator[None]:
+    """Within, this thread's next stateless uniform or normal draw (the one
+    ``_COUNTED`` op a Keras draw makes) gives the values that follow the
+    first ``values`` of the same draw made longer: a tower's rows of the
+    batch's numbers, drawn alone (``step/draws.py``). Only while
+    :func:`routed_draws` is entered."""
+    _skip.values = values
+    try:
+        yield
+    finally:
+        _skip.values = None
+
+
+def _skipping(own: Callable) -> Callable:
+    """``own`` (a ``_COUNTED`` op), its counter moved on as
+    :func:`drawn_after` says."""
+
+    def op(shape: Any, key: Any, counter: Any, alg: Any, **kwargs: Any) -> Any:
+        values = getattr(_skip, "values", None)
+        if values is None:
+            return own(shape=shape, key=key, counter=counter, alg=alg, **kwargs)
+        _skip.values = None  # one draw
+        dtype = tf.as_dtype(kwargs.get("dtype") or kwargs["minval"].dtype)
+        per_step = 2 if dtype.size == 8 else 4
+        values = tf.cast(values, tf.int64)
+        steps = tf.cast(values // per_step, tf.uint64)
+        counter = counter + tf.stack([steps, tf.zeros([], tf.uint64)])
+        size = tf.reduce_prod(tf.cast(shape, tf.int64), keepdims=True)
+        drawn = own(  # a size XLA knows: the most values dropped, and the rest
+            shape=size + per_step - 1, key=key, counter=counter, alg=alg, **kwargs
+        )
+        kept = tf.slice(drawn, tf.reshape(values % per_step, [1]), size)
+        return tf.reshape(kept, tf.cast(shape, tf.int64))
+
+    return op
 
 
 @contextlib.contextmanager

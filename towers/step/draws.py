@@ -3,24 +3,27 @@
 A layer or a step that draws (Dropout in training, GaussianNoise, a GAN's
 latent vectors, a VAE's epsilon) draws from a seed generator's state, which
 one device reads once and advances once per draw. So every tower starts from
-the step's states (``states_at_start``), and each draw with a value per row
-of the tower's shard (a first axis as long as its rows) is drawn as one
-device draws the whole batch's, up to the tower's last row, and cut to its
-rows, ``[first, first + n_t)``::
+the step's states (:class:`Starts`), and each draw with a value per row of
+the tower's shard (a first axis as long as its rows) gives the tower its
+rows of the batch's draw, ``[first, first + n_t)``::
 
-    one device:  normal((B, d), seed=s)                       -> rows 0 .. B-1
-    tower t:     normal((first + n_t, d), seed=s)[first:]     (the same rows)
+    one device:  normal((B, d), seed=s)                    -> rows 0 .. B-1
+    tower t:     normal((n_t, d), seed=s), its Philox counter moved on past
+                 first * d values                          -> rows first ..
 
-TensorFlow's stateless draws give a value by its place in the draw (its
-flat index), so the first rows of a larger draw are a smaller draw's, under
-XLA too.
+TensorFlow's stateless draws give a value by its place in the draw alone: a
+uniform or normal draw (Keras' ``normal``, ``uniform``, ``randint`` and
+Dropout's mask) is one Philox counter step per four 32-bit values, so the
+tower draws its own values alone (``towers/_keras``'s ``drawn_after``).
+Keras' other draws (truncated normal, gamma, binomial, beta, categorical)
+are drawn up to the tower's last row and cut to its rows: a draw's first
+rows are a smaller draw's. Both hold under XLA too.
 
 A draw of any other shape is every tower's alike, as one device's. The
 states then move once (each tower ends where one device ends). Within a
 tower's pass the tower's rows are set by :func:`rows`; Keras' random
 functions are routed here while the step is traced (``towers/_keras``'s
-``routed_draws``). Tower t draws ``first + n_t`` rows for its ``n_t``:
-the towers together draw about ``(T + 1) / 2`` times one device's numbers.
+``routed_draws``).
 
 A draw that couples the batch's rows (``keras.random.shuffle`` along the
 examples) is refused by name: a tower's rows shuffled are not the batch's.
@@ -31,17 +34,21 @@ it were the whole (the workers' draws are not one device's).
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
 
+from towers._keras.patches import drawn_after
 from towers.split import batch_size_of
 from towers.step.state import state_variables
 
 _here = threading.local()
+
+# Keras' draws made of one stateless uniform or normal draw, which a tower
+# draws alone, moved on past the rows before its own (``drawn_after``).
+COUNTED = ("normal", "uniform", "randint")
 
 
 @contextlib.contextmanager
@@ -63,7 +70,7 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     >>> def own(shape, seed=None):  # a draw that numbers its values
     ...     return tf.reshape(tf.range(shape[0] * shape[1]), shape)
     >>> with rows(2, 3):  # a tower of rows 3 and 4
-    ...     route("normal", own, ((2, 1),), {}).numpy().ravel().tolist()
+    ...     route("truncated_normal", own, ((2, 1),), {}).numpy().ravel().tolist()
     [3, 4]
     """
     where = getattr(_here, "rows", None)
@@ -95,6 +102,9 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
     if not dims or not _per_row(dims[:1], size):
         return own(*args, **kwargs)
+    if name in COUNTED:  # the tower's values alone
+        with drawn_after(_before(first, dims[1:])):
+            return own(*args, **kwargs)
     whole = [first + dims[0], *dims[1:]]
     if "shape" in kwargs:
         kwargs["shape"] = whole
@@ -121,27 +131,26 @@ def _cut(whole: tf.Tensor, first: Any, size: Any) -> tf.Tensor:
 
 
 def _dropout(own, size, first, inputs, rate, noise_shape=None, seed=None):
-    """Keras' dropout of ``inputs`` with the batch's mask cut to the
-    tower's rows, applied as TensorFlow's ``stateless_dropout`` applies it
-    (``x * scale`` kept, else 0)."""
+    """Keras' dropout of ``inputs``, its mask the tower's rows of the batch's
+    (its uniform draw moved on by the rows before the tower's)."""
     inputs = tf.convert_to_tensor(inputs)
     if noise_shape is None:
         noise_shape = [None] * inputs.shape.rank
     if not _per_row([inputs.shape[0]], size) or noise_shape[0] == 1:
         return own(inputs, rate, noise_shape=noise_shape, seed=seed)
-    if isinstance(rate, numbers.Real) and rate in (0.0, 1.0):
-        return own(inputs, rate, noise_shape=noise_shape, seed=seed)
     dynamic = tf.shape(inputs)
-    shape = [first + dynamic[0]] + [
-        dynamic[i] if value is None else value for i, value in enumerate(noise_shape)
-    ][1:]
-    ones = tf.ones(tf.stack([tf.cast(d, tf.int32) for d in shape]), inputs.dtype)
-    kept = _cut(own(ones, rate, seed=seed), first, tf.shape(inputs)[0]) != 0
-    if isinstance(rate, numbers.Real):
-        scaled = inputs * tf.constant(1 / (1 - rate), inputs.dtype)
-    else:
-        scaled = inputs / (1 - tf.cast(rate, inputs.dtype))
-    return tf.where(kept, scaled, tf.zeros([], inputs.dtype))
+    rest = [dynamic[i] if d is None else d for i, d in enumerate(noise_shape)][1:]
+    with drawn_after(_before(first, rest)):
+        return own(inputs, rate, noise_shape=noise_shape, seed=seed)
+
+
+def _before(first: Any, row: list[Any]) -> Any:
+    """How many values of a draw come before row ``first`` (each row ``row``
+    shaped)."""
+    values = tf.cast(first, tf.int64)
+    for d in row:
+        values *= tf.cast(d, tf.int64)
+    return values
 
 
 def _categorical(own, size, first, logits, num_samples, *args, **kwargs):
