@@ -241,6 +241,16 @@ def test_a_models_own_step_with_batchnorm_trains_in_a_cluster_as_one_device(
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
 
 
+def test_random_draws_in_a_cluster_are_one_devices(tmp_path):
+    # Dropout and GaussianNoise: each worker's towers draw their rows of the
+    # global batch's numbers, after the rows of the workers before it (one
+    # small sum a step); worker 1 has nothing in the batch of one. The
+    # reference: one tower on the whole batches.
+    expected, results = as_one_tower(tmp_path, "dropout")
+    for got in results:
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+
+
 def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):
     # keras_hub's Mixtral block adds a load-balancing loss, a product of two
     # means over the whole batch: its token counts and router probabilities are

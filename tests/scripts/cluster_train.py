@@ -32,7 +32,8 @@ encoder whose compute_loss is over the whole batch's similarities (gathered);
 --model twoapplies has its own train_step, applying twice with two optimizers;
 --model twoapplies_bn the same with a BatchNormalization layer (run twice a
 step: pass --batch-statistics global); --model gathering has its own steps,
-whose loss is over the whole batch's rows, gathered with towers.gather.
+whose loss is over the whole batch's rows, gathered with towers.gather;
+--model dropout draws in training (Dropout, GaussianNoise).
 """
 
 import argparse
@@ -262,6 +263,16 @@ def build():
                 keras.layers.Dense(8, use_bias=False),
                 keras.layers.BatchNormalization(momentum=0.5),
                 keras.layers.Activation("tanh"),
+                keras.layers.Dense(width),
+            ]
+        )
+    if args.model == "dropout":
+        return keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="tanh"),
+                keras.layers.Dropout(0.4, seed=5),
+                keras.layers.GaussianNoise(0.2, seed=6),
                 keras.layers.Dense(width),
             ]
         )

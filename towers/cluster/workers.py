@@ -133,7 +133,7 @@ class Workers:
         # above (a collective's key fixes its shapes).
         self._statistics = {
             kind: group(device, "per_tensor", backstop)
-            for kind in ("train", "eval", "predict")
+            for kind in ("train", "eval", "predict", "draws")
         }
         # 1.0 once this worker was asked to stop (request_stop); rides in every
         # step's sum, so all workers learn of it after the same step.
@@ -179,6 +179,15 @@ class Workers:
         ``kind`` step's meetings (the same order on every worker). Small
         tensors (a few KB: per-channel statistics): gathered, not all-reduced."""
         return self._statistics[kind].gathered_sum([value], instance)[0]
+
+    def first_row(self, examples: Any) -> tf.Tensor:
+        """This worker's first row in the step's global batch (its
+        ``examples`` and every other worker's, summed before it): where its
+        random draws start (``towers/step/draws.py``)."""
+        size, rank = self.cluster.num_workers, self.cluster.index
+        mine = tf.one_hot(rank, size, dtype=tf.float32) * tf.cast(examples, tf.float32)
+        every = self.sum_statistics(mine, 0, "draws")
+        return tf.cast(tf.reduce_sum(every[:rank]), tf.int32)
 
     def step(
         self,

@@ -263,6 +263,7 @@ class CustomStep:
                 routed_applies(self.applies.meet),
                 routed_gradients(self.applies.gradient),
                 routed_draws(draws.route),
+                draws.in_cluster(self.workers, self.placement.models, shards.size),
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):

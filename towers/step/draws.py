@@ -27,8 +27,8 @@ functions are routed here while the step is traced (``towers/_keras``'s
 
 A draw that couples the batch's rows (``keras.random.shuffle`` along the
 examples) is refused by name: a tower's rows shuffled are not the batch's.
-In a cluster each worker draws for its own share of the global batch, as if
-it were the whole (the workers' draws are not one device's).
+In a cluster a worker's rows follow the workers' before it in the global
+batch (:func:`in_cluster`): the workers' draws are one device's too.
 """
 
 from __future__ import annotations
@@ -165,10 +165,28 @@ def _categorical(own, size, first, logits, num_samples, *args, **kwargs):
 
 
 def first_rows(shards: Any) -> list[Any]:
-    """Each tower's first row in the batch: ints when the sizes are known
-    when traced, else scalar tensors."""
+    """Each tower's first row in the batch (in a cluster, the global batch,
+    as :func:`in_cluster` says): ints when known when traced, else scalar
+    tensors."""
     sizes = shards.sizes or [batch_size_of(part) for part in shards.parts]
-    return [sum(sizes[:t], 0) for t in range(len(sizes))]
+    before = getattr(_here, "worker_first", 0)
+    return [sum(sizes[:t], before) for t in range(len(sizes))]
+
+
+@contextlib.contextmanager
+def in_cluster(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
+    """Within, the towers' rows are placed in the cluster's global batch
+    after the workers before this one (``workers.first_row``, one small sum
+    over the workers), when the towers' ``models`` draw at all."""
+    draw = any(state_variables(model) for model in models)
+    if workers is None or not draw:
+        yield
+        return
+    _here.worker_first = workers.first_row(examples)
+    try:
+        yield
+    finally:
+        _here.worker_first = 0
 
 
 def size_of(x: Any) -> int | None:

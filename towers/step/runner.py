@@ -106,7 +106,11 @@ class Runner:
         runs alone (without XLA; with it, ``once`` runs the forward twice).
         """
         working = self.placement.working_towers(shards)
-        with routed_draws(draws.route):  # one device's draws: draws.py
+        models = [self.placement.model_of(t) for t in working]
+        with (
+            routed_draws(draws.route),  # one device's draws: draws.py
+            draws.in_cluster(self.workers, models, shards.size),
+        ):
             return self._train(shards, working, divisors_of, weight_of)
 
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
