@@ -200,7 +200,8 @@ def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
     # every worker; the metrics it updates are summed over the workers. What
     # it assigns moves once: an EMA (the same on every tower), a count of
     # examples (aggregation "sum") and a mean prediction ("mean", weighted by
-    # the global shares), among the weights compared.
+    # the global shares), among the weights compared. Its Dropout layer draws
+    # one device's masks, its seed state assigned once, as the others.
     # Worker 1 has nothing in the batch of one. The reference: one tower.
     expected, results = as_one_tower(tmp_path, "twoapplies")
     for got in results:
