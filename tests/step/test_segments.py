@@ -166,10 +166,10 @@ def test_a_pass_is_cut_where_the_towers_meet():
     np.testing.assert_allclose([float(g[0]) for g in got], [100.5, 100.5])
 
 
-def test_random_layers_hand_their_seed_states_from_tower_to_tower(xla_allowed):
-    """Dropout after BatchNormalization: tower t draws from where tower t - 1
-    ended, so the step advances the seed states as far as the same step
-    without XLA does."""
+def test_random_layers_draw_as_the_same_step_without_xla(xla_allowed):
+    """Dropout after BatchNormalization, each phase an XLA computation: the
+    step advances the seed states as far as the same step without XLA does
+    (every tower draws its rows of the batch's numbers: step/draws.py)."""
 
     def build():
         return keras.Sequential(

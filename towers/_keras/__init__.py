@@ -14,10 +14,11 @@ Weights read on the tower's device (an XLA computation inside a layer cannot
 read another device's variable): each tower runs the model in a
 ``keras.StatelessScope`` mapping each weight to the tensor it read
 (``ReadScope``). A seed generator's state assigned there is assigned at once
-(``Variable._direct_assign``) unless handed from tower to tower
-(``step/once.py``); any other assignment stays in the scope, assigned once
-by its aggregation (``step/state.py``). ``_trainable_variables`` tell a
-frozen layer's variables from moving statistics (slots for a later unfreeze).
+(``Variable._direct_assign``) unless the step holds the states every
+tower starts from (``step/draws.py``); any other assignment stays in the
+scope, assigned once by its aggregation (``step/state.py``).
+``_trainable_variables`` tell a frozen layer's variables from moving
+statistics (slots for a later unfreeze).
 
 Input as Keras' fit takes it: ``towers/_keras/inputs.py``.
 
