@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from towers.combine import combine_gradients
 from towers.placement.update import finite_flags
+from towers.step import draws
 from towers.step.meetings import own_step_seat, seated
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
@@ -68,9 +69,8 @@ class Applies:
         self.names: list[str] = []
         self.checked: list[tuple[tf.Tensor, list[Any]]] = []
         self.over_workers: Callable[[tf.Tensor, bool], tf.Tensor] | None = None
-        # Per tower, while a step is traced: its shard's rows, and whether
-        # each gradient it took (by id, kept alive) was of a sum.
-        self._rows: dict[int, Any] = {}
+        # Per tower, while a step is traced: whether each gradient it took
+        # (by id, kept alive) was of a sum.
         self._sums: dict[int, dict[int, tuple[Any, bool]]] = {}
 
     def begin(self, over_workers: Callable[[tf.Tensor, bool], tf.Tensor] | None):
@@ -78,16 +78,7 @@ class Applies:
         by this worker's weight (in a gradient of a sum, 1) and summed over
         the workers (None: no cluster)."""
         self.names, self.checked, self.over_workers = [], [], over_workers
-        self._rows, self._sums = {}, {}
-
-    def shard(self, data: Any) -> None:
-        """A tower's step is traced on ``data``: its rows, as traced (None:
-        known when it runs)."""
-        here = own_step_seat()
-        if here is not None:
-            leaves = [v for v in tf.nest.flatten(data) if hasattr(v, "shape")]
-            self._rows[here.rank] = tf.TensorShape(leaves[0].shape)[0]
-            self._sums[here.rank] = {}
+        self._sums = {}
 
     def gradient(self, target: Any, gradient: Callable[[Any], Any]) -> Any:
         """``tape.gradient(target, ...)`` inside a tower's step (``gradient``:
@@ -96,7 +87,7 @@ class Applies:
         here = own_step_seat()
         if here is None:
             return gradient(target)
-        summed = here.loss == "sum" or _per_row(target, self._rows[here.rank])
+        summed = here.loss == "sum" or _per_row(target, draws.shard_size())
         before, here.summing = here.summing, summed  # what a backward sum reads
         try:
             grads = gradient(target)
@@ -104,7 +95,7 @@ class Applies:
             here.summing = before
         for g in tf.nest.flatten(grads):
             if g is not None:
-                self._sums[here.rank][id(g)] = (g, summed)
+                self._sums.setdefault(here.rank, {})[id(g)] = (g, summed)
         return grads
 
     def _summed(self, rank: int, grads: Any) -> bool:

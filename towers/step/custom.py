@@ -57,7 +57,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from towers._keras.patches import routed_applies, routed_draws, routed_gradients
+from towers._keras.patches import routed_applies, routed_gradients
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -246,7 +246,6 @@ class CustomStep:
         def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
             del examples  # the step's own loss divides by its shard's
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-            self.applies.shard(data)
             with self._moving_at_once(len(working)):
                 return getattr(model, hook)(data)
 
@@ -262,8 +261,7 @@ class CustomStep:
             with (
                 routed_applies(self.applies.meet),
                 routed_gradients(self.applies.gradient),
-                routed_draws(draws.route),
-                draws.in_cluster(self.workers, self.placement.models, shards.size),
+                draws.drawing(self.workers, self.placement.models, shards.size),
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):

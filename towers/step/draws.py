@@ -28,7 +28,7 @@ functions are routed here while the step is traced (``towers/_keras``'s
 A draw that couples the batch's rows (``keras.random.shuffle`` along the
 examples) is refused by name: a tower's rows shuffled are not the batch's.
 In a cluster a worker's rows follow the workers' before it in the global
-batch (:func:`in_cluster`): the workers' draws are one device's too.
+batch (:func:`drawing`): the workers' draws are one device's too.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras.patches import drawn_after
+from towers._keras.patches import drawn_after, routed_draws
 from towers.split import batch_size_of
 from towers.step.state import state_variables
 
@@ -166,7 +166,7 @@ def _categorical(own, size, first, logits, num_samples, *args, **kwargs):
 
 def first_rows(shards: Any) -> list[Any]:
     """Each tower's first row in the batch (in a cluster, the global batch,
-    as :func:`in_cluster` says): ints when known when traced, else scalar
+    as :func:`drawing` says): ints when known when traced, else scalar
     tensors."""
     sizes = shards.sizes or [batch_size_of(part) for part in shards.parts]
     before = getattr(_here, "worker_first", 0)
@@ -174,19 +174,28 @@ def first_rows(shards: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def in_cluster(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
-    """Within, the towers' rows are placed in the cluster's global batch
-    after the workers before this one (``workers.first_row``, one small sum
-    over the workers), when the towers' ``models`` draw at all."""
+def drawing(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
+    """Within (a step's towers traced), Keras' draws are routed to
+    :func:`route`; in a cluster, the towers' rows are placed in the global
+    batch after the workers before this one (``workers.first_row``, one small
+    sum over the workers), when the towers' ``models`` draw at all."""
     draw = any(state_variables(model) for model in models)
-    if workers is None or not draw:
-        yield
-        return
-    _here.worker_first = workers.first_row(examples)
-    try:
-        yield
-    finally:
-        _here.worker_first = 0
+    with routed_draws(route):
+        if workers is None or not draw:
+            yield
+            return
+        _here.worker_first = workers.first_row(examples)
+        try:
+            yield
+        finally:
+            _here.worker_first = 0
+
+
+def shard_size() -> Any:
+    """The rows of this thread's tower's shard as traced (:func:`rows`;
+    None: unknown until it runs, or no tower's rows set)."""
+    where = getattr(_here, "rows", None)
+    return None if where is None else where[0]
 
 
 def size_of(x: Any) -> int | None:

@@ -102,10 +102,9 @@ def tower_pass(
     examples = shards.normaliser
 
     def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
-        with draws.rows(draws.size_of(x), first):
-            recorded = tower.forward(
-                model, x, y, sample_weight, examples, states, weights
-            )
+        recorded = tower.forward(
+            model, x, y, sample_weight, examples, states, weights, first
+        )
         size = batch_size_of(x)
         divisors = [
             step_divisor(term, d, size, examples)
@@ -126,10 +125,9 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
     def forward(model: Any) -> Callable[..., Any]:
         def forward_pass(x, y, sample_weight, first, states, weights, scale):
             del scale
-            with draws.rows(draws.size_of(x), first):
-                tower_pass = tower.forward(
-                    model, x, y, sample_weight, examples, states, weights
-                )
+            tower_pass = tower.forward(
+                model, x, y, sample_weight, examples, states, weights, first
+            )
             # The tape and the weights' values stay in the computation.
             tower_pass.tape, tower_pass.sources = None, []
             return tower_pass, tower_pass.states
@@ -144,10 +142,9 @@ def _forward_twice(placement, tower, shards, working, divisors_of) -> list:
         def forward_and_backward(
             x, y, sample_weight, first, states, weights, scale, divisors
         ) -> tuple:
-            with draws.rows(draws.size_of(x), first):
-                tower_pass = tower.forward(
-                    model, x, y, sample_weight, examples, states, weights
-                )
+            tower_pass = tower.forward(
+                model, x, y, sample_weight, examples, states, weights, first
+            )
             return tower.gradients(tower_pass, divisors, scale), tower_pass.states
 
         return xla.function(forward_and_backward, jit=True)

@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 import tensorflow as tf
 
-from towers._keras.patches import routed_draws
 from towers.split import Shards
 from towers.step import draws, lockstep, once, segments, xla
 from towers.step.tower import TowerResult
@@ -107,10 +106,7 @@ class Runner:
         """
         working = self.placement.working_towers(shards)
         models = [self.placement.model_of(t) for t in working]
-        with (
-            routed_draws(draws.route),  # one device's draws: draws.py
-            draws.in_cluster(self.workers, models, shards.size),
-        ):
+        with draws.drawing(self.workers, models, shards.size):
             return self._train(shards, working, divisors_of, weight_of)
 
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
@@ -156,8 +152,6 @@ class Runner:
         if kind == "predict":  # no copy need join a prediction without examples
             working = shards.working()
 
-        firsts = draws.first_rows(shards)
-
         def run(t: int) -> Callable[[], Any]:
             model = self.placement.model_of(t)
             x, y, sample_weight = shards.parts[t]
@@ -165,7 +159,7 @@ class Runner:
                 return partial(on_tower, self.placement, t, partial(work, model, x))
             args = (model, x, y, sample_weight, shards.normaliser)
             if kind == "own":  # its states meet where it assigns them
-                rows = draws.rows(draws.size_of(x), firsts[t])
+                rows = draws.rows(draws.size_of(x), draws.first_rows(shards)[t])
                 return partial(on_tower, self.placement, t, partial(work, *args), rows)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
@@ -209,10 +203,10 @@ def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
     first = draws.first_rows(shards)[t]
 
     def forward() -> Any:
-        with draws.rows(draws.size_of(x), first):
-            tower_pass = tower.forward(
-                model, x, y, sample_weight, shards.normaliser, starts.of(model)
-            )
+        tower_pass = tower.forward(
+            model, x, y, sample_weight, shards.normaliser, starts.of(model),
+            first=first,
+        )  # fmt: skip
         starts.ended(model, tower_pass.states)
         return tower_pass
 

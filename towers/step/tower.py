@@ -35,7 +35,7 @@ from towers._keras import (
     own_losses,
 )
 from towers.split import batch_size_of
-from towers.step import meetings, xla
+from towers.step import draws, meetings, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
@@ -191,6 +191,7 @@ class Tower:
         examples: Any,
         states: list[tf.Tensor] | None = None,
         weights: list[tf.Tensor] | None = None,
+        first: Any = None,
     ) -> TowerPass:
         """The forward pass in training mode, recorded for :meth:`gradients`.
 
@@ -204,10 +205,17 @@ class Tower:
             (``TowerPass.states``). None: the pass assigns them as it draws.
           weights: the values of ``model.weights`` (read outside an XLA
             computation); None: read here.
+          first: the shard's first row in the batch: its random draws are
+            its rows of the batch's (``towers/step/draws.py``; with
+            ``states``, which every tower starts from). None: not placed.
         """
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
-        with weights_here(model, states, weights) as scope:
+        placed = draws.rows(draws.size_of(x), first) if first is not None else None
+        with (
+            placed or contextlib.nullcontext(),
+            weights_here(model, states, weights) as scope,
+        ):
             sources = [scope.get_current_value(v) for v in variables]
             with (
                 tape,
