@@ -60,7 +60,7 @@ class Towers(Trainer):
         its batch (towers weighted by share) or a ``"sum"`` (step/applies.py).
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
         fastest steps) or a ``"call"`` of its own: quicker to a first step with
-        many towers, slower after (step/once.py, docs/sync-cost.md).
+        many towers, slower after (step/segments.py, docs/sync-cost.md).
 
     Attributes:
       model, optimizer, metrics: the Keras model, optimizer (tower 0's), metrics.

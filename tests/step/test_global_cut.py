@@ -48,20 +48,15 @@ def trained(statistics, towers, dropout=False, examples=12):
     return Counting.calls, [v.numpy() for v in engine.model.variables]
 
 
-@pytest.fixture
-def lockstep_only(monkeypatch):
-    """Every pass as if it could not be cut: the lockstep's numbers."""
-    monkeypatch.setattr(segments, "compute", _uncuttable)
-
-
 def test_global_statistics_trace_the_pass_once_per_shard_shape():
     tower_traces, _ = trained("tower", 4)
     global_traces, _ = trained("global", 4)
     assert global_traces == tower_traces  # not once per tower
 
 
-def test_the_lockstep_traces_every_tower(lockstep_only):
-    tower_traces, _ = trained("tower", 4)
+def test_the_lockstep_traces_every_tower(monkeypatch):
+    tower_traces, _ = trained("tower", 4)  # one trace, as above
+    monkeypatch.setattr(segments, "compute", _uncuttable)
     global_traces, _ = trained("global", 4)
     assert global_traces == tower_traces + 3
 

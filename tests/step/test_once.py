@@ -1,6 +1,8 @@
-"""One trace for every tower (towers/step/once.py): when it serves, how many
+"""One trace for every tower (towers/step/segments.py): when it serves, how many
 functions it makes, and that the step it builds is the step a trace per tower
 builds (the equivalence tests run through it: every central step does)."""
+
+import re
 
 import keras
 import numpy as np
@@ -9,7 +11,9 @@ import pytest
 from tests.models import build_mlp, regression_batch, step_graph
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import once
+from towers.step import segments
+
+CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 
 
 def engine(num_towers=3, loss="mse", **options):
@@ -28,7 +32,7 @@ def tower_functions(eng, x, y, sample_weight=None):
     return [
         op.get_attr("f").name
         for op in graph.get_operations()
-        if op.type == "StatefulPartitionedCall" and op.name.startswith("tower_")
+        if op.type in CALLS and op.name.startswith("tower_")
     ]
 
 
@@ -47,8 +51,9 @@ def test_copies_per_tower_are_traced_per_tower():
     assert tower_functions(eng, x, y) == []
 
 
-def test_a_divisor_from_sample_weights_traces_tower_by_tower_and_stays_exact():
-    # Keras divides by the sample weights' sum: no tower knows it alone.
+def test_a_divisor_from_sample_weights_is_a_sum_between_two_phases_and_exact():
+    # Keras divides by the sample weights' sum: no tower knows it alone, so
+    # the one trace is cut there: forward, the towers' sum, backward.
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     eng = engine(loss=loss)
     rng = np.random.default_rng(1)
@@ -58,7 +63,10 @@ def test_a_divisor_from_sample_weights_traces_tower_by_tower_and_stays_exact():
     reference.set_weights(eng.model.get_weights())
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
 
-    assert tower_functions(eng, x, y, weights) == []
+    calls = tower_functions(eng, x, y, weights)
+    phases = [re.search(r"tower_phase_(\d+)", name).group(1) for name in calls]
+    assert phases == ["0", "0", "0", "1", "1", "1"]
+    assert len(set(calls)) == 2  # 3 + 3 + 3: one trace
     eng.train_step(x, y, weights)
     reference.train_on_batch(x, y, sample_weight=weights)
 
@@ -98,7 +106,7 @@ def test_dropout_draws_as_a_trace_per_tower_and_no_tower_waits(monkeypatch):
     calls = [
         op
         for op in step_graph(shared, x, y).get_operations()
-        if op.type == "StatefulPartitionedCall" and op.name.startswith("tower_")
+        if op.type in CALLS and op.name.startswith("tower_")
     ]
     # A seed state assigned inside the calls would chain them, tower 1's
     # waiting for tower 0's.
@@ -110,7 +118,7 @@ def test_dropout_draws_as_a_trace_per_tower_and_no_tower_waits(monkeypatch):
     weights = shared.model.get_weights()
     shared.train_step(x, y)
 
-    monkeypatch.setattr(once, "shareable", lambda *args: False)
+    monkeypatch.setattr(segments, "shareable", lambda *args: False)
     per_tower = dropout_engine()
     per_tower.model.set_weights(weights)
     np.testing.assert_array_equal(seed_states(per_tower)[0], before[0])

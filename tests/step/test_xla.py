@@ -143,12 +143,12 @@ def test_each_tower_is_one_xla_call_on_its_own_device(num_towers):
     assert xla_calls(without) == []
 
 
-def test_a_divisor_from_sample_weights_runs_the_forward_twice_and_stays_exact(
+def test_a_divisor_from_sample_weights_is_a_sum_between_two_computations(
     xla_allowed,
 ):
     """Keras' "mean_with_sample_weight" divides by the batch's sum of weights:
-    every tower's forward pass comes first, then each tower's forward and
-    backward pass again, given the divisor."""
+    every tower's forward pass is one computation, the towers' sum of their
+    divisors follows, then each tower's backward pass is another."""
     x, y, sample_weight = data((8,))
     targets = np.eye(3, dtype="float32")[y]
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
@@ -164,7 +164,7 @@ def test_a_divisor_from_sample_weights_runs_the_forward_twice_and_stays_exact(
         re.sub(r"^__inference_|_\d+$", "", c.function) for c in xla_calls(graph)
     ]
     assert [c.stage for c in xla_calls(graph)] == ["tower 0 XLA", "tower 1 XLA"] * 2
-    assert functions == ["forward_pass"] * 2 + ["forward_and_backward"] * 2
+    assert functions == ["tower_phase_0"] * 2 + ["tower_phase_1"] * 2
 
 
 def test_a_copy_per_tower_compiles_each_copy_and_stays_exact(xla_allowed):

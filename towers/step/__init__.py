@@ -2,13 +2,14 @@
 
 ``step.py`` runs the phases in order (split, each tower's forward and backward,
 the divisors, combine, apply, metrics); ``tower.py`` is one tower's work;
-``runner.py`` decides how the towers run, for every step: alone, ``once.py``
-(one trace for every tower; ``xla.py``: as one XLA computation), in phases
-(``segments.py``) or in turns (``lockstep.py``);
+``runner.py`` decides how the towers run, for every step: alone, once
+(``segments.py``: one trace for every tower, cut into phases where the towers
+meet by sums; ``xla.py``: each phase one XLA computation) or in turns
+(``lockstep.py``);
 ``losses.py`` makes T shards' losses add up to the batch's; ``batchnorm.py`` and
 ``lockstep.py`` serve BatchNormalization (moving statistics once per step, the
-whole batch's statistics), with ``cut.py`` and ``segments.py`` cutting a
-tower's pass, traced once, into phases where the towers meet; ``metrics.py``
+whole batch's statistics), with ``cut.py`` cutting a tower's pass, traced
+once, into phases where the towers meet; ``metrics.py``
 updates the model's own metrics from every tower's predictions; ``state.py``
 assigns what the towers' passes assigned, once; ``batches.py`` checks a batch
 on the host; ``parts.py`` (with ``compiling.py``) assembles a step from

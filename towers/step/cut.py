@@ -108,11 +108,14 @@ class Plan:
     constants: dict[str, tf.Tensor]
 
 
-def trace(work: Callable[..., Any], args: tuple, jit: bool = True) -> Plan:
+def trace(
+    work: Callable[..., Any], args: tuple, jit: bool = True, inline: bool = True
+) -> Plan:
     """``work(*args)`` traced alone and cut into phases.
 
     ``args``: a nest of tensors (and None); the plan serves any call with
-    tensors of the same shapes and dtypes.
+    tensors of the same shapes and dtypes. Each phase is an ``xla.function``
+    (``inline``: inlined into the step's graph).
     """
     recording = Recording()
     graph = func_graph.FuncGraph("tower_pass")
@@ -139,7 +142,7 @@ def trace(work: Callable[..., Any], args: tuple, jit: bool = True) -> Plan:
         inputs=[t.name for t in inputs],
         captured=[external for external, _ in graph.captures],
         phases=[
-            cut.phase_function(k, library, jit) if cut.outputs[k] else None
+            cut.phase_function(k, library, jit, inline) if cut.outputs[k] else None
             for k in range(len(cut.outputs))
         ],
         exchanges=recording.exchanges,
@@ -202,7 +205,7 @@ class _Cut:
             return "constant"
         return "op"
 
-    def phase_function(self, k: int, library: Any, jit: bool) -> Phase:
+    def phase_function(self, k: int, library: Any, jit: bool, inline: bool) -> Phase:
         """Phase ``k``'s ops as one function of the tensors they read from
         elsewhere, giving what the phase gives."""
         nodes, copied, reads = [], set(), []
@@ -240,8 +243,7 @@ class _Cut:
             return made
 
         body.__name__ = f"tower_phase_{k}"
-        function = tf.function(body, autograph=False, jit_compile=jit)
-        return Phase(function, reads, outputs)
+        return Phase(xla.function(body, jit, inline), reads, outputs)
 
     def _phase_of(self, op: tf.Operation) -> int:
         if op.name in self.sums:  # after the phase that makes its value

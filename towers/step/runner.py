@@ -7,14 +7,14 @@ path with the model's code in the tower's place). :meth:`Runner.way` decides
 how, and nothing else does:
 
 - ``"alone"``: each tower traced in turn, on its device; nobody meets.
-- ``"once"``: one trace of the tower's pass serves every tower of a shared
-  model (training: ``towers/step/once.py``, where with XLA each tower's pass
-  is one computation; evaluation and prediction: :meth:`Runner.each`);
-  nobody meets.
-- ``"phases"``: the pass traced once and cut where the towers meet by sums
-  (BatchNormalization's global moments, a mixture of experts' load-balancing
-  sums, a divisor from sample weights), the sums between the phases
-  (``towers/step/segments.py``, ``towers/step/cut.py``).
+- ``"once"``: one trace of the tower's pass serves every tower of a model
+  (training: ``towers/step/segments.py``, one phase, or two around a divisor
+  no tower knows alone; with XLA each phase one computation; evaluation and
+  prediction: :meth:`Runner.each`).
+- ``"phases"``: the same, where the towers meet by sums (BatchNormalization's
+  global moments, a mixture of experts' load-balancing sums): the pass cut
+  there, the sums between the phases (``towers/step/segments.py``,
+  ``towers/step/cut.py``).
 - ``"turns"``: the towers traced side by side, taking turns, meeting at any
   verb of their seat (``towers/step/lockstep.py``): where a meeting gathers
   rows (a coupled ``compute_loss``) or runs code on one tower (a model's own
@@ -34,7 +34,7 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from towers.split import Shards
-from towers.step import draws, lockstep, once, segments, xla
+from towers.step import draws, lockstep, segments, xla
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
@@ -69,7 +69,8 @@ class Runner:
         training pass whose towers meet by sums (global batch statistics, a
         mixture of experts' terms) is cut into phases. A pass nobody meets in
         is traced once for every tower when they share a model and the shard
-        sizes are known (a training pass always with XLA); else tower by tower.
+        sizes are known (a training pass always with XLA: once per model and
+        shard shape); else tower by tower.
         """
         meets = len(working) > 1 or self.workers is not None
         if kind == "own":
@@ -79,13 +80,14 @@ class Runner:
         if kind != "train":
             if gathered and kind == "evaluate":
                 return "turns"
-            shared = once.shareable(self.placement, shards, working)
+            shared = segments.shareable(self.placement, shards, working)
             return "once" if shared else "alone"
         statistics = self.moving_statistics
         sums = statistics.statistics == "global" and bool(statistics.layers)
         if meets and (sums or self.tower.coupled.exact):
             return "turns" if gathered else "phases"
-        if self.tower.jit.enabled or once.shareable(self.placement, shards, working):
+        jit = self.tower.jit.enabled
+        if jit or segments.shareable(self.placement, shards, working):
             return "once"
         return "alone"
 
@@ -101,8 +103,7 @@ class Runner:
         weight in a cluster's sums (None for a sum loss).
 
         A pass that cannot be cut runs in turns (without XLA; with it, the
-        error names why); one whose divisors need every tower's forward pass
-        runs alone (without XLA; with it, ``once`` runs the forward twice).
+        error names why).
         """
         working = self.placement.working_towers(shards)
         models = [self.placement.model_of(t) for t in working]
@@ -112,7 +113,7 @@ class Runner:
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
         way = self.way("train", working, shards)
         args = (self.placement, self.tower, shards, working, divisors_of)
-        if way == "phases":
+        if way in ("once", "phases"):
             try:
                 return segments.compute(*args, self.workers, weight_of)
             except segments.Uncuttable:
@@ -121,10 +122,6 @@ class Runner:
                 way = "turns"
         if way == "turns":
             return turns(*args, self.workers, weight_of)
-        if way == "once":
-            results = once.compute(*args)
-            if results is not None:
-                return results
         starts = draws.Starts([self.placement.model_of(t) for t in working])
         forward = partial(_forward, self.placement, self.tower, shards, starts)
         passes = [forward(t)() for t in working]
@@ -164,7 +161,7 @@ class Runner:
             return partial(on_tower, self.placement, t, partial(work, *args))
 
         way = self.way(kind, working, shards)
-        if way == "once":  # (training's: once.py)
+        if way == "once":  # (training's: segments.py)
             model = self.placement.model_of(working[0])
             work = xla.function(partial(work, model), False, self.tower.inline)
             run = partial(_run_shared, self.placement, shards, work, kind)

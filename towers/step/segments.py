@@ -1,35 +1,36 @@
-"""Global batch statistics: each tower's pass in phases, the towers' sums
-between them.
+"""A tower's pass traced once and run on every tower, in phases where the
+towers meet by sums.
 
-With ``batch_statistics="global"`` the towers meet inside their pass: every
-BatchNormalization layer sums its moments over the towers twice on the way
-forward and its upstream gradients once on the way back
-(``towers/step/batchnorm.py``). One XLA computation per tower cannot stop for
-that, so the tower's pass (forward, divisors, backward) is traced once and cut
-where the towers meet (``towers/step/cut.py``), each phase one XLA
-computation::
+Every tower of a model runs the same code on a shard of the same shape
+(split sizes differ by at most one), so the tower's pass (forward, divisors,
+loss share, gradients: :func:`tower_pass`) is traced once per model and
+shard shape, not once per tower, and cut where the towers meet
+(``towers/step/cut.py``)::
 
     tower t:  [phase 0] -> sum -> [phase 1] -> sum -> ... -> [phase K]
                            ^ every tower's value     ^ every tower's upstream
 
-The step calls each phase of every working tower on the tower's device, in
-rank order; between phases, each sum's values are added on every tower's
-device (``tf.add_n`` in rank order, as the lockstep does), then over the
-workers in a cluster. The phases hold the ops a lockstep trace makes, cut
-where its towers would wait: one device's numbers with
-``batch_statistics="global"``. Towers with shards of one shape call the same
-functions (one trace per shard shape, as in ``towers/step/once.py``).
+Where nobody meets the pass is one phase: one function called under each
+tower's device, inlined into the step's graph (with XLA, one computation per
+tower; ``Towers(tower_functions="call")``: a call each). The towers meet by
+sums at BatchNormalization's global moments and their upstream gradients
+(``towers/step/batchnorm.py``), a mixture of experts' load-balancing sums
+(``towers/step/balancing.py``), and a divisor no tower knows alone (a mean
+over the sample weights' sum, or a shard whose size only the run knows):
+:func:`run` calls each phase of every tower on its device, in rank order,
+and between phases adds each sum's values on every tower's device
+(``tf.add_n`` in rank order, as the lockstep does), then over the workers in
+a cluster. A divisor that is ``k`` per example follows from the tower's own,
+``k * B``, and meets no one.
 
-Without XLA the same phases are plain functions, inlined into the step's
-graph: the tower's pass is traced once per shard shape instead of once per
-tower in lockstep, which at 8 towers was most of the first step's extra time
-over tower statistics. A pass that cannot be cut so (traces that differ
-with the shard's shape) falls back to the lockstep
-(``towers/step/lockstep.py``), which traces every tower; so does a step whose
-towers gather a loss's rows (``towers/step/gathered.py``), since the cut
-knows sums only. Random draws are one device's (``towers/step/draws.py``):
-every tower starts from the step's seed states and draws its rows of the
-whole batch's numbers.
+The phases hold the ops a lockstep trace makes, cut where its towers would
+wait: one device's numbers. Passes that cannot be cut so (traces that differ
+with the shard's shape) fall back to the lockstep (``towers/step/lockstep.py``),
+which traces every tower; so does a step whose towers gather a loss's rows
+(``towers/step/gathered.py``), since the cut knows sums only. Every tower
+starts from the step's seed states and draws its rows of the batch's numbers
+(``towers/step/draws.py``); the first tower's last states are assigned once
+after the calls (assigned inside, a state would order them).
 """
 
 from __future__ import annotations
@@ -39,10 +40,17 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.split import Shards
-from towers.step import cut, draws, lockstep, meetings, once, xla
+from towers.split import Shards, batch_size_of
+from towers.step import cut, draws, lockstep, meetings, xla
 from towers.step.cut import Plan
 from towers.step.tower import Tower, TowerResult
+
+
+def shareable(placement: Any, shards: Shards, working: list[int]) -> bool:
+    """Whether the working towers can run one traced pass without XLA: they
+    share one model and the step's shard sizes are known at trace time."""
+    models = {id(placement.model_of(t)) for t in working}
+    return len(working) > 1 and len(models) == 1 and shards.sizes is not None
 
 
 def run(
@@ -104,48 +112,76 @@ def compute(
     workers: Any = None,
     weight_of: Callable[[list], Any] | None = None,
 ) -> list[TowerResult]:
-    """The runner's ``"phases"`` (``towers/step/runner.py``): each working
-    tower's loss share and gradients, its pass cut where the towers meet.
+    """The runner's ``"once"`` and ``"phases"`` (``towers/step/runner.py``):
+    each working tower's loss share and gradients, its pass traced once per
+    model and shard shape, cut where the towers meet.
 
     ``divisors_of(passes)``: the step's checks on the towers' passes (given
-    one). A divisor from sample weights or a mask is summed over the towers
-    as the statistics are; one that is the examples times a constant follows
-    from the tower's own (``towers/step/once.py``). Every tower starts from
-    the step's seed states, as in ``towers/step/once.py``.
+    one). ``weight_of(passes)``: this worker's weight in a cluster's
+    backward sums (None for a sum loss).
 
     Raises:
       Uncuttable: the pass cannot be cut so (the runner then takes turns).
     """
-    model = placement.model_of(working[0])
+    models = [placement.model_of(t) for t in working]
     traced: list[Any] = []
-    work = once.tower_pass(tower, model, shards, divisors_of, _step_divisor, traced)
-
     across, weight = lockstep.across_workers(workers)
-    starts = draws.Starts([model])
-    states = starts.of(model)
+    starts = draws.Starts(models)
     scale = tower.loss_scale()
     plans: dict[tuple, Plan] = {}
     chosen, calls = [], []
     firsts = draws.first_rows(shards)
-    for t in working:
+    for t, model in zip(working, models):
         x, y, sample_weight = shards.parts[t]
         with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
             weights = xla.read_weights(model)
             first = tf.cast(firsts[t], tf.int32)
-        args = (x, y, sample_weight, first, states, weights, scale)
-        key = xla.signature(args)
+        args = (x, y, sample_weight, first, starts.of(model), weights, scale)
+        key = (id(model), xla.signature(args))
         if key not in plans:
+            work = tower_pass(tower, model, shards, divisors_of, traced)
             with tf.name_scope(f"tower_{t}"):
-                plans[key] = cut.trace(work, args, tower.jit.enabled)
+                plans[key] = cut.trace(work, args, tower.jit.enabled, tower.inline)
         chosen.append(plans[key])
         calls.append(args)
     if workers is not None:
         weight["examples"] = weight_of(traced[:1])
     devices = [placement.devices[t] for t in working]
     outputs = run(chosen, calls, devices, working, across)
-    starts.ended(model, outputs[0][1])
+    for model, (_, ended) in zip(models, outputs):
+        starts.ended(model, ended)
     starts.settle()
     return [result for result, _ in outputs]
+
+
+def tower_pass(
+    tower: Tower,
+    model: Any,
+    shards: Shards,
+    divisors_of: Callable[[list], list[Any]],
+    traced: list,
+) -> Callable[..., tuple]:
+    """A tower's pass as one function of ``(x, y, sample_weight, first,
+    states, weights, scale)``: its forward pass drawing its rows of the batch
+    (``first``: its first row), the step's divisors (:func:`_step_divisor` of
+    each of ``divisors_of``'s for its own pass), its loss share and
+    gradients. Returns ``(TowerResult, its last states)``; ``traced``
+    collects the forward passes."""
+    examples = shards.normaliser
+
+    def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
+        recorded = tower.forward(
+            model, x, y, sample_weight, examples, states, weights, first
+        )
+        size = batch_size_of(x)
+        divisors = [
+            _step_divisor(term, d, size, examples)
+            for term, d in zip(recorded.terms, divisors_of([recorded]))
+        ]
+        traced.append(recorded)
+        return tower.gradients(recorded, divisors, scale), recorded.states
+
+    return run
 
 
 def _value(plan: Plan, known: dict[str, Any], name: str) -> Any:
@@ -180,10 +216,11 @@ def _check_alike(plans: list[Plan]) -> None:
         other = [(e.phase, e.backward, e.value.dtype) for e in plan.exchanges]
         if other != first:
             raise Uncuttable(
-                "batch_statistics='global' with jit_compile: the towers' passes "
-                f"meet {len(first)} and {len(other)} times, or at different "
-                "phases, on shards of different shapes; received a model whose "
-                "trace depends on its batch size. Use jit_compile=False."
+                "jit_compile=True: the towers' passes meet by sums (global batch "
+                f"statistics, a divisor) {len(first)} and {len(other)} times, or at "
+                "different phases, on shards of different shapes; received a "
+                "model whose trace depends on its batch size. Use "
+                "jit_compile=False."
             )
 
 

@@ -18,7 +18,7 @@ way tf.distribute reads it::
                           counter moves once a step, as on one device
 
 BatchNormalization's moving statistics and seed generators' states follow
-rules of their own (``towers/step/batchnorm.py``, ``towers/step/once.py``). A
+rules of their own (``towers/step/batchnorm.py``, ``towers/step/draws.py``). A
 copy of the model per tower (the replicated and independent placements)
 assigns each copy its own tower's value. In a cluster the workers' changes
 meet in the step's sum: "sum" adds every worker's, "mean" averages over every

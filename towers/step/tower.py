@@ -149,7 +149,7 @@ class Tower:
         is then not one device's.
       jit: whether each tower's pass is one XLA computation
         (``towers/step/xla.py``): evaluation and prediction here, training in
-        ``towers/step/once.py``.
+        ``towers/step/segments.py``.
       coupled: the model's loss terms that couple the batch's examples, and
         whether the towers compute them from the whole batch
         (``towers/step/coupled.py``): the step then traces them in lockstep.
@@ -180,7 +180,7 @@ class Tower:
         self.own_loss = own_loss
         self.jit = jit
         self.coupled = coupled or CoupledLosses(None, towers=1)
-        self.inline = True  # the towers' traced passes inlined (once.py)
+        self.inline = True  # the towers' traced passes inlined (segments.py)
 
     def forward(
         self,

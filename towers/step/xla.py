@@ -9,7 +9,8 @@ compile), else ``"auto"``.
 
 How a tower compiles: its forward and backward pass is one
 ``tf.function(jit_compile=True)``, called on the tower's device
-(``towers/step/once.py``); TensorFlow runs the call as one XLA computation there.
+(``towers/step/segments.py``); TensorFlow runs the call as one XLA computation
+there.
 The weights are read outside it, on the tower's device, and passed in: an XLA
 computation cannot read a variable on another device. The combine and apply
 stay as they are without XLA. With global batch statistics the towers meet
