@@ -10,7 +10,7 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import runner, segments
+from towers.step import draws, runner, segments
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 
@@ -81,12 +81,84 @@ def test_draws_in_float32_are_one_devices():
     assert_every_variable_as_keras(*fit_both(noisy, 3), tolerances)
 
 
-def test_draws_tower_by_tower_are_one_devices(float64):
-    # A divisor from sample weights: the towers are traced one by one.
+def test_draws_tower_by_tower_are_one_devices(float64, monkeypatch):
+    monkeypatch.setattr(segments, "shareable", lambda *a: False)  # the way: alone
+    ways = []
+    way = runner.Runner.way
+    monkeypatch.setattr(
+        runner.Runner, "way", lambda *a: ways.append(way(*a)) or ways[-1]
+    )
+    assert_every_variable_as_keras(*fit_both(noisy, 3))
+    assert "alone" in ways and "once" not in ways
+
+
+def test_draws_around_a_divisors_sum_are_one_devices(float64):
+    # A divisor from sample weights: the one trace is cut at its sum.
     weighted = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     weights = np.linspace(0.5, 2.0, 23)
     build = lambda: noisy(loss=weighted)  # noqa: E731
     assert_every_variable_as_keras(*fit_both(build, 3, sample_weight=weights))
+
+
+class Unseeded(keras.layers.Layer):
+    """In training, adds a normal draw from Keras' global seed generator
+    (``seed=None``), which the model does not track."""
+
+    def call(self, x, training=False):
+        return x + keras.random.normal(keras.ops.shape(x)) if training else x
+
+
+def unseeded():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    x = Unseeded()(keras.layers.Dense(4, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def global_state():
+    return keras.src.random.seed_generator.global_seed_generator().state.numpy()
+
+
+def test_draws_from_the_global_generator_are_one_devices_unwarned(float64, recwarn):
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((23, 5)), rng.standard_normal((23, 2))
+    reference = unseeded()
+    engine = Towers(unseeded(), devices=devices(3))
+    before = reference.get_weights()
+    keras.utils.set_random_seed(9)  # the global generator starts again
+    reference.fit(x, y, **FIT)
+    want = global_state()
+    keras.utils.set_random_seed(9)
+    engine.fit(x, y, **FIT)
+
+    np.testing.assert_array_equal(global_state(), want)  # moved once a step
+    for got, wanted, b in zip(
+        engine.model.get_weights(), reference.get_weights(), before
+    ):
+        np.testing.assert_allclose(got - b, wanted - b, rtol=1e-12, atol=1e-14)
+    assert not [w for w in recwarn if "seed_generator_state" in str(w.message)]
+
+
+class Workers:
+    """Stands for a cluster's workers: a model without seed generators of its
+    own never asks them for its first row."""
+
+    def first_row(self, examples):
+        raise AssertionError("not asked")
+
+
+def test_a_global_generators_draw_per_row_in_a_cluster_is_refused_by_name():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    with draws.drawing(Workers(), [model], 8), draws.rows(4, 0):
+        keras.random.normal((1, 3))  # the same on every worker: one device's
+        with pytest.raises(ValueError, match=r"keras.random.normal with seed=None"):
+            keras.random.normal((4, 3))
+        with pytest.raises(ValueError, match=r"keras.random.dropout with seed=None"):
+            keras.random.dropout(np.ones((4, 3), "float32"), 0.5)
+    with draws.drawing(None, [model], 8), draws.rows(4, 0):
+        assert keras.random.normal((4, 3)).shape == (4, 3)  # one process: placed
 
 
 @pytest.mark.parametrize("cut", [True, False], ids=["phases", "turns"])

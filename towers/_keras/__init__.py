@@ -135,6 +135,13 @@ def loss_ids_kept(models: list[Any]) -> Callable[[], None]:
     return put_back
 
 
+def is_seed_state(variable: Any) -> bool:
+    """Whether ``variable`` is a Keras ``SeedGenerator``'s state (Keras names
+    every one so), one the model does not track included: the global
+    generator a draw with ``seed=None`` takes."""
+    return getattr(variable, "name", None) == "seed_generator_state"
+
+
 def compute_loss(
     model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool
 ) -> Any:

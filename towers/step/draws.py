@@ -34,6 +34,7 @@ batch (:func:`drawing`): the workers' draws are one device's too.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -102,6 +103,7 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
     if not dims or not _per_row(dims[:1], size):
         return own(*args, **kwargs)
+    _check_placed(name, own, args, kwargs)
     if name in COUNTED:  # the tower's values alone
         with drawn_after(_before(first, dims[1:])):
             return own(*args, **kwargs)
@@ -111,6 +113,23 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     else:
         args[0] = whole
     return _cut(own(*args, **kwargs), first, dims[0])
+
+
+def _check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
+    """Refuses a draw with a value per row from Keras' global seed generator
+    (``seed=None``) in a cluster whose model has no seed generator of its
+    own: nothing told the workers where their rows are (:func:`drawing`)."""
+    if not getattr(_here, "unplaced", False):
+        return
+    if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is None:
+        raise ValueError(
+            f"keras.random.{name} with seed=None draws from Keras' global seed "
+            "generator, whose rows towers cannot place in a cluster's global "
+            "batch; received one with a value per example in a worker's step, "
+            "in a model with no seed generator of its own. Give the layer a "
+            "keras.random.SeedGenerator and pass it as seed=. Nothing was "
+            "updated."
+        )
 
 
 def _per_row(leading: Any, size: Any) -> bool:
@@ -138,6 +157,7 @@ def _dropout(own, size, first, inputs, rate, noise_shape=None, seed=None):
         noise_shape = [None] * inputs.shape.rank
     if not _per_row([inputs.shape[0]], size) or noise_shape[0] == 1:
         return own(inputs, rate, noise_shape=noise_shape, seed=seed)
+    _check_placed("dropout", own, (inputs, rate), {"seed": seed})
     dynamic = tf.shape(inputs)
     rest = [dynamic[i] if d is None else d for i, d in enumerate(noise_shape)][1:]
     with drawn_after(_before(first, rest)):
@@ -159,6 +179,7 @@ def _categorical(own, size, first, logits, num_samples, *args, **kwargs):
     logits = tf.convert_to_tensor(logits)
     if not _per_row([logits.shape[0]], size):
         return own(logits, num_samples, *args, **kwargs)
+    _check_placed("categorical", own, (logits, num_samples, *args), kwargs)
     n = tf.shape(logits)[0]
     padded = tf.pad(logits, [[tf.cast(first, tf.int32), 0], [0, 0]])
     return _cut(own(padded, num_samples, *args, **kwargs), first, n)
@@ -181,14 +202,16 @@ def drawing(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
     sum over the workers), when the towers' ``models`` draw at all."""
     draw = any(state_variables(model) for model in models)
     with routed_draws(route):
-        if workers is None or not draw:
+        if workers is None:
             yield
             return
-        _here.worker_first = workers.first_row(examples)
+        if draw:
+            _here.worker_first = workers.first_row(examples)
+        _here.unplaced = not draw  # a draw from the global generator is refused
         try:
             yield
         finally:
-            _here.worker_first = 0
+            _here.worker_first, _here.unplaced = 0, False
 
 
 def shard_size() -> Any:

@@ -33,6 +33,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers._keras import is_seed_state
+
 RULES = ("sum", "mean", "only_first_replica", "none")
 
 
@@ -118,7 +120,11 @@ def settle(
         else:
             value = values[0]
         shared = len(values) > 1 or cluster is not None
-        if rule == "none" and shared and variable.path not in warned:
+        # A seed generator's state: every tower drew from the same start,
+        # each its rows of the batch's draw (draws.py): the first's is one
+        # device's, no warning due.
+        quiet = variable.path in warned or is_seed_state(variable)
+        if rule == "none" and shared and not quiet:
             warned.add(variable.path)
             warnings.warn(_none_warning(variable.path), stacklevel=6)
         dtype = variable.dtype if tf.as_dtype(variable.dtype).is_floating else "float32"
