@@ -61,7 +61,7 @@ from towers._keras.patches import routed_applies, routed_gradients
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards, batch_size_of, split_for_towers
+from towers.split import Shards, batch_size_of
 from towers.step import draws, xla
 from towers.step.applies import Applies
 from towers.step.assignments import Assignments
@@ -71,7 +71,7 @@ from towers.step.custom_copies import (
     level_metrics,
     metric_variables,
 )
-from towers.step.gathered import whole_batch_loss
+from towers.step.gathered import concat_rows, whole_batch_loss
 from towers.step.lockstep import across_workers
 from towers.step.runner import Runner
 
@@ -177,20 +177,14 @@ class CustomStep:
     def predict(self, x: Any) -> Any:
         """The model's ``predict_step`` on every tower, its outputs (any nest)
         concatenated in example order."""
-        shards = self._split(x, None, None)
+        shards = self.runner.split(x, None, None)
         self._across, _ = across_workers(self.workers, "predict")
         outputs = self._run("predict_step", shards)
         with tf.device(HOST):
-            return tf.nest.map_structure(
-                lambda *parts: tf.concat(parts, axis=0), *outputs
-            )
-
-    def _split(self, x: Any, y: Any, sample_weight: Any) -> Shards:
-        with tf.device(HOST), tf.name_scope("split"):
-            return split_for_towers((x, y, sample_weight), len(self.placement.devices))
+            return concat_rows(outputs)
 
     def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
-        shards = self._split(x, y, sample_weight)
+        shards = self.runner.split(x, y, sample_weight)
         kind = "train" if hook == "train_step" else "eval"
         self._across, weight = across_workers(self.workers, kind)
         copies = len(self.placement.models) > 1  # custom_copies.py

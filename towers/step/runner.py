@@ -33,8 +33,9 @@ from typing import Any, Literal
 
 import tensorflow as tf
 
-from towers.split import Shards
+from towers.split import Shards, split_for_towers
 from towers.step import draws, lockstep, segments, xla
+from towers.step.batches import HOST
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
@@ -58,6 +59,12 @@ class Runner:
         self.tower = tower
         self.moving_statistics = moving_statistics
         self.workers = workers
+
+    def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
+        """The batch cut into the towers' shards ``(x_t, y_t, sw_t)``, on the
+        host: every step's first phase."""
+        with tf.device(HOST), tf.name_scope("split"):
+            return split_for_towers((x, y, sample_weight), len(self.placement.devices))
 
     def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
         """How the working towers run a ``kind`` step: the one decision.

@@ -24,7 +24,7 @@ from towers._keras import built_symbolically, trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards, split_for_towers
+from towers.split import Shards
 from towers.step import xla
 from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
@@ -216,8 +216,7 @@ class Step:
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """The batch cut into the towers' shards ``(x_t, y_t, sw_t)``, on the host."""
-        with tf.device(HOST), tf.name_scope("split"):
-            return split_for_towers((x, y, sample_weight), len(self.placement.devices))
+        return self.runner.split(x, y, sample_weight)
 
     def compute(self, shards: Shards) -> list[TowerResult]:
         """Every working tower's forward pass, the step's divisors, then every
