@@ -82,22 +82,24 @@ def test_draws_in_float32_are_one_devices():
 
 
 def test_draws_tower_by_tower_are_one_devices(float64, monkeypatch):
-    monkeypatch.setattr(segments, "shareable", lambda *a: False)  # the way: alone
-    ways = []
-    way = runner.Runner.way
-    monkeypatch.setattr(
-        runner.Runner, "way", lambda *a: ways.append(way(*a)) or ways[-1]
-    )
-    assert_every_variable_as_keras(*fit_both(noisy, 3))
-    assert "alone" in ways and "once" not in ways
+    # A divisor from sample weights: without XLA the towers are traced one by
+    # one, once the one trace has met at the divisor's sum.
+    met = []
+    compute = segments.compute
 
+    def counted(*args):
+        try:
+            return compute(*args)
+        except segments.MetAtDivisor:
+            met.append(1)
+            raise
 
-def test_draws_around_a_divisors_sum_are_one_devices(float64):
-    # A divisor from sample weights: the one trace is cut at its sum.
+    monkeypatch.setattr(segments, "compute", counted)
     weighted = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     weights = np.linspace(0.5, 2.0, 23)
     build = lambda: noisy(loss=weighted)  # noqa: E731
     assert_every_variable_as_keras(*fit_both(build, 3, sample_weight=weights))
+    assert met  # and then alone
 
 
 class Unseeded(keras.layers.Layer):

@@ -8,9 +8,10 @@ how, and nothing else does:
 
 - ``"alone"``: each tower traced in turn, on its device; nobody meets.
 - ``"once"``: one trace of the tower's pass serves every tower of a model
-  (training: ``towers/step/segments.py``, one phase, or two around a divisor
-  no tower knows alone; with XLA each phase one computation; evaluation and
-  prediction: :meth:`Runner.each`).
+  (training: ``towers/step/segments.py``, one phase; with XLA one
+  computation, two around a divisor no tower knows alone, which without XLA
+  sends the towers ``"alone"``; evaluation and prediction:
+  :meth:`Runner.each`).
 - ``"phases"``: the same, where the towers meet by sums (BatchNormalization's
   global moments, a mixture of experts' load-balancing sums): the pass cut
   there, the sums between the phases (``towers/step/segments.py``,
@@ -110,7 +111,8 @@ class Runner:
         weight in a cluster's sums (None for a sum loss).
 
         A pass that cannot be cut runs in turns (without XLA; with it, the
-        error names why).
+        error names why); without XLA, one sent ``"once"`` whose divisors
+        need every tower's forward pass runs alone.
         """
         working = self.placement.working_towers(shards)
         models = [self.placement.model_of(t) for t in working]
@@ -122,11 +124,14 @@ class Runner:
         args = (self.placement, self.tower, shards, working, divisors_of)
         if way in ("once", "phases"):
             try:
-                return segments.compute(*args, self.workers, weight_of)
+                meets = way == "phases"
+                return segments.compute(*args, self.workers, weight_of, meets)
             except segments.Uncuttable:
                 if self.tower.jit.enabled:
                     raise
                 way = "turns"
+            except segments.MetAtDivisor:
+                way = "alone"
         if way == "turns":
             return turns(*args, self.workers, weight_of)
         starts = draws.Starts([self.placement.model_of(t) for t in working])

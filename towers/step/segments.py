@@ -16,12 +16,13 @@ tower; ``Towers(tower_functions="call")``: a call each). The towers meet by
 sums at BatchNormalization's global moments and their upstream gradients
 (``towers/step/batchnorm.py``), a mixture of experts' load-balancing sums
 (``towers/step/balancing.py``), and a divisor no tower knows alone (a mean
-over the sample weights' sum, or a shard whose size only the run knows):
-:func:`run` calls each phase of every tower on its device, in rank order,
-and between phases adds each sum's values on every tower's device
-(``tf.add_n`` in rank order, as the lockstep does), then over the workers in
-a cluster. A divisor that is ``k`` per example follows from the tower's own,
-``k * B``, and meets no one.
+over the sample weights' sum, or a shard whose size only the run knows;
+without XLA and no other meeting, the towers are then traced one by one:
+:class:`MetAtDivisor`): :func:`run` calls each phase of every tower on its
+device, in rank order, and between phases adds each sum's values on every
+tower's device (``tf.add_n`` in rank order, as the lockstep does), then over
+the workers in a cluster. A divisor that is ``k`` per example follows from
+the tower's own, ``k * B``, and meets no one.
 
 The phases hold the ops a lockstep trace makes, cut where its towers would
 wait: one device's numbers. Passes that cannot be cut so (traces that differ
@@ -103,6 +104,15 @@ class Uncuttable(ValueError):
     """The towers' passes cannot run as one traced pass cut into phases."""
 
 
+class MetAtDivisor(Exception):
+    """A pass the runner sent to run ``"once"`` meets at a divisor's sum.
+    Without XLA the towers are then traced one by one: the cut there was up
+    to a few percent slower a step (``benchmarks/bench_divisor.py``), though
+    faster to a first step. With XLA the cut serves: faster than running the
+    forward pass twice (an MLP on 4 towers: 3.9 to 4.2 ms against 4.5 to 4.7 ms
+    a step)."""
+
+
 def compute(
     placement: Any,
     tower: Tower,
@@ -111,6 +121,7 @@ def compute(
     divisors_of: Callable[[list], list[Any]],
     workers: Any = None,
     weight_of: Callable[[list], Any] | None = None,
+    meets: bool = True,
 ) -> list[TowerResult]:
     """The runner's ``"once"`` and ``"phases"`` (``towers/step/runner.py``):
     each working tower's loss share and gradients, its pass traced once per
@@ -118,10 +129,13 @@ def compute(
 
     ``divisors_of(passes)``: the step's checks on the towers' passes (given
     one). ``weight_of(passes)``: this worker's weight in a cluster's
-    backward sums (None for a sum loss).
+    backward sums (None for a sum loss). ``meets``: the towers were sent to
+    meet (``"phases"``).
 
     Raises:
       Uncuttable: the pass cannot be cut so (the runner then takes turns).
+      MetAtDivisor: not ``meets``, without XLA, the pass met at a divisor's
+        sum (the runner then traces the towers one by one).
     """
     models = [placement.model_of(t) for t in working]
     traced: list[Any] = []
@@ -142,6 +156,8 @@ def compute(
             work = tower_pass(tower, model, shards, divisors_of, traced)
             with tf.name_scope(f"tower_{t}"):
                 plans[key] = cut.trace(work, args, tower.jit.enabled, tower.inline)
+            if plans[key].exchanges and not (meets or tower.jit.enabled):
+                raise MetAtDivisor
         chosen.append(plans[key])
         calls.append(args)
     if workers is not None:
