@@ -151,12 +151,16 @@ def test_what_keras_users_bring_trains_in_a_cluster_as_one_process(tmp_path, arg
         )
 
 
-@pytest.mark.parametrize("jit", [[], ["--jit-compile"]], ids=["", "xla"])
+@pytest.mark.parametrize(
+    "jit", [[], ["--jit-compile"], ["--in-turns"]], ids=["", "xla", "turns"]
+)
 def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path, jit):
     # Global batch statistics summed over the workers' collective runtime: every
     # BatchNormalization layer normalises with the whole global batch's, worker 1
     # joining with nothing in the batch of one. With XLA, between each tower's
     # XLA computations (towers/step/segments.py); the reference runs without.
+    # In turns: the lockstep a pass that cannot be cut falls back to, its
+    # backward sums weighted by each worker's examples.
     args = ["--model", "bn", "--batch-statistics", "global", "--optimizer", "sgd"]
     ref = reference(tmp_path / "ref", *args)
     job = launch(tmp_path / "job", *args, *jit)

@@ -69,6 +69,7 @@ parser.add_argument("--outputs", type=int, default=1)
 parser.add_argument("--slow", action="store_true")
 parser.add_argument("--batch-statistics", default="tower")
 parser.add_argument("--jit-compile", action="store_true")
+parser.add_argument("--in-turns", action="store_true")  # no cut: the lockstep
 parser.add_argument("--steps-per-execution", type=int, default=None)
 args = parser.parse_args()
 
@@ -85,6 +86,14 @@ rank = cluster.index if cluster else 0
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+if args.in_turns:  # every pass as if it could not be cut: the towers take turns
+    from towers.step import segments
+
+    def _uncuttable(*arguments, **named):
+        raise segments.Uncuttable("--in-turns")
+
+    segments.compute = _uncuttable
 
 # The chief's random start must reach every worker: start each one differently.
 keras.utils.set_random_seed(rank)
