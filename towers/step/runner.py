@@ -134,16 +134,7 @@ class Runner:
                 way = "alone"
         if way == "turns":
             return turns(*args, self.workers, weight_of)
-        starts = draws.Starts([self.placement.model_of(t) for t in working])
-        forward = partial(_forward, self.placement, self.tower, shards, starts)
-        passes = [forward(t)() for t in working]
-        starts.settle()
-        divisors = divisors_of(passes)
-        gradients = self.tower.gradients
-        return [
-            on_tower(self.placement, t, partial(gradients, p, divisors))
-            for t, p in zip(working, passes)
-        ]
+        return in_halves(*args, lambda works: [work() for work in works])
 
     def each(
         self,
@@ -245,15 +236,37 @@ def turns(
     """
     across, weight = lockstep.across_workers(workers)
     meet = lockstep.meeting(len(working), placement, workers, across)
+
+    def divided(passes: list) -> list[Any]:
+        divisors = divisors_of(passes)
+        if workers is not None:
+            weight["examples"] = weight_of(passes)
+        return divisors
+
+    run = partial(lockstep.in_lockstep, meet=meet)
+    return in_halves(placement, tower, shards, working, divided, run)
+
+
+def in_halves(
+    placement,
+    tower,
+    shards,
+    working: list[int],
+    divisors_of: Callable[[list], Any],
+    run: Callable[[list], list],
+) -> list[TowerResult]:
+    """Every working tower's forward pass (from the step's seed states), the
+    step's divisors of them all, then every tower's loss share and
+    gradients; ``run(works)`` runs each half's works (one per tower, in
+    order) and returns their results: one by one, or in lockstep."""
     starts = draws.Starts([placement.model_of(t) for t in working])
     forward = partial(_forward, placement, tower, shards, starts)
-    passes = lockstep.in_lockstep([forward(t) for t in working], meet)
+    passes = run([forward(t) for t in working])
     starts.settle()
     divisors = divisors_of(passes)
-    if workers is not None:
-        weight["examples"] = weight_of(passes)
-    backward = [
-        partial(on_tower, placement, t, partial(tower.gradients, p, divisors))
-        for t, p in zip(working, passes)
-    ]
-    return lockstep.in_lockstep(backward, meet)
+    return run(
+        [
+            partial(on_tower, placement, t, partial(tower.gradients, p, divisors))
+            for t, p in zip(working, passes)
+        ]
+    )
