@@ -104,9 +104,8 @@ def stage_of(name: str) -> str:
     scope = parts[1] if backward else parts[0]
     tower = re.fullmatch(r"tower_(\d+)(?:_\d+)?", scope)  # _1: the scope again
     if tower:
-        # A tower traced once (towers/step/segments.py) is a call inlined into the
-        # step:
-        # its ops are named tower_1/StatefulPartitionedCall/gradient_tape/...
+        # A tower traced once (towers/step/segments.py) is a call inlined into
+        # the step: its ops are named tower_1/PartitionedCall/gradient_tape/...
         if parts[1:2] and parts[1] in _CALLS and _is_transfer(parts[2:]):
             return f"tower {tower.group(1)} XLA"
         inner = [part for part in parts[1:] if not _is_prefix(part)]
