@@ -153,11 +153,10 @@ def compute(
         args = (x, y, sample_weight, first, starts.of(model), weights, scale)
         key = (id(model), xla.signature(args))
         if key not in plans:
-            work = tower_pass(tower, model, shards, divisors_of, traced)
+            meet = meets or tower.jit.enabled  # a divisor's sum, cut at
+            work = tower_pass(tower, model, shards, divisors_of, traced, meet)
             with tf.name_scope(f"tower_{t}"):
                 plans[key] = cut.trace(work, args, tower.jit.enabled, tower.inline)
-            if plans[key].exchanges and not (meets or tower.jit.enabled):
-                raise MetAtDivisor
         chosen.append(plans[key])
         calls.append(args)
     if workers is not None:
@@ -176,13 +175,15 @@ def tower_pass(
     shards: Shards,
     divisors_of: Callable[[list], list[Any]],
     traced: list,
+    meet: bool = True,
 ) -> Callable[..., tuple]:
     """A tower's pass as one function of ``(x, y, sample_weight, first,
     states, weights, scale)``: its forward pass drawing its rows of the batch
     (``first``: its first row), the step's divisors (:func:`_step_divisor` of
     each of ``divisors_of``'s for its own pass), its loss share and
     gradients. Returns ``(TowerResult, its last states)``; ``traced``
-    collects the forward passes."""
+    collects the forward passes. Not ``meet``: a divisor no tower knows alone
+    raises :class:`MetAtDivisor` as it is traced, before the backward pass."""
     examples = shards.normaliser
 
     def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
@@ -191,7 +192,7 @@ def tower_pass(
         )
         size = batch_size_of(x)
         divisors = [
-            _step_divisor(term, d, size, examples)
+            _step_divisor(term, d, size, examples, meet)
             for term, d in zip(recorded.terms, divisors_of([recorded]))
         ]
         traced.append(recorded)
@@ -240,12 +241,14 @@ def _check_alike(plans: list[Plan]) -> None:
             )
 
 
-def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any) -> Any:
+def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any, meet: bool):
     """The step's divisor of ``term`` from this tower's: ``k * B`` when it is
     ``k`` per example (exact: integers), none for a sum, else the towers' sum
-    of theirs (an exchange)."""
+    of theirs (an exchange; not ``meet``: :class:`MetAtDivisor`)."""
     if divisor is None:
         return None
     if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
         return divisor // size * examples if size else divisor  # empty: 0, as summed
+    if not meet:
+        raise MetAtDivisor
     return meetings.total(tf.cast(divisor, term.total.dtype))
