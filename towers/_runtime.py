@@ -1,13 +1,18 @@
 """The non-public parts of TensorFlow towers uses, in one place.
 
-Five jobs have no public call: starting the collective runtime in this process
+Six jobs have no public call: starting the collective runtime in this process
 (``start``), aborting its pending collectives when a peer is lost
 (``abort_collectives``, as MultiWorkerMirroredStrategy's health check does),
 reading the graphs TensorFlow actually placed on devices (``placed_graphs``,
 for ``towers explain``), finding the traced graph of a function a step calls
 (``called_graph``: a tower traced once is a call, whose ops the placed graphs
 name ``tower_1/StatefulPartitionedCall/...``), and asking whether op
-determinism is on (``op_determinism``, for ``jit_compile="auto"``). And one
+determinism is on (``op_determinism``, for ``jit_compile="auto"``), and
+keeping the functions a traced graph calls with a graph imported from it
+(``functions_of``, ``add_functions``: a tower's pass is traced alone and cut
+into phases, ``towers/step/cut.py``; a layer's own ``tf.function`` called in
+it, its forward and backward among them, is dropped from the runtime when the
+traced graph is collected, unless the phases hold it). And one
 attribute of a function the runtime reads with no public name: ``_noinline``
 (``NO_INLINE``), which keeps a tower's traced pass a call of its own instead
 of inlining it into the step's graph (``Towers(tower_functions="call")``).
@@ -190,3 +195,20 @@ def op_determinism() -> bool:
     from tensorflow.python.framework import config
 
     return config.is_op_determinism_enabled()
+
+
+def functions_of(graph: tf.Graph) -> list:
+    """The functions ``graph`` holds for its ops to call (a layer's own
+    ``tf.function``, and its forward and backward for a gradient)."""
+    return list(graph._functions.values())
+
+
+def add_functions(functions: list) -> None:
+    """Adds ``functions`` (and the ones they call) to the graph being built,
+    in place of any of the same name (``import_graph_def`` adds a copy of
+    each from a graph's library, which holds no reference to the runtime's
+    function): the graph, and a function made of it, then hold them for as
+    long as they live."""
+    graph = tf.compat.v1.get_default_graph()
+    for function in functions:
+        graph._add_function_recursive(function, overwrite=True)

@@ -1,5 +1,7 @@
 """One tower's work: loss share, regularisers, gradients (towers/step/tower.py)."""
 
+import gc
+
 import keras
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import tensorflow as tf
 from tests.models import build_dense_sparse_unused, dense_sparse_batch
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
+from towers.step import segments
 from towers.step.batchnorm import MovingStatistics
 from towers.step.losses import StepLoss
 from towers.step.tower import Tower, weights_here
@@ -172,6 +175,37 @@ def test_a_layer_that_compiles_with_xla_inside_runs_on_every_tower(placement):
         reference.evaluate(x, y, verbose=0),
         rtol=1e-5,
     )
+
+
+def test_a_layers_own_function_outlives_the_pass_it_was_traced_in(monkeypatch):
+    # The towers' pass is traced alone and cut (towers/step/cut.py); the grouped
+    # convolution's own tf.function, its forward and backward, must stay in the
+    # runtime once that traced pass is collected (a collection at any time in a
+    # long run; forced here), or the step cannot find them.
+    compute = segments.compute
+
+    def then_collected(*args):
+        results = compute(*args)
+        gc.collect()
+        return results
+
+    monkeypatch.setattr(segments, "compute", then_collected)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 5, 5, 4)).astype("float32")
+    y = rng.standard_normal((5, 2)).astype("float32")
+    engine = Towers(grouped_conv, "mse", keras.optimizers.SGD(0.1),
+                    devices=["/cpu:0", "/cpu:1"])  # fmt: skip
+    reference = grouped_conv()
+    reference.set_weights(engine.model.get_weights())
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+
+    engine.train_step(x, y)
+    reference.train_on_batch(x, y)
+
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
 
 
 def test_weights_read_once_on_the_towers_device_and_assignments_kept_for_the_step():

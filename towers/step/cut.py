@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.framework import func_graph
 
+from towers import _runtime
 from towers.step import meetings, xla
 
 # An op of no inputs that is copied into every phase that reads it.
@@ -231,6 +232,10 @@ class _Cut:
         outputs = self.outputs[k]
         shapes = [self.graph.get_tensor_by_name(name).shape for name in outputs]
 
+        # The traced graph is dropped once cut, and with it the functions its
+        # ops call, unless each phase's graph holds them.
+        functions = _runtime.functions_of(self.graph)
+
         def body(*tensors: tf.Tensor) -> list[tf.Tensor]:
             made = tf.graph_util.import_graph_def(
                 graph_def,
@@ -238,6 +243,7 @@ class _Cut:
                 return_elements=outputs,
                 name="",
             )
+            _runtime.add_functions(functions)  # in place of the import's copies
             for tensor, shape in zip(made, shapes):
                 tensor.set_shape(shape)  # a shape read from an earlier phase
             return made
