@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 
-from towers.step.compiled import traced
+from towers.training.compiled import traced
 
 NUM_CLASSES = 3
 VOCAB = 20

@@ -12,14 +12,14 @@ import tensorflow as tf
 from towers.cluster.cluster import Cluster
 from towers.devices import canonical_device, resolve_devices
 from towers.explain.run import Explanation, explain
+from towers.parts import PlacementName, join_cluster, make_step
 from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
-from towers.step.compiled import Compiled
-from towers.step.compiling import FROM_COMPILE
 from towers.step.custom import OwnStepLoss
-from towers.step.parts import PlacementName, join_cluster, make_step
 from towers.step.xla import JitCompile
+from towers.training.compiled import Compiled
+from towers.training.compiling import FROM_COMPILE
 from towers.training.fits import named_misfits
 from towers.training.loop import Trainer
 from towers.training.recompile import remember_compile
@@ -34,7 +34,7 @@ class Towers(Trainer):
       loss, optimizer: a ``keras.losses.Loss``, a loss name or a function
         ``(y_true, y_pred) -> per-example losses``; a Keras optimizer, its name
         or a zero-arg function making one (slots live with the variables).
-        Default: the model's compile's; neither: it predicts (step/compiling.py).
+        Default: the model's compile's; neither: it predicts (training/compiling.py).
       devices: one device per tower; default every GPU, else the CPU.
       variable_device: where variables live, gradients are combined and applied.
       metrics, weighted_metrics, loss_weights: as ``model.compile`` takes them;
@@ -192,7 +192,7 @@ class Towers(Trainer):
     def train_steps(self, batches: list[tuple]) -> dict[str, tf.Tensor]:
         """A step on each of ``batches`` (``(x, y, sample_weight)``), in order,
         consecutive ones of one shape in one call: a loop in the graph
-        (``steps_per_execution``; ``towers/step/executions.py``). Returns the
+        (``steps_per_execution``; ``towers/training/executions.py``). Returns the
         last step's logs, as :meth:`train_step` does.
 
         >>> eng, x = make_engine(), np.ones((4, 3), "f4")

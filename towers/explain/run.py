@@ -34,9 +34,9 @@ from towers.explain.graph import (
 )
 from towers.explain.report import draw, render
 from towers.split import split_sizes
-from towers.step.compiled import traced
 from towers.step.custom import own
 from towers.step.state import describe
+from towers.training.compiled import traced
 
 
 @dataclass

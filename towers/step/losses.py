@@ -19,7 +19,7 @@ adds its loss itself (``add_loss``). A loss that gives one value for the batch
 raises :class:`OneValue` while the step is traced: the step then takes Keras'
 ``compute_loss`` of the batch instead (``Step.whole_batch_loss``), as it does
 from the start for losses nested as only Keras' compile maps them
-(``parts.py``).
+(``towers/parts.py``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ checkpoint saves; ``arguments.py`` checks fit's Keras arguments;
 ``checkpoint.py`` and ``checkpoint_files.py`` save and resume (the input
 position included); ``preemption.py`` stops every worker after the
 same step on SIGTERM; ``summaries.py`` writes TensorBoard logs.
+``compiling.py`` compiles the model with what the engine trains it with,
+``compiled.py`` holds the step as ``tf.function``\\ s and ``executions.py``
+as a loop of steps (``steps_per_execution``), as Keras' trainer holds its
+``train_step``.
 
 May import: ``towers.step``, ``towers.cluster``, ``towers.placement`` and the
 top-level building blocks; never the engine or ``explain``.

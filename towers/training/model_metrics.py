@@ -11,8 +11,8 @@ from typing import Any
 import keras
 
 from towers._keras import loss_tracker, pythonify_logs
-from towers.step.compiling import require_compiled
 from towers.step.custom_copies import build_copies
+from towers.training.compiling import require_compiled
 from towers.training.fits import named_misfits
 
 
@@ -43,7 +43,7 @@ class ModelMetrics:
 
     def require_compiled(self, method: str) -> None:
         """Raises, as Keras' ``fit`` does, for a model not compiled (which
-        only predicts; ``towers/step/compiling.py``).
+        only predicts; ``towers/training/compiling.py``).
 
         >>> make_engine().require_compiled("fit")  # compiled with its loss
         """

@@ -24,7 +24,6 @@ from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
 from towers.step import outputs, xla
 from towers.step.batchnorm import MovingStatistics
-from towers.step.compiling import FROM_COMPILE, compile_model, given, option
 from towers.step.coupled import CoupledLosses
 from towers.step.custom import (
     CustomStep,
@@ -37,6 +36,7 @@ from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.step import Step
 from towers.step.tower import Tower
+from towers.training.compiling import FROM_COMPILE, compile_model, given, option
 
 PlacementName = Literal["central", "balanced", "replicated", "independent"]
 PLACEMENTS: dict[str, type[Placement]] = {

@@ -17,9 +17,9 @@ import tensorflow as tf
 
 from towers.step import xla
 from towers.step.custom import own
-from towers.step.executions import any_count, looped, runs, stack, stackable
 from towers.step.losses import OneValue
 from towers.step.step import Step
+from towers.training.executions import any_count, looped, runs, stack, stackable
 
 
 def traced(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,7 +58,7 @@ class Compiled:
 
     def train_steps(self) -> Callable[..., Any]:
         """The compiled loop of train steps over a stacked run of batches
-        (``towers/step/executions.py``), for the trainable variables now:
+        (``towers/training/executions.py``), for the trainable variables now:
         traced once per shape of batch, whatever the run's length."""
         self.train()
         return self._loops
