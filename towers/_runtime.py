@@ -1,6 +1,6 @@
 """The non-public parts of TensorFlow towers uses, in one place.
 
-Six jobs have no public call: starting the collective runtime in this process
+Seven jobs have no public call: starting the collective runtime in this process
 (``start``), aborting its pending collectives when a peer is lost
 (``abort_collectives``, as MultiWorkerMirroredStrategy's health check does),
 reading the graphs TensorFlow actually placed on devices (``placed_graphs``,
@@ -12,7 +12,8 @@ keeping the functions a traced graph calls with a graph imported from it
 (``functions_of``, ``add_functions``: a tower's pass is traced alone and cut
 into phases, ``towers/step/cut.py``; a layer's own ``tf.function`` called in
 it, its forward and backward among them, is dropped from the runtime when the
-traced graph is collected, unless the phases hold it). And one
+traced graph is collected, unless the phases hold it), and tracing a pass
+into a graph of its own that never runs (``pass_graph``, for the cut). And one
 attribute of a function the runtime reads with no public name: ``_noinline``
 (``NO_INLINE``), which keeps a tower's traced pass a call of its own instead
 of inlining it into the step's graph (``Towers(tower_functions="call")``).
@@ -212,3 +213,16 @@ def add_functions(functions: list) -> None:
     graph = tf.compat.v1.get_default_graph()
     for function in functions:
         graph._add_function_recursive(function, overwrite=True)
+
+
+def pass_graph(name: str) -> tf.Graph:
+    """An empty graph to trace a tower's pass into, alone (``towers/step/cut.py``
+    cuts it into phases): no control dependencies among its own ops, but its
+    conditionals and loops (an assert's guard) traced as a ``tf.function``
+    traces them, each branch running what it does (the assert) whatever reads
+    it. The cut keeps the pass's own such ops (``cut._effects``)."""
+    from tensorflow.python.framework import func_graph
+
+    graph = func_graph.FuncGraph(name)
+    graph._add_control_dependencies = True  # read by cond_v2 and while_v2 only
+    return graph

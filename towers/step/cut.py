@@ -17,8 +17,10 @@ Independent sums (a ResNet's shortcut and main branch) share a phase. A
 :class:`Plan` holds the phases; ``towers/step/segments.py`` runs every
 tower's, phase by phase, with the sums between.
 
-Constants are copied into every phase that reads them; an op that reads
-another phase's tensor keeps the static shape it had in the trace (a
+Phases hold the ops the result needs and those that run for what they do
+(an assert, a print, a summary), as a ``tf.function`` runs every stateful op
+it traced. Constants are copied into every phase that reads them; an op that
+reads another phase's tensor keeps the static shape it had in the trace (a
 convolution's gradient reads its filter's shape from the forward phase).
 """
 
@@ -29,13 +31,14 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.framework import func_graph
 
 from towers import _runtime
 from towers.step import meetings, xla
 
 # An op of no inputs that is copied into every phase that reads it.
 _COPIED = ("Const",)
+# Stateful ops that change nothing: run only where a result reads them.
+_READS = ("ReadVariableOp", "VarHandleOp", "Placeholder")
 
 
 @dataclasses.dataclass
@@ -119,7 +122,7 @@ def trace(
     (``inline``: inlined into the step's graph).
     """
     recording = Recording()
-    graph = func_graph.FuncGraph("tower_pass")
+    graph = _runtime.pass_graph("tower_pass")
     with graph.as_default():
         placeholders = [
             tf.raw_ops.Placeholder(dtype=a.dtype, shape=a.shape, name="arg")
@@ -175,14 +178,15 @@ class _Cut:
         self.graph = graph
         self.fed = {t.op.name for t in inputs}
         self.sums = {e.result.op.name: e for e in exchanges}
-        self.needed = self._needed(results)
+        self.needed = self._needed([t.op for t in results] + self._effects())
+        ordered = self._in_order()
         self.phase: dict[str, int] = {}
-        for op in graph.get_operations():
+        for op in ordered:
             self.phase[op.name] = self._phase_of(op)
         count = max(self.phase.values()) + 1
         # The needed ops each phase runs, in trace order.
         self.by_phase: list[list[tf.Operation]] = [[] for _ in range(count)]
-        for op in graph.get_operations():
+        for op in ordered:
             if op.name in self.needed and self.kind(op) == "op":
                 self.by_phase[self.phase[op.name]].append(op)
         # What each phase gives: what later phases, the sums and the result read.
@@ -267,11 +271,44 @@ class _Cut:
         before += [self.phase[c.name] for c in op.control_inputs]
         return max(before, default=0)
 
-    def _needed(self, results: list[tf.Tensor]) -> set[str]:
-        """The names of the ops the results need: their ancestors, through
-        each sum's placeholder to its value."""
+    def _in_order(self) -> list[tf.Operation]:
+        """The graph's ops in the order traced, each after what it reads (a
+        loop's gradient gives its forward loop inputs made after it: the
+        values it keeps for the backward pass), a sum after its value."""
+        order: list[tf.Operation] = []
+        seen: set[str] = set()
+        for first in self.graph.get_operations():
+            stack = [(first, False)]
+            while stack:
+                op, ready = stack.pop()
+                if ready:
+                    order.append(op)
+                    continue
+                if op.name in seen:
+                    continue
+                seen.add(op.name)
+                stack.append((op, True))
+                reads = [t.op for t in op.inputs] + list(op.control_inputs)
+                if op.name in self.sums:
+                    reads.append(self.sums[op.name].value.op)
+                stack.extend((r, False) for r in reversed(reads) if r.name not in seen)
+        return order
+
+    def _effects(self) -> list[tf.Operation]:
+        """The ops that run for what they do, whatever reads them (an assert,
+        a print, a summary, a stateful draw), as a ``tf.function`` runs every
+        stateful op it traced."""
+        return [
+            op
+            for op in self.graph.get_operations()
+            if op.op_def.is_stateful and op.type not in _READS and self.kind(op) == "op"
+        ]
+
+    def _needed(self, roots: list[tf.Operation]) -> set[str]:
+        """The names of the ops the roots need, themselves included: their
+        ancestors, through each sum's placeholder to its value."""
         needed: set[str] = set()
-        stack = [t.op for t in results]
+        stack = list(roots)
         while stack:
             op = stack.pop()
             if op.name in needed:
