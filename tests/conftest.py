@@ -58,6 +58,11 @@ SLOW = {
     "tests/step/test_coupled.py": "keras_hub's mixture-of-experts models",
     "tests/step/test_segments.py": "XLA compilations of cut passes",
     "tests/step/test_xla.py": "XLA compilations against Keras' XLA fit",
+    "tests/step/test_cut.py::test_a_recurrent_model_trains_with_xla_as_keras_xla_fit": (
+        "recurrent layers' XLA compilations"
+    ),
+    "tests/step/test_cut.py::test_a_loops_kept_values_between_xla_phases_are_named_"
+    "or_run_without_xla": "recurrent layers' XLA compilations",
     "tests/training/test_loop.py::test_sigkill_mid_epoch_then_resume_equals_an_"
     "uninterrupted_run": "a run killed and resumed in processes",
 }

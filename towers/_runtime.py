@@ -215,14 +215,28 @@ def add_functions(functions: list) -> None:
         graph._add_function_recursive(function, overwrite=True)
 
 
-def pass_graph(name: str) -> tf.Graph:
-    """An empty graph to trace a tower's pass into, alone (``towers/step/cut.py``
-    cuts it into phases): no control dependencies among its own ops, but its
-    conditionals and loops (an assert's guard) traced as a ``tf.function``
-    traces them, each branch running what it does (the assert) whatever reads
-    it. The cut keeps the pass's own such ops (``cut._effects``)."""
+@contextlib.contextmanager
+def pass_graph(name: str, xla: bool) -> Iterator[tf.Graph]:
+    """An empty graph to trace a tower's pass into, alone, as the default
+    graph within (``towers/step/cut.py`` cuts it into phases): no control
+    dependencies among its own ops, but its conditionals and loops (an
+    assert's guard, a recurrent layer's loop) traced as a ``tf.function``
+    traces them: each branch runs what it does (the assert) whatever reads
+    it, and with ``xla`` their gradients are made for XLA to compile (a
+    loop's kept values in lists of a known length, as
+    ``tf.function(jit_compile=True)`` traces them). The cut keeps the pass's
+    own such ops (``cut._effects``)."""
     from tensorflow.python.framework import func_graph
+    from tensorflow.python.ops import control_flow_ops
 
     graph = func_graph.FuncGraph(name)
     graph._add_control_dependencies = True  # read by cond_v2 and while_v2 only
-    return graph
+    with graph.as_default():
+        context = control_flow_ops.XLAControlFlowContext() if xla else None
+        if context is not None:
+            context.Enter()
+        try:
+            yield graph
+        finally:
+            if context is not None:
+                context.Exit()

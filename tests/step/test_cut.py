@@ -2,7 +2,8 @@
 what one device's step runs: a recurrent layer's loop and its gradient, and
 the ops that run for what they do (an assert, a print), on every tower, in
 each way the cut serves: one phase ("once"), and phases around the sums of
-global batch statistics. Against Keras' own fit, float64, uneven shards."""
+global batch statistics, with XLA and without. Against Keras' own fit,
+float64, uneven shards."""
 
 import keras
 import numpy as np
@@ -12,11 +13,12 @@ import tensorflow as tf
 from tests.step.test_custom_steps import assert_same_updates
 from tests.test_equivalence import devices
 from towers import Towers
+from towers.step import xla
 
 WAYS = {"once": {}, "phases": {"batch_statistics": "global"}}
 
 
-def recurrent(normalised=False):
+def recurrent(normalised=False, jit_compile=False):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((6, 3))
     hidden = keras.layers.LSTM(5, return_sequences=True)(inputs)
@@ -24,7 +26,9 @@ def recurrent(normalised=False):
     if normalised:  # the whole batch's statistics: the towers meet there
         hidden = keras.layers.BatchNormalization(momentum=0.8)(hidden)
     model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile
+    )
     return model
 
 
@@ -50,6 +54,56 @@ def test_a_recurrent_model_trains_as_keras_fit(num_towers, way):
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=1e-12
     )
+
+
+@pytest.mark.usefixtures("float64", "xla_allowed")  # tests/conftest.py
+def test_a_recurrent_model_trains_with_xla_as_keras_xla_fit():
+    # With XLA the loops' gradients keep their values in lists of a known
+    # length, as Keras' XLA step traces them; else XLA cannot compile them.
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((21, 6, 3)), rng.standard_normal((21, 2))
+    build = lambda: recurrent(jit_compile=True)  # noqa: E731
+    engine = Towers(build, devices=devices(2), jit_compile=True)
+    reference = build()
+    before = reference.get_weights()
+
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = engine.fit(x, y, **fit)
+    expected = reference.fit(x, y, **fit)
+
+    assert reference.jit_compile and engine.step.tower.jit.enabled
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["loss"], expected.history["loss"], rtol=1e-12
+    )
+
+
+@pytest.mark.usefixtures("float64", "xla_allowed")
+def test_a_loops_kept_values_between_xla_phases_are_named_or_run_without_xla():
+    # Under global statistics the towers meet between the loops' forward and
+    # backward passes: the lists the loops keep would cross between XLA
+    # computations, which XLA cannot do.
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((16, 6, 3)), rng.standard_normal((16, 2))
+    build = lambda: recurrent(normalised=True)  # noqa: E731
+    fit = dict(batch_size=8, epochs=1, shuffle=False, verbose=0)
+    strict = Towers(
+        build, devices=devices(2), jit_compile=True, batch_statistics="global"
+    )
+    start = strict.model.get_weights()
+    with pytest.raises(ValueError, match="a list a loop keeps for its backward"):
+        strict.fit(x, y, **fit)
+    for got, want in zip(strict.model.get_weights(), start):
+        np.testing.assert_array_equal(got, want)  # nothing was applied
+
+    auto = Towers(build, devices=devices(2), batch_statistics="global")
+    auto.step.tower.jit = xla.Jit(enabled=True, strict=False)  # "auto" on a GPU
+    reference = build()
+    before = reference.get_weights()
+    with pytest.warns(UserWarning, match="so the towers run without XLA"):
+        auto.fit(x, y, **fit)
+    reference.fit(x, y, **fit)
+    assert_same_updates(auto.model, reference, before)
 
 
 class Checked(keras.layers.Layer):

@@ -41,6 +41,11 @@ _COPIED = ("Const",)
 _READS = ("ReadVariableOp", "VarHandleOp", "Placeholder")
 
 
+class Uncuttable(ValueError):
+    """The towers' passes cannot run as one traced pass cut into phases
+    (its message says why, for ``jit_compile``'s error or warning)."""
+
+
 @dataclasses.dataclass
 class Exchange:
     """One sum over the towers, as a traced tower's pass made it.
@@ -122,8 +127,7 @@ def trace(
     (``inline``: inlined into the step's graph).
     """
     recording = Recording()
-    graph = _runtime.pass_graph("tower_pass")
-    with graph.as_default():
+    with _runtime.pass_graph("tower_pass", jit) as graph:
         placeholders = [
             tf.raw_ops.Placeholder(dtype=a.dtype, shape=a.shape, name="arg")
             for a in tensors_of(args)
@@ -141,6 +145,8 @@ def trace(
     inputs = placeholders + [internal for _, internal in graph.captures]
     results = list(tf.nest.flatten(leaves, expand_composites=True))
     cut = _Cut(graph, inputs, recording.exchanges, results)
+    if jit:
+        cut.check_compilable()
     library = graph.as_graph_def().library
     return Plan(
         inputs=[t.name for t in inputs],
@@ -200,6 +206,21 @@ class _Cut:
             if self.kind(tensor.op) == "op" and tensor.name not in given:
                 given.add(tensor.name)
                 self.outputs[self.phase[tensor.op.name]].append(tensor.name)
+
+    def check_compilable(self) -> None:
+        """Raises :class:`Uncuttable` where a value one XLA computation could
+        not hand the next crosses between phases: a list a loop keeps for its
+        backward pass (a recurrent layer's, when the towers meet between its
+        forward and backward passes)."""
+        for names in self.outputs:
+            for name in names:
+                tensor = self.graph.get_tensor_by_name(name)
+                if tensor.dtype == tf.variant:
+                    raise Uncuttable(
+                        f"{tensor.op.name!r}, a list a loop keeps for its "
+                        "backward pass (a recurrent layer's), would cross between "
+                        "the XLA computations of a pass cut where the towers meet"
+                    )
 
     def kind(self, op: tf.Operation) -> str:
         """``"fed"`` (an input or a sum's placeholder: the run gives it),

@@ -110,9 +110,10 @@ class Runner:
         each on its tower's device. ``weight_of(passes)``: this worker's
         weight in a cluster's sums (None for a sum loss).
 
-        A pass that cannot be cut runs in turns (without XLA; with it, the
-        error names why); without XLA, one sent ``"once"`` whose divisors
-        need every tower's forward pass runs alone.
+        A pass that cannot be cut runs in turns, without XLA (with
+        ``jit_compile=True`` the error names why; ``"auto"`` warns); without
+        XLA, one sent ``"once"`` whose divisors need every tower's forward
+        pass runs alone.
         """
         working = self.placement.working_towers(shards)
         models = [self.placement.model_of(t) for t in working]
@@ -126,9 +127,8 @@ class Runner:
             try:
                 meets = way == "phases"
                 return segments.compute(*args, self.workers, weight_of, meets)
-            except segments.Uncuttable:
-                if self.tower.jit.enabled:
-                    raise
+            except segments.Uncuttable as error:
+                xla.refuse_uncut(self.tower.jit, str(error))
                 way = "turns"
             except segments.MetAtDivisor:
                 way = "alone"

@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from towers.split import Shards, batch_size_of
 from towers.step import cut, draws, lockstep, meetings, xla
-from towers.step.cut import Plan
+from towers.step.cut import Plan, Uncuttable
 from towers.step.tower import Tower, TowerResult
 
 
@@ -98,10 +98,6 @@ def run(
         cut.join(plan.skeleton, [_value(plan, known, name) for name in plan.results])
         for plan, known in zip(plans, values)
     ]
-
-
-class Uncuttable(ValueError):
-    """The towers' passes cannot run as one traced pass cut into phases."""
 
 
 class MetAtDivisor(Exception):
@@ -233,11 +229,10 @@ def _check_alike(plans: list[Plan]) -> None:
         other = [(e.phase, e.backward, e.value.dtype) for e in plan.exchanges]
         if other != first:
             raise Uncuttable(
-                "jit_compile=True: the towers' passes meet by sums (global batch "
-                f"statistics, a divisor) {len(first)} and {len(other)} times, or at "
-                "different phases, on shards of different shapes; received a "
-                "model whose trace depends on its batch size. Use "
-                "jit_compile=False."
+                "the towers' passes meet by sums (global batch statistics, a "
+                f"divisor) {len(first)} and {len(other)} times, or at different "
+                "phases, on shards of different shapes: the model's trace depends "
+                "on its batch size"
             )
 
 

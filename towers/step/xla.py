@@ -265,6 +265,26 @@ def after_failure(jit: Jit, error: tf.errors.OpError, model: Any) -> Jit:
     return OFF
 
 
+def refuse_uncut(jit: Jit, why: str) -> None:
+    """Where a pass cannot be cut into XLA computations (``why``) and runs
+    in turns without XLA: an error for ``jit_compile=True``, a warning for
+    ``"auto"`` that chose XLA.
+
+    Raises:
+      ValueError: ``jit_compile=True``.
+    """
+    if jit.strict:
+        raise ValueError(
+            f"jit_compile=True: {why}; received a model whose pass XLA cannot "
+            "run cut so. Use jit_compile=False (or 'auto')."
+        )
+    if jit.enabled:
+        warnings.warn(
+            f"jit_compile='auto': {why}, so the towers run without XLA",
+            stacklevel=5,
+        )
+
+
 def without(why: str) -> Jit:
     """No XLA, for a step "auto" compiled but cannot: warned of, ``why``."""
     warnings.warn(
