@@ -80,6 +80,9 @@ def test_demo_learns_the_digits_and_shows_placement_and_phases(tmp_path):
         ["towers' forward + backward", "combine", "apply (optimizer)", "whole step"]
     )
     assert all(float(ms) > 0 for ms in phases.values())
+    # Each phase is traced as the engine traces its step, without AutoGraph,
+    # which cannot convert the step's code and says so on the way.
+    assert "AutoGraph could not transform" not in result.stdout + result.stderr
     # TensorBoard gets the run's summaries and a trace of steps 10-12.
     assert list((tmp_path / "train").glob("events.out.tfevents.*"))
     assert list((tmp_path / "plugins" / "profile").glob("*/*.xplane.pb"))

@@ -14,6 +14,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers.training.compiled import traced
+
 
 def time_phases(engine: Any, x: Any, y: Any, repeats: int = 20) -> dict[str, float]:
     """Milliseconds per call of each phase, and of the whole step, on ``(x, y)``.
@@ -38,20 +40,21 @@ def time_phases(engine: Any, x: Any, y: Any, repeats: int = 20) -> dict[str, flo
     ]
 
     # Each phase captures its inputs rather than taking them as arguments: passing a
-    # nest of dozens of tensors per call would time Python, not the phase.
-    @tf.function
+    # nest of dozens of tensors per call would time Python, not the phase. Each is
+    # traced as the engine traces its step (no AutoGraph).
+    @traced
     def compute():
         return _tower_grads(step, x, y)
 
     tower_grads = compute()
 
-    @tf.function
+    @traced
     def combine():
         return step.combine(tower_grads)
 
     grads = combine()
 
-    @tf.function
+    @traced
     def apply():
         step.apply(grads, variables, [], weight)
         return step.update.steps
@@ -72,7 +75,7 @@ def gradient_bytes(engine: Any, x: Any, y: Any) -> float:
     except under a placement that all-reduces them dense (replicated).
     """
     x, y, _ = engine.prepare(x, y)
-    tower_grads = tf.function(lambda: _tower_grads(engine.step, x, y))()
+    tower_grads = traced(lambda: _tower_grads(engine.step, x, y))()
     wire = getattr(engine.reducer, "wire_dtype", None)
     dense = engine.placement.sends_slices_dense
     total = 0
