@@ -298,7 +298,8 @@ class CustomStep:
         """The step's logs: a metric's result (a value the step read from a
         metric's ``result()``, under its name; with a copy per tower, any
         value under a metric's name) read after every tower updated it; any
-        other value weighted by the towers' shares."""
+        other value weighted by the towers' shares. A dict of them (Keras'
+        ``"compile_metrics"``) is read alike, entry by entry."""
         results = {}
         with tf.device(self.placement.variable_device):
             for metric in self.model.metrics:
@@ -307,26 +308,26 @@ class CustomStep:
                     results.update(result)
                 else:
                     results[metric.name] = result
-        last = logs[-1]
-        if not isinstance(last, dict):
-            return last
+        if not isinstance(logs[-1], dict):
+            return logs[-1]
         working = self.placement.working_towers(shards)
-        read = {}
-        for key, value in last.items():
-            result = self._assignments.is_result(value)
-            if key in results and result is not False:
-                read[key] = results[key]
-            elif _is_float(value):
-                parts = []
-                for log, t in zip(logs, working):
-                    part = tf.convert_to_tensor(log[key])
-                    parts.append(part * in_dtype(self._weight(shards, t), part.dtype))
-                read[key] = tf.add_n(parts)
-                if self.workers is not None:
-                    read[key] = self._over_workers(read[key])
-            else:
-                read[key] = value
-        return read
+
+        def read(key: str, values: list[Any]) -> Any:  # each tower's, in order
+            value = values[-1]
+            if isinstance(value, dict):
+                return {k: read(k, [v[k] for v in values]) for k in value}
+            if key in results and self._assignments.is_result(value) is not False:
+                return results[key]
+            if not _is_float(value):
+                return value
+            parts = []
+            for part, t in zip(values, working):
+                part = tf.convert_to_tensor(part)
+                parts.append(part * in_dtype(self._weight(shards, t), part.dtype))
+            total = tf.add_n(parts)
+            return total if self.workers is None else self._over_workers(total)
+
+        return {key: read(key, [log[key] for log in logs]) for key in logs[-1]}
 
 
 def refuse_with_hooks(

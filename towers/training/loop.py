@@ -16,7 +16,7 @@ from typing import Any
 
 import keras
 
-from towers._keras import leaf_metrics, metrics_in_order
+from towers._keras import leaf_metrics, metrics_in_order, pythonify_logs
 from towers._keras.inputs import initial_epoch as restored_epoch
 from towers.training.arguments import (
     check_class_weight,
@@ -276,7 +276,7 @@ class Trainer(ModelMetrics, abc.ABC):
                             self, Epochs(validation, validation_steps), callback_list
                         )
                         logs.update({f"val_{k}": v for k, v in results.items()})
-                    log.after_epoch(logs)
+                    log.after_epoch(pythonify_logs(logs))
                     callback_list.on_epoch_end(epoch, logs)
                     if self.model.stop_training:
                         break

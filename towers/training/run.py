@@ -43,7 +43,7 @@ class FitRun:
     batches: Epochs
     preemption: Preemption
     trained: bool = False  # any step yet in this fit
-    logs: dict | None = None  # the last step's logs, as the callbacks saw them
+    logs: dict | None = None  # the last step's logs, as the callbacks got them
 
 
 def resume(
@@ -112,7 +112,9 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
 
 def _metrics_or_logs(engine: Any, kind: str, results: dict, logs: Any) -> dict:
     """Keras' rule for what an epoch returns: the metrics' ``results``, or
-    the last ``logs`` of a model's own ``kind`` step whose keys are not theirs."""
+    the last ``logs`` of a model's own ``kind`` step whose keys are not
+    theirs, as the step returned them (nested: ``{"loss", "compile_metrics":
+    {...}}``; Keras' callbacks flatten them, in the order of those keys)."""
     if own(engine.step, kind) is None or not isinstance(logs, dict):
         return results
     return results if set(logs) == set(results) else dict(logs)
@@ -132,17 +134,20 @@ def fit_execution(
     run.preemption.before_step()
     started = time.perf_counter()
     if len(batches) == 1:
-        logs = engine.train_step(*batches[0])
+        stepped = engine.train_step(*batches[0])
     else:
-        logs = engine.train_steps(batches)
+        stepped = engine.train_steps(batches)
     # Reading the logs back waits for the steps, so the time is theirs.
-    logs = pythonify_logs(logs)
+    logs = pythonify_logs(stepped)
     run.log.after_step(logs, time.perf_counter() - started, size)
     run.trained = True
-    # Keras' callbacks see every metric's running value, the loss's included
-    # (a model's own train_step returns them itself).
+    # Keras' callbacks see every metric's running value, the loss's included;
+    # a model's own train_step returns them itself, passed on as it returned
+    # them, as Keras' fit does.
     if own(engine.step, "train") is None:
         logs = {**logs, "loss": float(engine.loss_tracker.result())}
+    else:
+        logs = stepped
     run.logs = logs
     run.callbacks.on_train_batch_end(end, logs)
     done = begin + len(batches)
@@ -172,11 +177,11 @@ def evaluate_loop(
         callbacks.on_test_batch_begin(begin)
         for batch in execution:
             logs = engine.evaluate_step(*unpack(batch))
-        logs = pythonify_logs(logs)
         callbacks.on_test_batch_end(end, logs)
         if engine.model.stop_evaluating:
             break
-    logs = _metrics_or_logs(engine, "evaluate", engine.get_metrics_result(), logs)
+    results = engine.get_metrics_result()
+    logs = pythonify_logs(_metrics_or_logs(engine, "evaluate", results, logs))
     callbacks.on_test_end(logs)
     return logs
 
