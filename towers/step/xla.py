@@ -279,10 +279,7 @@ def refuse_uncut(jit: Jit, why: str) -> None:
             "run cut so. Use jit_compile=False (or 'auto')."
         )
     if jit.enabled:
-        warnings.warn(
-            f"jit_compile='auto': {why}, so the towers run without XLA",
-            stacklevel=5,
-        )
+        without(why)
 
 
 def without(why: str) -> Jit:
