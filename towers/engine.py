@@ -16,7 +16,6 @@ from towers.parts import PlacementName, join_cluster, make_step
 from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
-from towers.step.custom import OwnStepLoss
 from towers.step.xla import JitCompile
 from towers.training.compiled import Compiled
 from towers.training.compiling import FROM_COMPILE
@@ -56,8 +55,6 @@ class Towers(Trainer):
         (``"exact"``), taken per tower (``"per_tower"``) or refused (step/coupled.py).
       steps_per_execution: fit's steps per call (a loop in the graph), as
         ``compile`` takes it; None: the compiled model's, else 1.
-      own_step_loss: a model's own ``train_step``'s scalar loss is a ``"mean"`` over
-        its batch (towers weighted by share) or a ``"sum"`` (step/applies.py).
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
         fastest steps) or a ``"call"`` of its own: quicker to a first step with
         many towers, slower after (step/segments.py, docs/sync-cost.md).
@@ -104,7 +101,6 @@ class Towers(Trainer):
         jit_compile: JitCompile = None,
         coupled_losses: Literal["exact", "per_tower", "refuse"] = "exact",
         steps_per_execution: int | None = None,
-        own_step_loss: OwnStepLoss = "mean",
         tower_functions: Literal["inline", "call"] = "inline",
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
@@ -118,7 +114,7 @@ class Towers(Trainer):
             batch_statistics=batch_statistics, on_nonfinite=on_nonfinite,
             accumulate_steps=accumulate_steps, jit_compile=jit_compile,
             coupled_losses=coupled_losses, steps_per_execution=steps_per_execution,
-            own_step_loss=own_step_loss, tower_functions=tower_functions,
+            tower_functions=tower_functions,
         )  # fmt: skip
         where = (self.devices, self.variable_device, self.reducer, placement)
         self.step = make_step(model, loss, optimizer, *where, self.cluster, options)

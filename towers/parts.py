@@ -151,11 +151,6 @@ def make_step(
     per_tower = batch_norm and moving.statistics == "tower"
     workers = join_workers(cluster, where, per_tower, variable_device)
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
-    if options.get("own_step_loss", "mean") not in ("mean", "sum"):
-        raise ValueError(
-            "own_step_loss must be 'mean' or 'sum'; received "
-            f"{options['own_step_loss']!r}"
-        )
     if trains and not own_train:
         compile_model(
             where.models,
@@ -176,7 +171,6 @@ def make_step(
             step.runner,
             update,
             kinds,
-            options.get("own_step_loss", "mean"),
             workers,
             moving,
             options["accumulate_steps"],

@@ -199,7 +199,9 @@ def test_a_clip_dual_encoder_trains_in_a_cluster_as_one_device(tmp_path):
 
 def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
     # Its train_step applies twice, with two optimizers, the second through
-    # the first's update: at each apply the towers' gradients are combined,
+    # the first's update, from a loss that sums over the examples plus a
+    # weight penalty (found by the probe, towers/step/loss_kinds.py, on each
+    # worker): at each apply the towers' gradients are combined,
     # then summed over the workers weighted by their examples, and applied on
     # every worker; the metrics it updates are summed over the workers. What
     # it assigns moves once: an EMA (the same on every tower), a count of

@@ -153,8 +153,8 @@ class TwoApplies(keras.Sequential):
     """A model's own train_step that applies twice: its first layer with the
     compiled optimizer, then, through the updated layer, its last layer with
     a second optimizer of its own (as a GAN's generator after its
-    discriminator), from a loss with a value per example (summed by the
-    tape); its metrics updated as Keras' guide updates them. It also
+    discriminator), from a loss that sums over the examples plus a weight
+    penalty; its metrics updated as Keras' guide updates them. It also
     assigns an EMA of its last kernel (the same on every tower), a count of
     examples made to add up, and the batch's mean prediction made to average
     (each shard's differs): each once, as one device would."""
@@ -175,15 +175,16 @@ class TwoApplies(keras.Sequential):
             y_pred = self(x, training=True)
             loss = self.compute_loss(x, y, y_pred, sample_weight)
         self.optimizer.apply(tape.gradient(loss, variables), variables)
-        # The second loss has a value per example, which the tape sums.
+        # The second loss sums over the examples, plus a weight penalty.
         variables = self.layers[-1].trainable_variables
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             each = keras.losses.sparse_categorical_crossentropy(
                 y, y_pred, from_logits=True
             )
-            each = each / 8.0
-        self.second.apply(tape.gradient(each, variables), variables)
+            penalty = 0.01 * tf.reduce_sum(tf.square(variables[0]))
+            summed = tf.reduce_sum(each) / 8.0 + penalty
+        self.second.apply(tape.gradient(summed, variables), variables)
         self.ema.assign(0.9 * self.ema + 0.1 * self.layers[-1].kernel)
         self.seen.assign_add(tf.cast(tf.shape(y)[0], self.seen.dtype))
         self.mean.assign(tf.reduce_mean(y_pred))

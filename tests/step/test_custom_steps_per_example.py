@@ -1,9 +1,8 @@
 """A model's own train_step whose loss has a value per example, as Keras'
 loss functions return one (``keras.losses.mean_squared_error(y, y_pred)``,
 the guide's older step): ``tape.gradient`` sums it over the tower's rows, so
-the towers' gradients add up unweighted, whatever ``own_step_loss`` says
-(towers/step/applies.py). Against Keras' own fit on one device, float64,
-uneven shards."""
+the towers' gradients add up as a sum's (towers/step/loss_kinds.py). Against
+Keras' own fit on one device, float64, uneven shards."""
 
 import keras
 import numpy as np
@@ -79,14 +78,16 @@ def test_a_loss_with_a_value_per_example_trains_as_keras_fit(num_towers, statist
     )
 
 
-def test_a_vector_of_means_is_not_read_as_a_value_per_example():
-    # A mean per output (2 values) on shards of 4 rows: each tower's gradient
-    # is of a mean, weighted by its share.
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_a_vector_of_means_is_not_read_as_a_value_per_example(num_towers):
+    # A mean per output (2 values): on 3 towers the last batch's shards are
+    # 3, 2 and 2 rows, and the probe still finds its length is not the
+    # examples'. Each tower's gradient is of a mean, weighted by its share.
     def reduce(squared):
         return keras.ops.mean(squared, axis=0)
 
-    x, y = regression(24)
-    engine = Towers(per_example(reduce=reduce), devices=devices(2))
+    x, y = regression(23)
+    engine = Towers(per_example(reduce=reduce), devices=devices(num_towers))
     reference = per_example(reduce=reduce)
     before = reference.get_weights()
 
@@ -98,8 +99,8 @@ def test_a_vector_of_means_is_not_read_as_a_value_per_example():
 
 
 class MixedKinds(PerExample):
-    """Two gradients taken, one of a mean and one of a per-example loss, both
-    clipped before one apply: which is which is lost."""
+    """Two gradients taken, one of a mean and one of a per-example loss,
+    added before one apply: each is handed back as a mean's."""
 
     def train_step(self, data):
         x, y = data
@@ -109,43 +110,29 @@ class MixedKinds(PerExample):
             each = keras.losses.mean_squared_error(y, y_pred)
             mean = keras.ops.mean(each)
         grads = [
-            tf.clip_by_norm(a + b, 1.0)
+            a + 0.5 * b
             for a, b in zip(
                 tape.gradient(mean, variables), tape.gradient(each, variables)
             )
         ]
         self.optimizer.apply(grads, variables)
-        return {}
+        return {"mean": mean}
 
 
-def test_gradients_of_a_sum_and_of_a_mean_together_are_refused_before_any_update():
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((5,))
-    model = MixedKinds(inputs, keras.layers.Dense(2)(inputs))
-    model.compile(optimizer="sgd")
-    before = model.get_weights()
-    x, y = regression(8)
+def test_gradients_of_a_sum_and_of_a_mean_together_train_as_keras_fit():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        model = MixedKinds(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer="sgd")
+        return model
 
-    with pytest.raises(ValueError, match="of a sum over its rows.*and of a mean"):
-        Towers(model, devices=devices(2)).fit(x, y, batch_size=8, verbose=0)
+    x, y = regression(23)
+    engine, reference = Towers(build(), devices=devices(3)), build()
+    before = reference.get_weights()
 
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
-    assert int(model.optimizer.iterations) == 0
+    fit = dict(batch_size=8, shuffle=False, verbose=0)
+    engine.fit(x, y, **fit)
+    reference.fit(x, y, **fit)
 
-
-def test_a_vector_as_long_as_one_towers_rows_only_is_refused_by_name():
-    # A mean per output (2 values) on shards of 3, 3 and 2 rows: on the last
-    # tower it reads as a value per example, on the others as a mean.
-    def reduce(squared):
-        return keras.ops.mean(squared, axis=0)
-
-    model = per_example(reduce=reduce)
-    before = model.get_weights()
-    x, y = regression(8)
-
-    with pytest.raises(ValueError, match="of a mean over tower 0's rows and of a sum"):
-        Towers(model, devices=devices(3)).fit(x, y, batch_size=8, verbose=0)
-
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_same_updates(engine.model, reference, before)

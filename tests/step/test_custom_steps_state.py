@@ -413,7 +413,7 @@ class SumTracked(Follower):
 
 def test_a_tracker_fed_a_sum_loss_is_updated_once_with_the_towers_sum():
     x, y = regression(23)
-    engine = Towers(built(SumTracked), devices=devices(3), own_step_loss="sum")
+    engine = Towers(built(SumTracked), devices=devices(3))
     reference = built(SumTracked)
     before = [v.numpy() for v in reference.variables]
 

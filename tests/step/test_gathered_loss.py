@@ -256,15 +256,3 @@ def test_a_coupled_loss_in_the_models_own_step_trains_as_keras_fit(float64, num_
     ]
     for key in scores[1]:
         np.testing.assert_allclose(scores[0][key], scores[1][key], rtol=1e-9)
-
-
-def test_a_coupled_loss_in_an_own_step_with_a_sum_loss_is_refused():
-    x, y = data()
-    engine = Towers(own_step_clip(), devices=devices(2), own_step_loss="sum")
-    before = [v.numpy() for v in engine.model.variables]
-
-    with pytest.raises(ValueError, match="couples the batch.*own_step_loss='sum'"):
-        engine.fit(x, y, batch_size=BATCH, verbose=0)
-
-    for v, b in zip(engine.model.variables, before):
-        np.testing.assert_array_equal(v.numpy(), b)

@@ -16,8 +16,8 @@ replaced, and why:
   ``assign``, metrics' ``update_state`` and ``result``, and a model's
   ``compute_loss`` (``step/applies.py``, ``step/assignments.py``,
   ``step/gathered.py``): routed to where the towers meet; and
-  ``tf.GradientTape.gradient`` (``step/applies.py``): what its target sums
-  over says how the towers' gradients combine;
+  ``tf.GradientTape.gradient`` (``step/applies.py``): a gradient handed
+  in as a mean's, however the loss reads the batch;
 - Keras' random draws (``step/draws.py``), and TensorFlow's stateless
   uniform and normal draws under them: a tower draws its rows of the
   batch's numbers.
@@ -166,12 +166,15 @@ def routed_applies(route: Callable[..., Any]) -> Iterator[None]:
 @contextlib.contextmanager
 def routed_gradients(route: Callable[..., Any]) -> Iterator[None]:
     """Within, ``tf.GradientTape.gradient(target, sources, ...)`` calls
-    ``route(target, gradient)`` (``gradient(target)``: the tape's own, with
-    the call's other arguments)."""
+    ``route(target, sources, gradient)`` (``gradient(target)``: the tape's
+    own, with the call's other arguments)."""
     own = tf.GradientTape.gradient
 
-    def routed(self: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        return route(target, lambda target: own(self, target, *args, **kwargs))
+    def routed(self: Any, target: Any, sources: Any, *args: Any, **kwargs) -> Any:
+        def gradient(target: Any) -> Any:
+            return own(self, target, sources, *args, **kwargs)
+
+        return route(target, sources, gradient)
 
     with Patch(lambda: [(tf.GradientTape, "gradient", routed)]).applied():
         yield

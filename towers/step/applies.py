@@ -2,13 +2,10 @@
 
 Every ``optimizer.apply`` (or ``apply_gradients``) a tower's own
 ``train_step`` makes is routed here (``towers/_keras``'s
-``routed_applies``). Each tower hands in its gradients and its weight: its
-share of the examples, ``n_t / B``, for the gradient of a mean over its
-rows; 1 for the gradient of a sum over them. ``tape.gradient`` is routed
-here too, to tell which: a target with a value per row (a first axis of
-the shard's rows, as ``keras.losses.mean_squared_error(y, y_pred)``
-returns) is summed by the tape, and so is a scalar loss with
-``own_step_loss="sum"``; any other scalar is a mean. The first tower
+``routed_applies``). Each tower hands in its gradients and its share of the
+examples, ``n_t / B``: ``tape.gradient`` is routed here too, and hands back
+the gradient of a sum over the tower's rows as a mean's
+(``towers/step/loss_kinds.py``). The first tower
 combines them (``combine_gradients``, weighted, summed), sums them over the
 workers in a cluster (each weighted by its share of the global batch), and
 applies once, on the variable device; the others apply nothing and read the
@@ -37,9 +34,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.combine import combine_gradients
+from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import finite_flags
-from towers.step import draws
+from towers.step import loss_kinds
 from towers.step.meetings import own_step_seat, seated
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
@@ -66,57 +63,74 @@ class Applies:
         self.placement = placement
         self.on_nonfinite = on_nonfinite
         self.accumulate_steps = accumulate_steps
-        self.names: list[str] = []
-        self.checked: list[tuple[tf.Tensor, list[Any]]] = []
-        self.over_workers: Callable[[tf.Tensor, bool], tf.Tensor] | None = None
-        # Per tower, while a step is traced: whether each gradient it took
-        # (by id, kept alive) was of a sum.
-        self._sums: dict[int, dict[int, tuple[Any, bool]]] = {}
+        # The kinds of the step's losses, in call order (loss_kinds.probe).
+        self.kinds: list[loss_kinds.Kind] | None = None
+        self.whole_batch = False  # every loss the whole batch's (gathered)
+        self.begin(None, [])
 
-    def begin(self, over_workers: Callable[[tf.Tensor, bool], tf.Tensor] | None):
-        """A step is traced: ``over_workers(value, summed)``, a value weighted
-        by this worker's weight (in a gradient of a sum, 1) and summed over
-        the workers (None: no cluster)."""
+    def begin(self, over_workers: Any, batch: list[tf.Tensor], worker: Any = None):
+        """A step is traced: ``over_workers(value)``, a value weighted by this
+        worker's weight ``worker`` (``B_w / B``) and summed over the workers
+        (None: no cluster); ``batch``: the step's input tensors."""
         self.names, self.checked, self.over_workers = [], [], over_workers
-        self._sums = {}
+        self.batch, self.worker, self.means, self._calls = batch, worker, {}, {}
 
-    def gradient(self, target: Any, gradient: Callable[[Any], Any]) -> Any:
-        """``tape.gradient(target, ...)`` inside a tower's step (``gradient``:
-        the tape's own): taken, each gradient remembered as one of a sum over
-        the tower's rows or of a mean (the module docstring)."""
+    def gradient(self, target: Any, sources: Any, gradient: Callable) -> Any:
+        """``tape.gradient(target, sources)`` inside a tower's step
+        (``gradient``: the tape's own): taken, and handed back as the
+        gradient of a mean over the tower's rows (``loss_kinds``)."""
         here = own_step_seat()
         if here is None:
             return gradient(target)
-        summed = here.loss == "sum" or _per_row(target, draws.shard_size())
-        before, here.summing = here.summing, summed  # what a backward sum reads
+        kind = self._kind(here)
+        before, here.summing = here.summing, kind == "sum"  # a backward sum's
         try:
             grads = gradient(target)
         finally:
             here.summing = before
-        for g in tf.nest.flatten(grads):
-            if g is not None:
-                self._sums.setdefault(here.rank, {})[id(g)] = (g, summed)
-        return grads
+        if kind == "mean":
+            return grads
+        share = here.weight if self.worker is None else here.weight * self.worker
+        flat, sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        free = None
+        if tf.convert_to_tensor(target).shape.rank == 0:
+            target = tf.convert_to_tensor(target)
+            free = loss_kinds.batch_free(target, self.batch)
+            rest = target if free is None else target - free
+            mean = tf.math.divide_no_nan(rest, in_dtype(share, target.dtype))
+            self.means[target.ref()] = mean if free is None else mean + free
+        free_grads = [None] * len(flat)
+        if free is not None:
+            free_grads = tf.gradients(free, sources)
+        return tf.nest.pack_sequence_as(
+            grads, loss_kinds.as_mean(flat, free_grads, share)
+        )
 
-    def _summed(self, rank: int, grads: Any) -> bool:
-        """Whether ``grads`` are of a sum over tower ``rank``'s rows: as its
-        tape took them, or, for values the step made of them, as every
-        gradient it took."""
-        taken = self._sums.get(rank, {})
-        grads = [g for g in tf.nest.flatten(grads) if g is not None]
-        kinds = {taken[id(g)][1] for g in grads if id(g) in taken}
-        if not kinds or any(id(g) not in taken for g in grads):
-            kinds |= {summed for _, summed in taken.values()}
-        if len(kinds) > 1:
-            raise ValueError(
-                "a train_step on towers applied gradients of a sum over its "
-                "rows (a loss with a value per example) and of a mean (a "
-                "scalar loss) together, or gradients it made of both: the "
-                "towers cannot tell how to weigh them. Reduce every loss the "
-                "same way before tape.gradient (keras.ops.mean). Nothing was "
-                "updated."
-            )
-        return kinds.pop() if kinds else False
+    def _kind(self, here: Any) -> loss_kinds.Kind:
+        """The kind of the tower's next loss, as the probe found it by its
+        place in the tower's calls."""
+        place = self._calls.get(here.rank, 0)
+        self._calls[here.rank] = place + 1
+        if self.whole_batch:
+            return "mean"
+        if self.kinds is not None and place < len(self.kinds):
+            return self.kinds[place]
+        if self.kinds is None and here.weight == 1 and self.worker is None:
+            return "mean"  # one tower alone: its loss is the batch's
+        raise ValueError(
+            f"a train_step on towers took tape.gradient of a loss number "
+            f"{place + 1} in one step, where the probe on the first batch of "
+            f"two or more examples found {len(self.kinds or [])}: how it "
+            "depends on the batch is not known. A step must take the same "
+            "gradients on every batch. Nothing was updated."
+        )
+
+    def as_mean(self, value: Any) -> Any:
+        """``value`` as a mean over the tower's rows, where it is a sum's loss
+        the step took the gradient of (:meth:`gradient`); else itself."""
+        if not isinstance(value, tf.Tensor):
+            return value
+        return self.means.get(value.ref(), value)
 
     def finite(self) -> tuple[tf.Tensor, list[Any]] | None:
         """The step's flags, every checked apply's in order, and their
@@ -150,9 +164,7 @@ class Applies:
             return apply(grads, variables)
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
-        summed = here.loss == "sum" or self._summed(here.rank, grads)
-        weight = 1.0 if summed else here.weight
-        handed = here.everyone((optimizer, variables or [], grads, weight, summed))
+        handed = here.everyone((optimizer, variables or [], grads, here.weight))
         copies = len(self.placement.models) > 1
         check_same(handed, copies)
         if here.first:
@@ -167,14 +179,14 @@ class Applies:
                 with tf.name_scope("combine/"):
                     combined = combine_gradients(
                         [grads for _, _, grads, *_ in handed],
-                        weights=[share for *_, share, _ in handed],
+                        weights=[share for *_, share in handed],
                         reduction="sum",
                         reducer=self.placement.reducer,
                     )
                 if self.over_workers is not None:
                     with tf.name_scope("across_workers/"):
                         combined = [
-                            None if g is None else self.over_workers(g, summed)
+                            None if g is None else self.over_workers(g)
                             for g in combined
                         ]
                 with tf.name_scope("apply/"):
@@ -215,7 +227,7 @@ class Applies:
         the placement (``Replicated.combine``): per tower, the sums (None
         where no tower has a gradient)."""
         weighted = []
-        for t, (_, _, grads, share, _) in enumerate(handed):
+        for t, (_, _, grads, share) in enumerate(handed):
             with tf.device(self.placement.devices[t]):
                 weighted.append(
                     combine_gradients([list(grads)], weights=[share], reduction="sum")
@@ -229,19 +241,9 @@ class Applies:
 def check_same(handed: list[tuple], copies: bool = False) -> None:
     """Refuses towers that met at different applies (another optimizer, or
     other variables; with a copy per tower, another kind or shapes), naming
-    the two; or towers whose gradients were of a sum on one, of a mean on
-    another."""
-    optimizer, variables, *_, summed = handed[0]
-    for other, (theirs, their_variables, *_, sums) in enumerate(handed[1:], 1):
-        if sums != summed:
-            raise ValueError(
-                f"the towers' train_step took its gradients of a "
-                f"{'sum' if summed else 'mean'} over tower 0's rows and of a "
-                f"{'sum' if sums else 'mean'} over tower {other}'s: a loss "
-                "with a first axis as long as a tower's rows is read as a "
-                "value per example. Reduce the loss to a scalar "
-                "(keras.ops.mean) before tape.gradient; nothing was updated."
-            )
+    the two."""
+    optimizer, variables, *_ = handed[0]
+    for other, (theirs, their_variables, *_) in enumerate(handed[1:], 1):
         key = (lambda v: v.shape) if copies else id
         same = [key(v) for v in their_variables] == [key(v) for v in variables]
         same = same and (
@@ -254,19 +256,6 @@ def check_same(handed: list[tuple], copies: bool = False) -> None:
                 f"{other} {theirs.name} to {len(their_variables)}. A step must "
                 "make the same applies on every shard; nothing was updated."
             )
-
-
-def _per_row(target: Any, rows: Any) -> bool:
-    """Whether ``target`` (``tape.gradient``'s) has a value per row of a
-    shard of ``rows`` (a first axis that long, or unknown with it), which the
-    tape sums; else it is read as a mean (a scalar, or a vector of means).
-
-    >>> _per_row(tf.zeros([4]), tf.TensorShape([4])[0]), _per_row(tf.zeros([]), 4)
-    (True, False)
-    """
-    shapes = [tf.TensorShape(t.shape) for t in tf.nest.flatten(target)]
-    rows = tf.compat.dimension_value(rows)
-    return any(s.rank and s[0] in (rows, None) for s in shapes)
 
 
 def _accumulating(optimizer: Any, steps: int) -> None:

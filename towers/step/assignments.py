@@ -23,8 +23,8 @@ reads it, ``towers/step/state.py``'s rules)::
 A metric update (``metric.update_state(...)``) is one update on the whole
 batch: a ``keras.metrics.Mean`` given one number for the batch and no sample
 weight (a tracker fed the step's mean loss) is updated once with the towers'
-numbers weighted by their shares, as the loss is (added up under
-``own_step_loss="sum"``); given values per example, a weight, or to a metric
+numbers weighted by their shares, as the loss is (a sum's loss as a mean,
+``towers/step/loss_kinds.py``); given values per example, a weight, or to a metric
 that adds them up (``keras.metrics.Sum``), the towers' changes add up; the
 same values on every tower (gathered rows) count once.
 
@@ -95,6 +95,8 @@ class Assignments:
         self.apart = apart
         self.across = across
         self.worker_weight: Any = None  # B_w / B in a cluster, while traced
+        # A loss value as a mean over the tower's rows (Applies.as_mean).
+        self.as_mean: Any = lambda value: value
         self.assigned: list[str] = []  # what the step assigned, when traced
         # A metric's result() the step read, by its values' ids (when traced).
         self._results: dict[Any, Any] = {}
@@ -226,7 +228,7 @@ class Assignments:
             return None
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]
-        value = _batch_number(args, kwargs)
+        value = self.as_mean(_batch_number(args, kwargs))
         if isinstance(metric, keras.metrics.Mean) and value is not None:
             # The batch's number: the towers' weighted, in one update.
             handed = here.everyone((metric, tf.convert_to_tensor(value), here.weight))

@@ -1,50 +1,16 @@
 """A model's own ``train_step``, ``test_step`` and ``predict_step``, run by
-every tower on its shard, the towers meeting at each apply. Only the steps a
-model overrides run here (``kinds_of``); the others are towers' own.
+every tower on its shard (only the steps a model overrides: ``kinds_of``).
 
-Keras' documented way to customise training is to override ``train_step``
-(a GAN's two optimizers, a VAE, a model with its own trackers). Each tower
-calls the model's own step on its shard, under its device, run by the step's
-runner (``towers/step/runner.py``) in turns (``towers/step/lockstep.py``, as
-gathered losses meet), and every ``optimizer.apply`` or
-``apply_gradients`` inside the step is a meeting::
-
-    tower t:  forward, tape.gradient  ->  apply  ->  forward (new weights) -> ...
-                                           ^ every tower's gradients, weighted by
-                                             its share of the examples (n_t / B),
-                                             summed; applied once, on the
-                                             variable device
-
-The first tower applies the towers' combined gradients with the optimizer's
-own ``apply`` (``towers/step/applies.py``, with the engine's policies per
-apply); every tower then goes on reading the updated variables (the
-reads are traced after the apply, and TensorFlow runs a variable's reads and
-assignments in the order they were traced). So a generator whose loss is
-computed through the discriminator after the discriminator's update trains
-to one device's weights. A step's scalar loss is a mean over its batch, as
-Keras' losses are: each tower's gradient is weighted by ``n_t / B``; with
-``Towers(own_step_loss="sum")``, a sum over it: the towers' gradients (and
-returned values) are added up unweighted. A loss with a value per example
-is a sum to the tape, and its gradients are added up so
-(``towers/step/applies.py``).
-
-What the step assigns and the metrics it updates meet too, and change once,
-as on one device (``towers/step/assignments.py``). The logs are what the step
-returns: a value that is
-a metric's result is read after every tower has updated it; any other value
-(a loss the step returns as it is) is the towers' values weighted by their
-shares. In a cluster, the first tower sums the combined gradients of each
-apply over the workers, each weighted by its share of the global batch
-(``B_w / B``), before applying; the metrics are summed over the workers after
-the step, and the other values weighted alike. A random draw in the step
-(``keras.random`` with the model's ``SeedGenerator``, a Dropout layer) is
-one device's: each tower draws its rows of the whole batch's numbers, and
-the generator's state, assigned alike by every tower, moves once
-(``towers/step/draws.py``). Each call of a BatchNormalization layer in training mode is
-a meeting too: the first tower moves its moving statistics at once, from
-every tower's moments (``MovingStatistics.moving_at_once``); under global
-batch statistics each tower's upstream gradient through the moments is
-weighted by its share (``meetings.Seat``), as its gradients are.
+Each tower calls the model's step under its device, the towers traced in
+turns (``towers/step/lockstep.py``), and meets the others at each
+``optimizer.apply`` (``applies.py``), each assignment and metric update
+(``assignments.py``) and each call of a BatchNormalization layer in training
+mode, so everything the step changes changes once, as on one device, and a
+read after it sees the new value. Each gradient is handed in as the
+gradient of a mean over the tower's rows, however the loss reads the batch
+(``loss_kinds.py``), weighted by the tower's share ``n_t / B``; in a cluster,
+by the worker's ``B_w / B`` too. The step's logs: a metric's result read
+after every tower updated it, any other value weighted by the shares.
 """
 
 from __future__ import annotations
@@ -52,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -62,7 +28,7 @@ from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of
-from towers.step import draws, xla
+from towers.step import draws, loss_kinds, xla
 from towers.step.applies import Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
@@ -74,9 +40,6 @@ from towers.step.custom_copies import (
 from towers.step.gathered import concat_rows, whole_batch_loss
 from towers.step.lockstep import across_workers
 from towers.step.runner import Runner
-
-# How a model's own train_step reduces its loss over its batch.
-OwnStepLoss = Literal["mean", "sum"]
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
@@ -126,7 +89,6 @@ class CustomStep:
       update: the engine's update: its steps counter, once per step, and
         its policies, per apply (``towers/step/applies.py``).
       kinds: the steps that are the model's own (``kinds_of``).
-      loss: the step's loss is a ``"mean"`` over its batch or a ``"sum"``.
     """
 
     def __init__(
@@ -135,7 +97,6 @@ class CustomStep:
         runner: Runner,
         update: Update,
         kinds: frozenset[str],
-        loss: OwnStepLoss = "mean",
         workers: Any = None,
         moving: Any = None,
         accumulate_steps: int = 1,
@@ -144,7 +105,6 @@ class CustomStep:
         self.runner = runner
         self.update = update
         self.kinds = kinds
-        self.loss = loss
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
         self.moving = moving  # BatchNormalization's (towers/step/batchnorm.py)
         self.applies = Applies(placement, update.on_nonfinite, accumulate_steps)
@@ -152,10 +112,22 @@ class CustomStep:
         # worker's weight in it (B_w / B, 0 without examples).
         self._across: Any = None
         self._weight_here: Any = None
+        self._batch: list[Any] = []  # the step's input tensors, while traced
 
     @property
     def model(self) -> keras.Model:
         return self.placement.model
+
+    def probe(self, batch: tuple) -> None:
+        """Before the first training step of two or more examples: how each
+        loss the step takes the gradient of depends on the batch
+        (``towers/step/loss_kinds.py``); a no-op after, and where the model's
+        ``compute_loss`` is the whole batch's on every tower."""
+        if "train" not in self.kinds or self.applies.kinds is not None:
+            return
+        self.applies.whole_batch = self.runner.tower.coupled.gathered
+        if not self.applies.whole_batch:
+            self.applies.kinds = loss_kinds.probe(self.model, batch)
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step: the model's ``train_step`` on every tower.
@@ -189,6 +161,7 @@ class CustomStep:
         self._across, weight = across_workers(self.workers, kind)
         copies = len(self.placement.models) > 1  # custom_copies.py
         levelled = level_metrics(self.placement.models) if copies else None
+        self._batch = tf.nest.flatten((x, y, sample_weight), expand_composites=True)
         before = None
         if self.workers is not None:
             with tf.device(self.placement.variable_device):
@@ -213,21 +186,16 @@ class CustomStep:
         return metric_variables(self.model)
 
     def _workers_weight(self, shards: Shards) -> Any:
-        """This worker's weight in the workers' sums: B_w / B for a mean loss
-        (0 for a worker without examples), 1 for a sum (0 without)."""
+        """This worker's weight in the workers' sums: B_w / B (0 for a worker
+        without examples)."""
         mine = tf.cast(shards.size, tf.float64)
-        if self.loss == "sum":
-            return tf.cast(mine > 0, tf.float64)
         return tf.math.divide_no_nan(mine, self._across(mine, False))
 
-    def _over_workers(self, value: tf.Tensor, summed: bool = False) -> tf.Tensor:
-        """``value`` weighted by this worker's weight (1 for a gradient of a
-        sum, ``summed``), summed over the workers (a worker without examples
-        adds zeros, whatever its value)."""
+    def _over_workers(self, value: tf.Tensor) -> tf.Tensor:
+        """``value`` weighted by this worker's weight, summed over the workers
+        (a worker without examples adds zeros, whatever its value)."""
         value = tf.convert_to_tensor(value)
         weight = tf.cast(self._weight_here, value.dtype)
-        if summed:
-            weight = tf.cast(weight > 0, value.dtype)
         return self._across(tf.math.multiply_no_nan(value, weight), False)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
@@ -235,7 +203,8 @@ class CustomStep:
         step's runner (in turns), meeting at each apply; their results in
         tower order."""
         working = self.placement.working_towers(shards)
-        self.applies.begin(None if self.workers is None else self._over_workers)
+        over_workers = None if self.workers is None else self._over_workers
+        self.applies.begin(over_workers, self._batch, self._weight_here)
 
         def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
             del examples  # the step's own loss divides by its shard's
@@ -249,8 +218,9 @@ class CustomStep:
             apart=self.placement.name == "independent",
         )
         assignments.worker_weight = self._weight_here
+        assignments.as_mean = self.applies.as_mean
         self._assignments = assignments  # which logs are metrics' results
-        weights = [self._weight(shards, t) for t in working]
+        weights = [_share(shards, t) for t in working]
         try:
             with (
                 routed_applies(self.applies.meet),
@@ -259,7 +229,7 @@ class CustomStep:
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):
-                seats = (weights, self.loss, self._across)
+                seats = (weights, self._across)
                 results = self.runner.each(shards, step, "own", seats)
             self.applies.refuse_raise(sorted(set(assignments.assigned)))
             return results
@@ -290,10 +260,6 @@ class CustomStep:
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
 
-    def _weight(self, shards: Shards, t: int) -> Any:
-        """Tower ``t``'s weight in the sums: its share, or 1 for a sum loss."""
-        return _share(shards, t) if self.loss == "mean" else 1.0
-
     def _read_logs(self, logs: list[Any], shards: Shards) -> dict[str, Any]:
         """The step's logs: a metric's result (a value the step read from a
         metric's ``result()``, under its name; with a copy per tower, any
@@ -322,8 +288,8 @@ class CustomStep:
                 return value
             parts = []
             for part, t in zip(values, working):
-                part = tf.convert_to_tensor(part)
-                parts.append(part * in_dtype(self._weight(shards, t), part.dtype))
+                part = tf.convert_to_tensor(self.applies.as_mean(part))
+                parts.append(part * in_dtype(_share(shards, t), part.dtype))
             total = tf.add_n(parts)
             return total if self.workers is None else self._over_workers(total)
 

@@ -17,9 +17,9 @@ tensor as it is, so the same step runs both ways.
 
 In a cluster, every worker's rows are gathered too (the one gather,
 ``towers/step/gathered.py``), each tower's rows' gradient divided by its
-share of the global batch (``n_t / B``). A step whose loss is a sum
-(``own_step_loss="sum"``) is refused by name: every tower computes the
-whole batch's loss, and what it reads directly would count once per tower.
+share of the global batch (``n_t / B``). Whatever its form, such a loss is
+the whole batch's on every tower, so it is weighed as a mean
+(``towers/step/loss_kinds.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import in_dtype
+from towers.step import loss_kinds
 from towers.step.assignments import met_for
 from towers.step.gathered import gathered_rows
 from towers.step.meetings import own_step_seat
@@ -39,9 +40,6 @@ def gather(value: Any) -> Any:
     example order, inside a model's own step on towers; ``value`` itself
     elsewhere.
 
-    Raises:
-      ValueError: with ``own_step_loss="sum"``.
-
     Example:
       >>> import towers
       >>> towers.gather(tf.constant([[1.0], [2.0]])).numpy().tolist()  # no towers
@@ -49,14 +47,8 @@ def gather(value: Any) -> Any:
     """
     here = own_step_seat()
     if here is None:
+        loss_kinds.gathered()  # a step probed: its loss is the whole batch's
         return value
-    if here.loss != "mean":
-        raise ValueError(
-            "towers.gather needs own_step_loss='mean': every tower computes the "
-            "whole batch's loss, so what it reads directly (a temperature) is "
-            "counted once only when the towers' shares add up to 1; received "
-            f"own_step_loss={here.loss!r}"
-        )
     value = tf.convert_to_tensor(value)
     rows = gathered_rows(here, (tf.stop_gradient(value),))
     # The step's gradients weigh this tower by n_t / B_w and its worker by

@@ -116,7 +116,7 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
     computation (``L_s``) is quiet: what it updates counts once.
 
     Raises:
-      ValueError: with ``own_step_loss="sum"`` or a copy per tower.
+      ValueError: with a copy per tower.
     """
     inside = threading.local()  # the loss's own calls pass through
 
@@ -124,13 +124,11 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
         here = meetings.own_step_seat()
         if here is None or getattr(inside, "on", False):
             return own(*args, **kwargs)
-        if here.loss != "mean" or len(models) > 1:
-            what = "a copy per tower" if len(models) > 1 else "own_step_loss='sum'"
+        if len(models) > 1:
             raise ValueError(
                 "a compute_loss that couples the batch's examples, called in the "
-                "model's own train_step, is computed on the whole batch with "
-                f"own_step_loss='mean' and one shared model; received {what}. "
-                "Nothing was updated."
+                "model's own train_step, is computed on the whole batch with one "
+                "shared model; received a copy per tower. Nothing was updated."
             )
         call = inspect.signature(own).bind(*args, **kwargs)
         call.apply_defaults()

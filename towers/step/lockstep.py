@@ -196,12 +196,12 @@ def in_lockstep(
     works: Sequence[Callable[[], T]],
     meet: Rendezvous,
     weights: Sequence[Any] | None = None,
-    loss: Any = None,
+    own: bool = False,
 ) -> list[T]:
     """Traces ``works`` (one per tower, rank order) each in its own thread into
     the current graph, meeting at ``meet``; returns their results.
-    ``weights``, ``loss``: each tower's weight and the own step's loss in
-    its :class:`Seat`.
+    ``weights``, ``own``: each tower's weight in its :class:`Seat`, and
+    whether the towers run a model's own step.
 
     Raises:
       The first error a tower raised (the others are woken and stopped).
@@ -224,7 +224,7 @@ def in_lockstep(
     def trace(rank: int, work: Callable[[], T]) -> None:
         try:
             weight = None if weights is None else weights[rank]
-            with seated(Seat(meet, rank, weight, loss)):
+            with seated(Seat(meet, rank, weight, own)):
                 meet.start(rank)
                 with graph.as_default():
                     results[rank] = work()

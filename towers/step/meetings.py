@@ -50,13 +50,12 @@ class Seat:
     a backward sum then weighs each tower's upstream gradient by its weight,
     and hands back the sum over this tower's weight, so the weighted combine
     gives one device's. None: the towers' losses are shares of the step's
-    already. ``loss``: a model's own step's ``"mean"`` or ``"sum"``; None in
-    towers' own step. ``summing``: while the own step takes the gradient of
-    a sum over its rows (``towers/step/applies.py``), whatever ``loss``
-    says: a backward sum is then unweighted."""
+    already. ``own``: the towers run a model's own step. ``summing``: while
+    the own step takes the gradient of a sum over its rows
+    (``towers/step/applies.py``): a backward sum is then unweighted."""
 
-    def __init__(self, meet: Any, rank: int, weight: Any = None, loss: Any = None):
-        self.meet, self.rank, self.weight, self.loss = meet, rank, weight, loss
+    def __init__(self, meet: Any, rank: int, weight: Any = None, own: bool = False):
+        self.meet, self.rank, self.weight, self.own = meet, rank, weight, own
         self.quiet = False  # what the own step assigns is dropped (assignments.py)
         self.summing = False
 
@@ -138,7 +137,7 @@ def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
 
 
 def own_step_seat() -> Seat | None:
-    """Where this thread's tower meets the others in a model's own step (its
-    ``loss`` the step's ``"mean"`` or ``"sum"``); None outside one."""
+    """Where this thread's tower meets the others in a model's own step; None
+    outside one."""
     here = current()
-    return here if isinstance(here, Seat) and here.loss is not None else None
+    return here if isinstance(here, Seat) and here.own else None

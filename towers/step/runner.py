@@ -141,13 +141,13 @@ class Runner:
         shards: Shards,
         work: Callable[..., Any],
         kind: Kind,
-        seats: tuple[Sequence[Any], str, Any] | None = None,
+        seats: tuple[Sequence[Any], Any] | None = None,
     ) -> list:
         """``work(model, x_t, y_t, sw_t, B)`` on each working tower, under its
         device and scope, in tower order (``predict``: ``work(model, x_t)``),
         in turns where the way says so. ``seats`` (a model's own step): each
-        tower's weight (in working order), the step's loss (``"mean"`` or
-        ``"sum"``) and the workers' sum, for the towers' seats."""
+        tower's weight (in working order) and the workers' sum, for the
+        towers' seats."""
         working = self.placement.working_towers(shards)
         if kind == "predict":  # no copy need join a prediction without examples
             working = shards.working()
@@ -171,11 +171,11 @@ class Runner:
         works = [run(t) for t in working]
         if way != "turns":
             return [work() for work in works]
-        weights, loss, across = seats or (None, None, None)
+        weights, across = seats or (None, None)
         meet = lockstep.meeting(
             len(works), self.placement, self.workers, across, "eval"
         )
-        return lockstep.in_lockstep(works, meet, weights, loss)
+        return lockstep.in_lockstep(works, meet, weights, seats is not None)
 
 
 def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any]:

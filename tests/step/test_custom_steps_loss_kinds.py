@@ -1,0 +1,173 @@
+"""How a model's own train_step's loss depends on its batch is found, not
+declared: each form a user writes trains as Keras' own fit on one device
+(float64, 3 uneven towers, plain SGD, no towers option), or is refused by
+name with the weights untouched (towers/step/loss_kinds.py)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+from tests.step.test_custom_steps import assert_same_updates, regression
+from tests.test_equivalence import devices
+from towers import Towers
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+
+
+def penalty(model):
+    """A term that does not depend on the batch: an L2 weight penalty."""
+    return 0.05 * sum(ops.sum(ops.square(w)) for w in model.trainable_weights)
+
+
+def squares(model, x, y):
+    return ops.square(model(x, training=True) - y)  # f64[n, 2]
+
+
+# Each form a step's loss takes, from the squared errors of its shard.
+FORMS = {
+    "per_example": lambda m, x, y, sw: ops.mean(squares(m, x, y), axis=-1),
+    "mean": lambda m, x, y, sw: ops.mean(squares(m, x, y)),
+    "sum": lambda m, x, y, sw: ops.sum(squares(m, x, y)),
+    "compute_loss": lambda m, x, y, sw: m.compute_loss(
+        x=x, y=y, y_pred=m(x, training=True)
+    ),
+    "mean_plus_penalty": lambda m, x, y, sw: ops.mean(squares(m, x, y)) + penalty(m),
+    "sum_plus_penalty": lambda m, x, y, sw: ops.sum(squares(m, x, y)) + penalty(m),
+    "penalty_plus_half_sum": lambda m, x, y, sw: (
+        penalty(m) - 0.5 * -ops.sum(squares(m, x, y))
+    ),
+    "sum_over_batch_size": lambda m, x, y, sw: (
+        ops.sum(squares(m, x, y)) / ops.cast(tf.shape(x)[0], "float64")
+    ),
+    "weighted_per_example": lambda m, x, y, sw: (
+        ops.mean(squares(m, x, y), axis=-1) * sw
+    ),
+}
+
+
+class OwnLoss(keras.Model):
+    """A step whose loss is ``form(model, x, y, sample_weight)``; it returns
+    the loss (a vector's mean), as a user's step does."""
+
+    def __init__(self, *args, form=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.form = form
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = self.form(self, x, y, sample_weight)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"value": loss if len(loss.shape) == 0 else ops.mean(loss)}
+
+
+def own_loss(form, normalised=False):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(7, activation="tanh")(inputs)
+    if normalised:
+        hidden = keras.layers.BatchNormalization(momentum=0.7)(hidden)
+    model = OwnLoss(inputs, keras.layers.Dense(2)(hidden), form=form)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_each_form_of_an_own_steps_loss_trains_as_keras_fit(name):
+    x, y = regression(23)  # batches of 8, 8, 7: 3+3+2 and 3+2+2 on 3 towers
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, 23)
+    given = {"sample_weight": weights} if name.startswith("weighted") else {}
+    engine = Towers(own_loss(FORMS[name]), devices=devices(3))
+    reference = own_loss(FORMS[name])
+    before = reference.get_weights()
+
+    history = engine.fit(x, y, batch_size=8, shuffle=False, verbose=0, **given)
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0, **given)
+
+    assert_same_updates(engine.model, reference, before)
+    moved = [np.abs(w - b).max() for w, b in zip(reference.get_weights(), before)]
+    assert min(moved) > 1e-4  # every variable trained
+    np.testing.assert_allclose(
+        history.history["value"], expected.history["value"], rtol=1e-12
+    )
+
+
+@pytest.mark.parametrize("name", ["sum_plus_penalty", "mean"])
+def test_a_form_through_batch_normalization_trains_as_keras_fit(name):
+    # The probe normalises each example alone with the two's moments, as
+    # the towers do under global statistics.
+    x, y = regression(23)
+    engine = Towers(
+        own_loss(FORMS[name], normalised=True),
+        devices=devices(3),
+        batch_statistics="global",
+    )
+    reference = own_loss(FORMS[name], normalised=True)
+    before = reference.get_weights()
+
+    engine.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
+
+
+class TwoLosses(keras.Model):
+    """Two tape.gradient calls in one step, of a sum and of a mean, whose
+    gradients the step adds before its one apply."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            summed = ops.sum(squares(self, x, y)) + penalty(self)
+            mean = ops.mean(ops.abs(self(x, training=True) - y))
+        variables = self.trainable_variables
+        grads = [
+            a + b
+            for a, b in zip(
+                tape.gradient(summed, variables), tape.gradient(mean, variables)
+            )
+        ]
+        self.optimizer.apply(grads, variables)
+        return {"summed": summed, "mean": mean}
+
+
+def test_a_steps_gradients_of_a_sum_and_of_a_mean_added_train_as_keras_fit():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        model = TwoLosses(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.01))
+        return model
+
+    x, y = regression(23)
+    engine, reference = Towers(build(), devices=devices(3)), build()
+    before = reference.get_weights()
+
+    history = engine.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
+    for key in ("summed", "mean"):
+        np.testing.assert_allclose(
+            history.history[key], expected.history[key], rtol=1e-12
+        )
+
+
+def test_a_loss_that_couples_the_examples_is_refused_with_nothing_updated():
+    # The batch's largest error: neither a mean nor a sum over the examples.
+    model = own_loss(lambda m, x, y, sw: ops.max(squares(m, x, y)))
+    engine = Towers(model, devices=devices(3))
+    before = model.get_weights()
+    x, y = regression(8)
+
+    with pytest.raises(ValueError, match="neither a mean nor a sum") as raised:
+        engine.fit(x, y, batch_size=8, verbose=0)
+
+    assert "OwnLoss.train_step" in str(raised.value)
+    assert "towers.gather" in str(raised.value)
+    for got, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, b)
+    assert int(model.optimizer.iterations) == 0

@@ -1,0 +1,292 @@
+"""How a model's own step's loss depends on its batch: found, not declared.
+
+A tower takes ``tape.gradient`` of a loss over its shard, and the towers'
+gradients must add up to one device's on the whole batch. Set apart the terms
+that read no example (a weight penalty, ``c``), and a loss over a tower's
+``n_t`` of the batch's ``B`` examples is::
+
+    a mean  L_t = (1 / n_t) sum_i l_i + c   Keras' losses, ops.mean, a sum
+                                            over a batch size read from the data
+    a sum   L_t =           sum_i l_i + c   ops.sum; a value per example (the
+                                            tape sums it)
+
+The towers weigh every gradient by their share ``s_t = n_t / B``, which is
+one device's for a mean; a sum's is handed in as a mean's,
+``(g - g_c) / s_t + g_c`` (:func:`as_mean`), and so is its value where the
+step feeds a tracker with it or returns it.
+
+Which one a scalar loss is, :func:`probe` finds before the first step: the
+step runs with nothing applied or assigned on two examples together and on
+each alone, and each loss less its batch-free terms (:func:`batch_free`, read
+from its graph) must be the mean of its values alone, or their sum. Anything
+else couples the examples (a max, a similarity matrix without
+``towers.gather``): refused by name, before any update.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Literal
+
+import keras
+import tensorflow as tf
+
+from towers._keras import layers_of
+from towers._keras.patches import (
+    Patch,
+    batch_norm_replacements,
+    own_moments,
+    routed_applies,
+    routed_gradients,
+)
+from towers.combine import in_dtype
+from towers.split import take_rows
+from towers.step import draws
+
+Kind = Literal["mean", "sum"]
+
+# How far a loss on two examples may be from the mean (or sum) of its values
+# on each and still be one: the coupled-loss probe's bound (step/probe.py).
+RTOL, ATOL = 1e-3, 1e-7
+# Pairs of examples tried while a loss is zero on them (both readings fit).
+PAIRS = 4
+
+_probing = threading.local()
+
+
+def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
+    """The sum of the additive terms of the scalar ``target`` that read no
+    tensor of ``batch`` (None: there are none). Terms are followed through
+    sums, differences, negations, casts and scaling by such terms.
+
+    >>> @tf.function
+    ... def free(x, w):
+    ...     return batch_free(tf.reduce_sum(x) * 0.5 - 2.0 * w, [x])
+    >>> float(free(tf.ones([3]), tf.constant(4.0)))
+    -8.0
+    """
+    reads = _Reads(batch)
+    found, stack = [], [(target, None)]
+    while stack:
+        tensor, scale = stack.pop()
+        if tensor.shape.rank != 0:
+            continue
+        if not reads(tensor):
+            term = tf.cast(tensor, target.dtype)
+            found.append(term if scale is None else term * scale)
+            continue
+        op, inputs = tensor.op, list(tensor.op.inputs)
+        if op.type in ("AddV2", "Add", "AddN", "Identity", "Cast"):
+            stack += [(i, scale) for i in inputs if i.dtype.is_floating]
+        elif op.type in ("Sub", "Neg"):
+            negated = _times(scale, tf.constant(-1.0, target.dtype), target.dtype)
+            stack += [(inputs[0], scale if op.type == "Sub" else negated)]
+            stack += [(inputs[1], negated)] if op.type == "Sub" else []
+        elif op.type == "Mul" and sum(map(reads, inputs)) == 1:
+            factor, other = inputs if reads(inputs[1]) else inputs[::-1]
+            if factor.shape.rank == 0:
+                stack.append((other, _times(scale, factor, target.dtype)))
+        elif op.type in ("RealDiv", "DivNoNan") and not reads(inputs[1]):
+            if inputs[1].shape.rank == 0:
+                inverse = 1 / tf.cast(inputs[1], target.dtype)
+                stack.append((inputs[0], _times(scale, inverse, target.dtype)))
+    return tf.add_n(found) if found else None
+
+
+def _times(scale: Any, factor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    factor = tf.cast(factor, dtype)
+    return factor if scale is None else scale * factor
+
+
+class _Reads:
+    """Whether a tensor reads any of ``batch``'s (by its data inputs)."""
+
+    def __init__(self, batch: list[tf.Tensor]):
+        self.batch = {t.ref() for t in batch if t is not None}
+        self.ops: dict[Any, bool] = {}
+
+    def __call__(self, tensor: tf.Tensor) -> bool:
+        if tensor.ref() in self.batch:
+            return True
+        stack = [tensor.op]
+        while stack:
+            op = stack[-1]
+            if op in self.ops:
+                stack.pop()
+                continue
+            inputs = list(op.inputs)
+            if any(i.ref() in self.batch for i in inputs):
+                self.ops[op] = True
+                stack.pop()
+                continue
+            pending = [i.op for i in inputs if i.op not in self.ops]
+            if pending:
+                stack += pending
+            else:
+                self.ops[op] = any(self.ops[i.op] for i in inputs)
+                stack.pop()
+        return self.ops[tensor.op]
+
+
+def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:
+    """A sum's gradients as a mean's: ``(g - g_c) / s + g_c`` per gradient
+    (``free_grads``: the batch-free terms' ``g_c``, None where none)."""
+    out = []
+    for g, c in zip(grads, free_grads):
+        if g is None:
+            out.append(None)
+            continue
+        s = in_dtype(share, g.dtype)  # a float64 model's digits
+        if c is None and isinstance(g, tf.IndexedSlices):  # a worker without
+            values = tf.math.divide_no_nan(g.values, s)  # examples: s = 0
+            out.append(tf.IndexedSlices(values, g.indices, g.dense_shape))
+            continue
+        g = tf.convert_to_tensor(g)
+        c = tf.zeros_like(g) if c is None else tf.convert_to_tensor(c)
+        out.append(tf.math.divide_no_nan(g - c, s) + c)
+    return out
+
+
+def gathered() -> None:
+    """Marks the step being probed as one that gathers the batch's rows
+    (``towers.gather``): its loss is the whole batch's on every tower."""
+    recorder = getattr(_probing, "recorder", None)
+    if recorder is not None:
+        recorder.gathers = True
+
+
+def probe(model: keras.Model, batch: tuple) -> list[Kind] | None:
+    """The kinds of the losses the model's ``train_step`` takes
+    ``tape.gradient`` of, in call order (None: fewer than two examples). A
+    loss with a value per example is a sum (the tape sums it); a vector of
+    another length (a mean per output) is read as its sum.
+
+    Raises:
+      ValueError: a loss that is neither a mean nor a sum over the examples.
+    """
+    size = int(tf.nest.flatten(batch[0])[0].shape[0])
+    if size < 2:
+        return None
+    recorder = _Recorder(model)
+    run = tf.function(recorder.losses, autograph=False)
+    kinds: list[Any] = []
+    for first in range(0, min(size - 1, 2 * PAIRS), 2):
+        parts = [_rows(batch, first, first + 2)]
+        parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
+        values = [[float(v) for v in variant] for variant in run(*parts)]
+        if recorder.gathers:  # the whole batch's loss on every tower
+            return ["mean"] * len(values[0])
+        read = [
+            "sum" if rows else _kind(model, k, *(v[k] for v in values))
+            for k, rows in enumerate(recorder.per_row())
+        ]
+        kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
+        if all(kinds):
+            return kinds
+    return [kind or "mean" for kind in kinds]  # zero on every pair tried
+
+
+def _rows(batch: tuple, start: int, stop: int) -> tuple:
+    return tf.nest.map_structure(lambda leaf: take_rows(leaf, start, stop), batch)
+
+
+def _kind(model: keras.Model, k: int, together, alone0, alone1) -> Kind | None:
+    """The kind of the ``k``-th loss from its values (None: either fits)."""
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= RTOL * max(abs(a), abs(b)) + ATOL
+
+    mean = close(together, (alone0 + alone1) / 2)
+    summed = close(together, alone0 + alone1)
+    if mean != summed:
+        return "mean" if mean else "sum"
+    if mean:
+        return None
+    raise ValueError(
+        f"{type(model).__name__}.train_step on towers: the loss of its "
+        f"tape.gradient call {k + 1}, less its terms that read no example, is "
+        f"{together:.6g} on two examples together and {alone0:.6g} and "
+        f"{alone1:.6g} on each alone: neither a mean nor a sum over the "
+        "examples, so the towers cannot add their gradients up to one "
+        "device's. A loss over the whole batch's rows (a contrastive loss) "
+        "takes them with towers.gather; else train on one device. Nothing was "
+        "updated."
+    )
+
+
+class _Recorder:
+    """The model's ``train_step`` run on each of three parts (two examples,
+    then each alone), nothing applied or kept; per part, each loss it takes
+    the gradient of, less its batch-free terms, summed to one number."""
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        self.leading: list[list[Any]] = []  # per part, each loss's first axis
+        self.gathers = False  # the step called towers.gather
+        self._losses: list[tf.Tensor] | None = None
+        self._batch: list[tf.Tensor] = []
+
+    def losses(self, *parts: tuple) -> list[list[tf.Tensor]]:
+        out, together = [], _Together(self.model)
+        _probing.recorder = self
+        try:
+            with routed_gradients(self._gradient), routed_applies(_nothing):
+                with draws.drawing(None, [self.model], 2), together.patched():
+                    self.leading = []
+                    for (x, y, sw), first in zip(parts, (None, 0, 1)):
+                        self._losses = []
+                        self.leading.append([])
+                        self._batch = tf.nest.flatten((x, y, sw), True)
+                        together.replay = first is not None
+                        rows = draws.rows(2 if first is None else 1, first or 0)
+                        with keras.StatelessScope(), rows:
+                            data = keras.utils.pack_x_y_sample_weight(x, y, sw)
+                            self.model.train_step(data)
+                        out.append(self._losses)
+        finally:
+            _probing.recorder = None
+        return out
+
+    def per_row(self) -> list[bool]:
+        """Per loss: whether it has a value per example (a first axis as
+        long as each part's examples), which the tape sums."""
+        return [firsts == (2, 1, 1) for firsts in zip(*self.leading)]
+
+    def _gradient(self, target: Any, sources: Any, own: Any) -> Any:
+        loss = tf.convert_to_tensor(target)
+        self.leading[-1].append(loss.shape[0] if loss.shape.rank else None)
+        free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
+        self._losses.append(tf.reduce_sum(loss if free is None else loss - free))
+        return own(target)
+
+
+def _nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:
+    """An apply while probing: nothing applied."""
+
+
+class _Together:
+    """BatchNormalization normalising each part with the first part's
+    moments (the two examples'), as the towers do under global statistics."""
+
+    def __init__(self, model: keras.Model):
+        normalising = keras.layers.BatchNormalization
+        self.layers = [x for x in layers_of(model) if isinstance(x, normalising)]
+        self.replay, self._taken, self._call = False, [], 0
+
+    def patched(self) -> Any:
+        return Patch(
+            lambda: [r for layer in self.layers
+                     for r in batch_norm_replacements(layer, self._moments(layer))]
+        ).applied()  # fmt: skip
+
+    def _moments(self, layer: Any) -> Any:
+        own = own_moments(layer)
+
+        def moments(inputs: Any, mask: Any) -> Any:
+            if not self.replay:
+                self._taken.append(own(inputs, mask))
+                return self._taken[-1]
+            self._call += 1
+            return self._taken[(self._call - 1) % len(self._taken)]
+
+        return moments
