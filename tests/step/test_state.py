@@ -80,7 +80,7 @@ def test_a_counter_moves_once_a_step_as_in_keras_fit_with_one_warning():
     assert len(named) == 1 and mine.layers[0].count.path in str(named[0].message)
 
 
-def test_each_aggregation_takes_the_towers_assignments_as_tf_distribute_reads_it():
+def test_each_aggregation_takes_the_towers_assignments_by_its_rule():
     model = model_with(Rules())
     engine = Towers(model, loss="mse", optimizer="sgd", devices=devices(3))
     x = np.arange(28, dtype="float32").reshape(7, 4)  # shards of 3, 2 and 2
@@ -90,7 +90,10 @@ def test_each_aggregation_takes_the_towers_assignments_as_tf_distribute_reads_it
     rules = model.layers[0]
     shard_means = [x[:3].mean(), x[3:5].mean(), x[5:].mean()]
     assert float(rules.examples) == 7  # every tower's count, added
-    assert float(rules.level) == pytest.approx(np.mean(shard_means))
+    # "mean" weighs each tower's by its examples: the whole batch's mean, as
+    # one device assigns it (tf.distribute's mean of the shards' is 14.83).
+    assert float(rules.level) == pytest.approx(x.mean())
+    assert float(rules.level) != pytest.approx(np.mean(shard_means))
     assert float(rules.first) == pytest.approx(shard_means[0])
     assert float(rules.steps) == 1
     report = str(engine.explain(x, np.zeros((7, 2), "float32")))

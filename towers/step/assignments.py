@@ -1,38 +1,24 @@
 """What a model's own step changes besides its applies, changed once, as one
 device changes it.
 
-Every tower runs the model's own ``train_step`` on its shard
-(``towers/step/custom.py``). Left alone, a variable the step assigns (an EMA
-copy of the network, a target network, a probability read from the batch, a
-queue of keys) would be assigned by every tower in turn, and a metric it
-updates would be updated once per tower. So each of these is a meeting, as an
-apply is: every tower hands in what it would assign, the first assigns once,
-and every tower reads the new value after.
+Left alone, every tower would assign a variable the step assigns (an EMA
+copy, a target network, a queue of keys) and update a metric it updates. So
+each is a meeting, as an apply is: every tower hands in what it would assign,
+the first assigns once, and every tower reads the new value after. A
+variable takes its ``aggregation``'s rule (``state.py``); ``"none"`` takes
+the first tower's value only when every tower's is the same value (the same
+ops on the same variables and constants, or on what the towers met for,
+``towers.gather``'s rows), and is refused by name before any update
+otherwise.
 
-A variable the step assigns takes, by its ``aggregation`` (as tf.distribute
-reads it, ``towers/step/state.py``'s rules)::
-
-    "sum"                 v + sum_t (v_t - v)      the towers' changes add up
-    "mean"                sum_t s_t v_t            weighted by the shares s_t = n_t / B
-    "only_first_replica"  v_0
-    "none" (the default)  v_0 when every tower's value is the same value: the
-                          same ops on the same variables and constants, or on
-                          what the towers met for (``towers.gather``'s rows);
-                          anything else is refused by name before any update
-
-A metric update (``metric.update_state(...)``) is one update on the whole
-batch: a ``keras.metrics.Mean`` given one number for the batch and no sample
-weight (a tracker fed the step's mean loss) is updated once with the towers'
-numbers weighted by their shares, as the loss is (a sum's loss as a mean,
-``towers/step/loss_kinds.py``); given values per example, a weight, or to a metric
-that adds them up (``keras.metrics.Sum``), the towers' changes add up; the
-same values on every tower (gathered rows) count once.
-
-A seed generator's state is assigned alike by every tower (each draws its
-rows of the batch's numbers, ``towers/step/draws.py``): it moves once.
-BatchNormalization's moving statistics meet at each call
-(``MovingStatistics.moving_at_once``). With a copy of the model per tower,
-each copy changes its own.
+A metric update is one update on the whole batch: a ``keras.metrics.Mean``
+given one number for the batch (a tracker fed the step's loss, a sum's as a
+mean's, ``loss_kinds.py``) is updated once with the towers' numbers weighted
+by their shares; any other update adds the towers' changes up, unless every
+tower's is the same. A seed generator's state moves once (``draws.py``),
+BatchNormalization's moving statistics at each call
+(``MovingStatistics.moving_at_once``); with a copy per tower, each copy
+changes its own.
 """
 
 from __future__ import annotations
@@ -48,7 +34,7 @@ from towers._keras import in_stateless_scope, layers_of
 from towers._keras.patches import routed_assignments, routed_calls
 from towers.combine import in_dtype
 from towers.step.meetings import own_step_seat
-from towers.step.state import rule_of
+from towers.step.state import aggregate, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -191,15 +177,15 @@ class Assignments:
         same = rule == "none" and alike(values, corresponding)
         if rule == "only_first_replica" or same:
             return values[0]  # in a cluster, the same on every worker
-        if rule == "sum":
+        if rule in ("sum", "mean"):  # state.py's rules, over every worker's
             before = tf.convert_to_tensor(variable)
-            change = tf.add_n([value - before for value in values])
-            return before + self._over_workers(change, by_examples=False)
-        if rule == "mean":  # over every worker's towers, by their shares
-            shares = [in_dtype(share, values[0].dtype) for *_, share in handed]
-            weighted = tf.add_n([s * value for s, value in zip(shares, values)])
-            total = self._over_workers(weighted, by_examples=True)
-            return total / self._over_workers(tf.add_n(shares), by_examples=True)
+            shares = [share for *_, share in handed]
+            change, weight = aggregate(rule, before, values, shares)
+            change = self._over_workers(change, by_examples=rule == "mean")
+            if rule == "mean":
+                weight = in_dtype(weight, before.dtype)
+                change = change / self._over_workers(weight, by_examples=True)
+            return before + change
         raise ValueError(
             f"the model's own step assigns the variable {variable.path!r} a value "
             f"that differs from tower to tower (aggregation={rule!r}): one "

@@ -1,28 +1,23 @@
-"""State a layer assigns in its forward pass, assigned once a step by the
-variable's aggregation.
+"""State a layer or a model's own step assigns, assigned once a step by the
+variable's ``aggregation`` (as tf.distribute reads it): the one home of the
+rules (:func:`aggregate`), for the built-in step's forward passes and a model's
+own step's assignments (``towers/step/assignments.py``).
 
-A layer may assign a variable in ``call``: a counter of the batches it saw, a
-metric it updates (in ``call`` or in the model's ``compute_loss``). Left
-alone, every tower would assign it in turn, so it would move T times a step.
-Instead each tower's pass keeps what it assigns in its scope (every tower
-starts from the value before the step: ``towers/_keras``'s ``ReadScope``),
-and the step assigns each such variable once, as its ``aggregation`` says, the
-way tf.distribute reads it::
+A layer may assign a variable in ``call`` (a counter, a metric it updates).
+Each tower's pass keeps what it assigns in its scope, starting from the value
+before the step (``towers/_keras``'s ``ReadScope``), and the step assigns it
+once::
 
-    "sum"                 v0 + sum_t (v_t - v0)   the towers' changes add up
-                                                  (Keras' metrics' variables)
-    "mean"                mean_t v_t
-    "only_first_replica"  v_0                     the first working tower's
-    "none" (Keras' default; MirroredStrategy refuses it in a replica)
-                          v_0, with a warning naming the variable once: a
-                          counter moves once a step, as on one device
+    "sum"                 v + sum_t (v_t - v)       the towers' changes add up
+    "mean"                sum_t n_t v_t / sum_t n_t  one device's value of a
+                                                     statistic of the batch
+    "only_first_replica"  v_0
+    "none" (Keras' default)  v_0, with a warning naming the variable once
 
-BatchNormalization's moving statistics and seed generators' states follow
-rules of their own (``towers/step/batchnorm.py``, ``towers/step/draws.py``). A
-copy of the model per tower (the replicated and independent placements)
-assigns each copy its own tower's value. In a cluster the workers' changes
-meet in the step's sum: "sum" adds every worker's, "mean" averages over every
-worker's towers, and "none" and "only_first_replica" take the chief's.
+In a cluster the workers' changes meet in the step's sum, "mean" weighted by
+every worker's examples; "none" and "only_first_replica" take the chief's.
+BatchNormalization's moving statistics and seed states have rules of their
+own (``batchnorm.py``, ``draws.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers._keras import is_seed_state
+from towers.combine import in_dtype
 
 RULES = ("sum", "mean", "only_first_replica", "none")
 
@@ -47,11 +43,10 @@ class Settled:
       rule: its aggregation, one of :data:`RULES`.
       before: its value before the step.
       value: what it takes, from this process's towers.
-      change: what this worker adds to the cluster's sum (in the variable's
-        float dtype, float32 for another): ``value - before``, or for "none"
-        and "only_first_replica" that on the chief and zeros elsewhere.
-      towers: how many towers assigned it (a "mean" divides by every
-        worker's, summed).
+      change, towers: what this worker adds to the cluster's sums (in the
+        variable's float dtype, float32 for another): :func:`aggregate`'s,
+        for "none" and "only_first_replica" the chief's change, zeros
+        elsewhere.
     """
 
     variable: Any
@@ -75,21 +70,43 @@ def rule_of(variable: Any) -> str:
     return name if name in RULES else "none"
 
 
+def aggregate(rule: str, before: Any, values: list, weights: list) -> tuple:
+    """A process's part of a variable its towers assigned ``values`` (tower
+    order), as ``(change, weight)``: the variable takes ``before + change /
+    weight`` for "mean" (``weights``: the towers' examples or shares), ``before
+    + change`` for the others; in a cluster each summed over the workers.
+
+    >>> change, weight = aggregate("mean", 0.0, [1.0, 4.0], [3, 1])
+    >>> float(change / weight)  # (3 * 1 + 1 * 4) / 4
+    1.75
+    """
+    before = tf.convert_to_tensor(before)
+    if rule == "mean" and not before.dtype.is_floating:
+        before = tf.cast(before, tf.float64)
+    changes = [tf.cast(v, before.dtype) - before for v in values]
+    if rule == "sum":
+        return tf.add_n(changes), 1.0
+    if rule == "mean":
+        weights = [in_dtype(w, before.dtype) for w in weights]
+        return tf.add_n([w * c for w, c in zip(weights, changes)]), tf.add_n(weights)
+    return changes[0], 1.0
+
+
 def settle(
     passes: list[Any],
+    sizes: list[Any],
     cluster: Any = None,
     warned: set | None = None,
-    empty: Any = False,
 ) -> list:
     """What each variable the towers' ``passes`` assigned takes this step.
 
     Args:
       passes: the working towers' passes, in tower order, each with ``state``
         (the variables it assigned) and ``state_values`` (their values after it).
+      sizes: their shards' examples (this worker's share empty: its tower ran
+        on zeros, and adds nothing to a "sum" or "mean").
       cluster: the ``towers.Cluster`` this process is a worker of, or None.
       warned: the paths already warned of (the warning is once a variable).
-      empty: whether this worker's share of the batch is empty (its tower
-        ran on zeros): it adds nothing to a "sum" or "mean".
 
     Returns:
       A :class:`Settled` per variable, in the order the towers assigned them.
@@ -99,47 +116,53 @@ def settle(
       >>> count = keras.Variable(1.0, aggregation="sum")
       >>> passes = [types.SimpleNamespace(state=[count], state_values=[v])
       ...           for v in (tf.constant(3.0), tf.constant(4.0))]
-      >>> float(settle(passes)[0].value)  # 1 + (3 - 1) + (4 - 1)
+      >>> float(settle(passes, [2, 2])[0].value)  # 1 + (3 - 1) + (4 - 1)
       6.0
     """
     warned = set() if warned is None else warned
-    assigned: dict[int, tuple[Any, list]] = {}
-    for tower_pass in passes:
+    assigned: dict[int, tuple[Any, list, list]] = {}
+    for tower_pass, size in zip(passes, sizes):
         for variable, value in zip(tower_pass.state, tower_pass.state_values):
-            assigned.setdefault(id(variable), (variable, []))[1].append(value)
+            _, values, weights = assigned.setdefault(id(variable), (variable, [], []))
+            values.append(value)
+            weights.append(size)
     settled = []
-    for variable, values in assigned.values():
+    for variable, values, weights in assigned.values():
         rule = rule_of(variable)
+        dtype = variable.dtype if tf.as_dtype(variable.dtype).is_floating else "float32"
         before = tf.convert_to_tensor(variable)
-        if len(values) == 1:
-            value = values[0]
-        elif rule == "sum":
-            value = before + tf.add_n([v - before for v in values])
-        elif rule == "mean":
-            value = tf.add_n(values) / len(values)
-        else:
-            value = values[0]
-        shared = len(values) > 1 or cluster is not None
+        if len(values) == 1:  # one tower's (or its copy's) value, as it is
+            weights = [1.0]
+        change, weight = aggregate(rule, before, values, weights)
+        value = values[0]  # "none" and "only_first_replica"
+        if rule in ("sum", "mean"):
+            change = change / weight if rule == "mean" else change
+            value = before + tf.cast(change, before.dtype)
         # A seed generator's state: every tower drew from the same start,
         # each its rows of the batch's draw (draws.py): the first's is one
         # device's, no warning due.
         quiet = variable.path in warned or is_seed_state(variable)
-        if rule == "none" and shared and not quiet:
+        if rule == "none" and (len(values) > 1 or cluster) and not quiet:
             warned.add(variable.path)
             warnings.warn(_none_warning(variable.path), stacklevel=6)
-        dtype = variable.dtype if tf.as_dtype(variable.dtype).is_floating else "float32"
-        change = tf.cast(value - before, dtype)
-        towers = tf.constant(float(len(values)), dtype)
-        if rule == "mean":
-            change = tf.cast(tf.add_n([v - before for v in values]), dtype)
+        change, weight = tf.cast(change, dtype), tf.cast(weight, dtype)
+        if rule == "mean":  # what the workers' sums divide: sum_t n_t (v_t - v)
+            change = change * weight
         if rule in ("none", "only_first_replica"):
             if cluster is not None and not cluster.is_chief:
                 change = tf.zeros_like(change)
-        else:
-            kept = 1.0 - tf.cast(empty, dtype)  # an empty share adds nothing
-            change, towers = change * kept, towers * kept
-        settled.append(Settled(variable, rule, before, value, change, towers))
+        elif cluster is not None:  # an empty share (zeros) adds nothing
+            kept = tf.cast(_examples(sizes) > 0, dtype)
+            change, weight = change * kept, weight * kept
+        value = tf.cast(value, before.dtype)
+        settled.append(Settled(variable, rule, before, value, change, weight))
     return settled
+
+
+def _examples(sizes: list[Any]) -> Any:
+    if all(isinstance(n, int) for n in sizes):
+        return sum(sizes)
+    return tf.add_n([tf.cast(n, tf.int64) for n in sizes])
 
 
 def assign(settled: list[Settled], changes: list | None = None) -> None:
@@ -163,12 +186,12 @@ def exchanged(settled: list[Settled]) -> list[tf.Tensor]:
 
 
 def settle_apart_metrics(
-    passes: list[Any], models: list[Any], cluster: Any, warned: set, empty: Any
+    passes: list[Any], sizes: list[Any], models: list[Any], cluster: Any, warned: set
 ) -> list[Settled]:
     """:func:`settle`, a metric's variables (the models' own metrics, updated
     in ``call`` or ``compute_loss``) assigned at once: in a cluster the
     metrics' changes are summed with the other metrics'. Returns the rest."""
-    settled = settle(passes, cluster, warned, empty)
+    settled = settle(passes, sizes, cluster, warned)
     metric = {id(v) for model in models for m in model.metrics for v in m.variables}
     assign([item for item in settled if id(item.variable) in metric])
     return [item for item in settled if id(item.variable) not in metric]
@@ -184,7 +207,7 @@ def describe(rule: str) -> str:
         f"aggregation {rule!r}: "
         + {
             "sum": "the towers' changes add up",
-            "mean": "the towers' values averaged",
+            "mean": "the towers' values weighted by their examples",
             "only_first_replica": "the first tower's",
             "none": "the first tower's (warned of)",
         }[rule]
@@ -197,7 +220,8 @@ def _none_warning(path: str) -> str:
         "has aggregation='none', so of the towers' assignments the first "
         "tower's is kept: it moves once a step, as on one device. Create "
         "it with aggregation='sum' to add up the towers' changes (a count of "
-        "examples), 'mean' to average them, or 'only_first_replica' to keep the "
+        "examples), 'mean' to weigh them by their examples, or "
+        "'only_first_replica' to keep the "
         "first tower's without this warning."
     )
 

@@ -24,7 +24,7 @@ from towers._keras import built_symbolically, trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards
+from towers.split import Shards, batch_size_of
 from towers.step import xla
 from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
@@ -80,7 +80,7 @@ class Step:
         before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
         towers = self.compute(shards)
-        settled = self._settle_state(towers, shards.size == 0)
+        settled = self._settle_state(towers, shards)
         loss = self.sum_losses(towers)
         grads = self.combine([r.grads for r in towers])
         examples, weight = shards.size, self._weight(towers, shards)
@@ -115,7 +115,7 @@ class Step:
         before = None if self.workers is None else self.metrics.snapshot()
         shards = self.split(x, y, sample_weight)
         passes = self.runner.each(shards, self.tower.evaluate, "evaluate")
-        settled = self._settle_state(passes, shards.size == 0)
+        settled = self._settle_state(passes, shards)
         divisors = step_divisors([p.terms for p in passes])
         towers = [p.loss(divisors) for p in passes]
         with tf.device(self.device), tf.name_scope("combine"):
@@ -139,7 +139,7 @@ class Step:
         """The model's outputs on ``x``: the towers' shards', in tower order."""
         shards = self.split(x, None, None)
         passes = self.runner.each(shards, self.tower.predict, "predict")
-        assign(self._settle_state(passes))
+        assign(self._settle_state(passes, shards, predict=True))
         with tf.device(HOST):
             return concat_rows([p.predictions for p in passes])
 
@@ -357,11 +357,13 @@ class Step:
             summed.state = summed.extras[cut:]
         return summed
 
-    def _settle_state(self, passes: list, empty: Any = False) -> list:
+    def _settle_state(self, passes: list, shards: Shards, predict=False) -> list:
         """The towers' assigned state, settled (``towers/step/state.py``); each
         variable's rule kept in ``assigned`` (``towers explain`` lists them)."""
         for tower_pass in passes[:1]:
             self.assigned.update({v.path: rule_of(v) for v in tower_pass.state})
         cluster = None if self.workers is None else self.workers.cluster
+        working = shards.working() if predict else self.placement.working_towers(shards)
+        sizes = [batch_size_of(shards.parts[t]) for t in working]
         models = self.placement.models
-        return settle_apart_metrics(passes, models, cluster, self._warned, empty)
+        return settle_apart_metrics(passes, sizes, models, cluster, self._warned)
