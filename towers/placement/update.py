@@ -243,34 +243,27 @@ class Update:
             self.optimizer.apply_gradients(pairs)
             also()
             return None
-        finite = finite_flags([g for g, _ in pairs])  # bool[V]
-        all_finite = tf.reduce_all(finite)
         if self.loss_scaled:
             # The optimizer unscales, checks, applies or skips and adjusts its
             # scale; the other update follows the same decision.
             self.optimizer.apply_gradients(pairs)
-            tf.cond(all_finite, also, lambda: None)
-        else:
+            return if_finite([g for g, _ in pairs], also)
 
-            def update():
-                self.optimizer.apply_gradients(pairs)
-                also()
+        def update():
+            self.optimizer.apply_gradients(pairs)
+            also()
 
-            tf.cond(all_finite, update, lambda: None)
-        return finite
+        return if_finite([g for g, _ in pairs], update)
 
     def _accumulate(self, pairs: list, also: Callable[[], Any], weight: Any):
         # A mean loss was divided by this step's examples: weight it back by
         # them, and divide the window's sum by its total, as one step on all of
         # it would. A sum adds up as it is.
         self._divide_window = weight is not None
-        also = _returning_none(also)
         if self.checks:
             # The moving statistics update per micro-batch (each is a forward
             # pass), unless its own gradients are not finite.
-            tf.cond(
-                tf.reduce_all(finite_flags([g for g, _ in pairs])), also, lambda: None
-            )
+            if_finite([g for g, _ in pairs], also)
         else:
             also()
         self.accumulator.add(pairs, 1.0 if weight is None else weight)
@@ -305,6 +298,14 @@ def finite_flags(grads: list) -> tf.Tensor:
             for g in grads
         ]
     )
+
+
+def if_finite(grads: list, update: Callable[[], Any]) -> tf.Tensor:
+    """Runs ``update()`` only if every gradient is finite (the one rule for
+    skipping an apply, a model's own step's included); returns the flags."""
+    flags = finite_flags(grads)  # bool[V]
+    tf.cond(tf.reduce_all(flags), _returning_none(update), lambda: None)
+    return flags
 
 
 def first_nonfinite(flags: Any, variables: Sequence[Any]) -> str | None:

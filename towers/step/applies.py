@@ -1,30 +1,15 @@
 """Each apply of a model's own step: the towers meet, combine, apply once.
 
-Every ``optimizer.apply`` (or ``apply_gradients``) a tower's own
-``train_step`` makes is routed here (``towers/_keras``'s
-``routed_applies``). Each tower hands in its gradients and its share of the
-examples, ``n_t / B``: ``tape.gradient`` is routed here too, and hands back
-the gradient of a sum over the tower's rows as a mean's
-(``towers/step/loss_kinds.py``). The first tower
-combines them (``combine_gradients``, weighted, summed), sums them over the
-workers in a cluster (each weighted by its share of the global batch), and
-applies once, on the variable device; the others apply nothing and read the
-new values after. With a copy per tower (``towers/placement/replicas.py``),
-every tower applies to its own copy: the all-reduced weighted gradients
-(replicated) or its own (independent).
-
-The engine's policies act per apply, as the step makes them:
-
-- ``on_nonfinite="skip"``: an apply whose combined gradient has an inf or
-  NaN is skipped (nothing of it applied, the optimizer's iterations kept);
-  the step goes on. ``"raise"``: the same, then the engine raises after the
-  step, naming the variable; so that nothing is half-applied, a step that
-  applies more than once or assigns a variable is refused with ``"raise"``
-  by name, when traced, before any update.
-- ``accumulate_steps=k``: each optimizer the step applies with accumulates
-  as Keras' own ``gradient_accumulation_steps=k`` does (set before it is
-  built, at its first apply): every apply adds the combined gradient, every
-  k-th applies their mean.
+Every ``optimizer.apply`` (or ``apply_gradients``) a tower's step makes, and
+every ``tape.gradient``, is routed here. A gradient is handed back as the
+gradient of a mean over the tower's rows (``loss_kinds.py``); at an apply
+each tower hands in its gradients and its share ``n_t / B``, and the first
+combines them (``combine_gradients``), sums them over the workers, and applies
+once on the variable device, by the engine's policies: ``on_nonfinite`` per
+apply (``placement/update.py``'s rule; ``"raise"`` refuses a step that would
+be left half-applied), ``accumulate_steps`` as Keras'
+``gradient_accumulation_steps``. With a copy per tower each tower applies to
+its own, all-reduced (replicated) or alone (independent).
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import combine_gradients, in_dtype
-from towers.placement.update import finite_flags
+from towers.placement.update import if_finite
 from towers.step import loss_kinds
 from towers.step.meetings import own_step_seat, seated
 
@@ -201,14 +186,9 @@ class Applies:
         if not optimizer.built:  # as its apply would, outside the condition
             optimizer.build(variables)
         pairs = [(g, i) for i, g in enumerate(grads) if g is not None]
-        flags = finite_flags([g for g, _ in pairs])
+        flags = if_finite([g for g, _ in pairs], lambda: apply(grads, variables))
         named = variables or [f"gradient {i} of {optimizer.name}" for _, i in pairs]
         self.checked.append((flags, [named[i] for _, i in pairs]))
-
-        def update() -> None:
-            apply(grads, variables)
-
-        tf.cond(tf.reduce_all(flags), update, lambda: None)
         return None
 
     def _apply_each(self, seat: Any, handed: list, apply: Any) -> Any:

@@ -1,26 +1,17 @@
 """How a model's own step's loss depends on its batch: found, not declared.
 
-A tower takes ``tape.gradient`` of a loss over its shard, and the towers'
-gradients must add up to one device's on the whole batch. Set apart the terms
-that read no example (a weight penalty, ``c``), and a loss over a tower's
-``n_t`` of the batch's ``B`` examples is::
+The towers weigh each gradient by their share ``s_t = n_t / B``: one device's
+for a loss that is a mean over the shard's examples (Keras' losses,
+``ops.mean``, a sum over a batch size read from the data). Set apart the
+terms that read no example (a weight penalty, ``c``), and a sum (``ops.sum``,
+a value per example, which the tape sums) is handed in as a mean's:
+``(g - g_c) / s_t + g_c`` (:func:`as_mean`), its value too.
 
-    a mean  L_t = (1 / n_t) sum_i l_i + c   Keras' losses, ops.mean, a sum
-                                            over a batch size read from the data
-    a sum   L_t =           sum_i l_i + c   ops.sum; a value per example (the
-                                            tape sums it)
-
-The towers weigh every gradient by their share ``s_t = n_t / B``, which is
-one device's for a mean; a sum's is handed in as a mean's,
-``(g - g_c) / s_t + g_c`` (:func:`as_mean`), and so is its value where the
-step feeds a tracker with it or returns it.
-
-Which one a scalar loss is, :func:`probe` finds before the first step: the
-step runs with nothing applied or assigned on two examples together and on
-each alone, and each loss less its batch-free terms (:func:`batch_free`, read
-from its graph) must be the mean of its values alone, or their sum. Anything
-else couples the examples (a max, a similarity matrix without
-``towers.gather``): refused by name, before any update.
+:func:`probe` finds which before the first step: the step runs with nothing
+applied or kept on two examples together and on each alone (``probe.py``'s
+:func:`readings`), each loss less its batch-free terms (:func:`batch_free`,
+read from its graph). A loss that is neither couples the examples and is
+refused by name before any update, unless the step gathers the batch.
 """
 
 from __future__ import annotations
@@ -42,12 +33,10 @@ from towers._keras.patches import (
 from towers.combine import in_dtype
 from towers.split import take_rows
 from towers.step import draws
+from towers.step.probe import readings
 
 Kind = Literal["mean", "sum"]
 
-# How far a loss on two examples may be from the mean (or sum) of its values
-# on each and still be one: the coupled-loss probe's bound (step/probe.py).
-RTOL, ATOL = 1e-3, 1e-7
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4
 
@@ -59,7 +48,7 @@ def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
     tensor of ``batch`` (None: there are none). Terms are followed through
     sums, differences, negations, casts and scaling by such terms.
 
-    >>> @tf.function
+    >>> @tf.function(autograph=False)
     ... def free(x, w):
     ...     return batch_free(tf.reduce_sum(x) * 0.5 - 2.0 * w, [x])
     >>> float(free(tf.ones([3]), tf.constant(4.0)))
@@ -192,16 +181,9 @@ def _rows(batch: tuple, start: int, stop: int) -> tuple:
 
 def _kind(model: keras.Model, k: int, together, alone0, alone1) -> Kind | None:
     """The kind of the ``k``-th loss from its values (None: either fits)."""
-
-    def close(a: float, b: float) -> bool:
-        return abs(a - b) <= RTOL * max(abs(a), abs(b)) + ATOL
-
-    mean = close(together, (alone0 + alone1) / 2)
-    summed = close(together, alone0 + alone1)
-    if mean != summed:
-        return "mean" if mean else "sum"
-    if mean:
-        return None
+    fits = readings(together, alone0, alone1)
+    if fits:
+        return fits.pop() if len(fits) == 1 else None
     raise ValueError(
         f"{type(model).__name__}.train_step on towers: the loss of its "
         f"tape.gradient call {k + 1}, less its terms that read no example, is "

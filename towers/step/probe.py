@@ -1,36 +1,17 @@
 """A probe for loss terms that are not a mean over the batch's examples.
 
-Each tower adds the model's own loss terms weighted by its share of the
-step's examples (``towers/step/tower.py``), which adds up to one device's term
-whenever the term is a mean over the examples, or does not depend on them.
-On the first training batch of two or more examples, towers computes each
-``add_loss`` term a layer adds, and a ``compute_loss`` override's value, on
-its first two examples together and on each alone. A mean over the examples
-(Keras' losses, activity regularisers) takes the same value both ways; a
-weight regulariser does not depend on the examples. A term whose values
-differ by more than :data:`PROBE_RTOL` couples the examples (a contrastive
-loss, a normaliser over the batch) or sums them: ``towers/step/coupled.py``
-refuses it by name or, with ``coupled_losses="per_tower"``, warns once.
+On the first training batch of two or more examples, each ``add_loss`` term
+and a ``compute_loss`` override's value are computed on the first two examples
+together and on each alone (:func:`readings`): a mean takes the mean of its
+values alone, a sum their sum, a weight regulariser reads no example. A term
+that is neither couples the examples: ``coupled.py`` gathers, refuses or
+warns. The model's outputs are compared too: a forward pass that couples the
+examples (SigLIP's logits) cannot be made exact by gathering them.
 
-The model's outputs on the two together are compared with its outputs on
-each alone too: a forward pass that couples the examples (SigLIP's logits)
-cannot be made exact by gathering the outputs (``towers/step/gathered.py``).
-
-A term whose value on the two is the sum of its values on each sums over
-the examples (``add_loss(ops.sum(...))``): each tower then adds its own
-unweighted, and the towers' add up to one device's.
-
-The probe's forward pass runs in inference mode (a layer's random draws would
-differ between two examples together and each alone), and ``compute_loss`` is
-called with ``training=True``, as Keras' fit calls it; all in a
-``keras.StatelessScope``: nothing it computes is assigned (no metric,
-statistic or seed moves). So it does not see a term a layer adds only in
-training; keras_hub's mixture-of-experts blocks,
-which do, are known by their class (``towers/step/coupled.py``). Taken per
-tower, their warning says what that changes on the first batch
-(:func:`shares_of_terms`: the terms on one device and as the towers' shares,
-in training mode, nothing assigned). In a cluster each worker probes its own
-first batch.
+The forward pass runs in inference mode (random draws would differ) and
+``compute_loss`` with ``training=True``, in a ``keras.StatelessScope``:
+nothing is assigned. Terms a layer adds only in training (keras_hub's
+mixture-of-experts blocks) are known by their class instead.
 """
 
 from __future__ import annotations
@@ -128,9 +109,10 @@ def probe_terms(
         if key not in first or key not in second:
             continue  # a term added for one batch size only: not comparable
         one, other = first[key][1], second[key][1]
-        if _close(value, (one + other) / 2):
+        fits = readings(value, one, other)
+        if "mean" in fits:
             continue  # a mean over the examples
-        if key[0] != "compute_loss" and _close(value, one + other):
+        if key[0] != "compute_loss" and "sum" in fits:
             found.sums.append(key)
             continue
         own = key[0] == "compute_loss"
@@ -161,11 +143,21 @@ def _dense(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def _close(value: float, expected: float) -> bool:
-    return (
-        abs(value - expected)
-        <= PROBE_RTOL * max(abs(value), abs(expected)) + PROBE_ATOL
-    )
+def readings(together: float, one: float, other: float) -> set[str]:
+    """What a term's value on two examples ``together`` is of its values on
+    each alone (``one``, ``other``): their ``"mean"``, their ``"sum"``, both
+    (where they are 0), or neither (it couples the examples).
+
+    >>> sorted(readings(3.0, 1.0, 2.0)), sorted(readings(1.5, 1.0, 2.0))
+    (['sum'], ['mean'])
+    """
+    fits = {"mean": (one + other) / 2, "sum": one + other}
+    return {
+        name
+        for name, expected in fits.items()
+        if abs(together - expected)
+        <= PROBE_RTOL * max(abs(together), abs(expected)) + PROBE_ATOL
+    }
 
 
 def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
