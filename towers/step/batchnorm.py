@@ -1,46 +1,18 @@
-"""BatchNormalization's moving statistics under towers: one explicit policy.
+"""BatchNormalization under towers: what each tower normalises with, and its
+moving statistics moved once a step (docs/batch-statistics.md).
 
-In training, a BatchNormalization layer normalises each tower's shard with that
-shard's own mean and variance (as tf_cnn_benchmarks and MirroredStrategy do) and
-then moves its ``moving_mean`` / ``moving_variance`` toward them. Left alone, every
-tower would assign the shared moving variables in turn, each on top of the last:
-the result would depend on T and chain the towers one after another. Towers instead
-keeps each tower's moments, and after the step updates each moving statistic once,
-with Keras' own rule ``moving = moving * momentum + stat * (1 - momentum)``, where
-``stat`` is chosen by the policy:
+``batch_statistics``: ``"tower"`` normalises each shard with its own moments
+(MirroredStrategy's way, not one device's gradients); ``"global"`` with the
+whole batch's, the towers meeting at every layer by sums (cut into phases,
+``segments.py``, or in lockstep), forward and backward, as one device.
 
-- ``"batch"`` (default): the whole batch's mean and variance, combined exactly from
-  the towers' moments (weighted by their example counts, the variance including the
-  spread between tower means). The moving statistics are what one device would get
-  from the same layer inputs.
-- ``"tower0"``: tower 0's moments only (tf_cnn_benchmarks' choice).
-- ``"mean"``: the unweighted mean over towers of their means and of their variances
-  (what MirroredStrategy's MEAN-aggregated assignment gives).
-
-A layer given a mask takes its moments over the unmasked values only, as Keras'
-does (dividing by their count plus Keras' ε), and the towers' combine to the
-whole batch's by the same rule; a tower whose values are all masked weighs
-nothing. A ``renorm=True`` layer moves its renorm statistics and its moving ones
-by its own method (``_update_renorm_statistics``), once, from the policy's stat.
-
-The update runs with the optimizer's apply, so a skipped step leaves the moving
-statistics unchanged too. A model's own ``train_step`` (``towers/step/custom.py``)
-may call a layer more than once a step, each call moving the statistics on one
-device: there every call in training mode is a meeting, where the first tower
-moves them at once by the same policy (``moving_at_once``).
-
-What each tower normalises with is ``batch_statistics``:
-
-- ``"tower"`` (default): its own shard's mean and variance, as tf_cnn_benchmarks
-  and MirroredStrategy do. The gradients are then not the full batch's.
-- ``"global"``: the whole batch's, count-weighted over the towers that have
-  examples, with the backward pass flowing through them as on one device: the
-  towers meet at every layer, so a BatchNormalization model trains to one
-  device's weights and moving statistics. The tower's pass is traced once and
-  cut at those meetings into phases (with XLA, XLA computations:
-  ``towers/step/segments.py``); a pass that cannot be cut is traced tower by
-  tower in lockstep (``towers/step/lockstep.py``). Every policy above then
-  moves them toward the same numbers.
+The moving statistics: each tower's moments are recorded, and after the step
+each statistic moves once by Keras' rule toward the policy's stat:
+``"batch"`` the whole batch's (count-weighted, masks included), ``"tower0"``
+tower 0's, ``"mean"`` the towers' unweighted mean. They move with the apply,
+so a skipped step leaves them too. In a model's own step every call in
+training mode is a meeting where the first tower moves them at once
+(:meth:`MovingStatistics.moving_at_once`).
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """Loss terms that couple a batch's examples: computed from the whole batch, or
-refused by name.
+refused by name (docs/coupled-losses.md).
 
-Each tower adds the model's own loss terms (``add_loss``, regularisers) weighted
-by its share of the step's examples (``towers/step/tower.py``): one device's
-term whenever the term is a mean over the examples, or does not depend on them.
-A term that couples the examples is not. keras_hub's mixture-of-experts blocks
-add a router load-balancing loss ``E · Σ_e f_e · P_e``, with ``f_e`` the share
-of the (unmasked) tokens routed to expert ``e`` and ``P_e`` its mean router
-probability, both means over the whole batch: a product of two batch means,
-which the towers' shares of it do not add up to, however weighted.
+Each tower adds the model's own loss terms weighted by its share, which is one
+device's term for a mean over the examples or a term that reads none. A
+term that couples them is not: keras_hub's mixture-of-experts router loss
+``E * sum_e f_e P_e`` is a product of two batch means. ``coupled_losses``:
 
-``coupled_losses`` says what towers does with such a term:
+- ``"exact"``: the towers meet at each block and compute ``f_e`` and ``P_e``
+  from the whole batch (``balancing.py``; keras-hub versions in
+  :data:`CHECKED_KERAS_HUB`); a coupled ``compute_loss`` is gathered
+  (``gathered.py``);
+- ``"per_tower"``: each tower's shard alone, warned of once;
+- ``"refuse"``: any coupled term refused.
 
-- ``"exact"`` (default): the towers are traced in lockstep
-  (``towers/step/lockstep.py``) and every block computes ``f_e`` and ``P_e``
-  from the whole batch: each tower's token counts, router probability sums and
-  unmasked tokens summed over the towers (and the workers), one exchange per
-  block, as global batch statistics sum BatchNormalization's moments. Every
-  tower then holds one device's term, and adds it weighted by its share of the
-  examples, so the shares add up to it once; on the way back, the upstream
-  gradients of the probability sums are summed over the towers, and each
-  tower's router takes one device's gradient. Checked on the keras-hub versions
-  in :data:`CHECKED_KERAS_HUB`, whose blocks call their module's
-  ``compute_load_balancing_loss``; with another version the term is refused.
-- ``"per_tower"``: each tower computes the term on its own shard, as
-  MirroredStrategy and Horovod do; the update is then not one device's, and a
-  warning says so once.
-- ``"refuse"``: any coupled term is refused.
-
-With one tower on one worker nothing is split, and nothing changes. A block
-whose coefficient is 0 adds nothing, and is exact.
-
-Any other term is probed on the first training batch of two or more
-examples, once (``towers/step/probe.py``): one that is not a mean over the
-examples is refused by name under ``"exact"`` and ``"refuse"``, before any
-update, and warned of once under ``"per_tower"``. The exact load-balancing
-loss itself is ``towers/step/balancing.py``.
+Any other term is probed on the first batch of two or more examples
+(``probe.py``) and refused by name before any update, or warned of.
 """
 
 from __future__ import annotations

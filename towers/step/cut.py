@@ -1,27 +1,13 @@
-"""A tower's pass traced once and cut into phases where the towers meet.
+"""A tower's pass traced once and cut into phases where the towers meet by sums.
 
-The towers meet where a tower's pass needs a sum over every tower
-(``meetings.total``: BatchNormalization's global moments and their upstream
-gradients, ``towers/step/batchnorm.py``). :func:`trace` traces the pass alone,
-into a graph that never runs: each such sum hands back a placeholder and is
-recorded as an :class:`Exchange`. The graph is then cut by phase:
-
-- the graph's inputs have phase 0;
-- a sum's placeholder has one more than the op that made its value;
-- any other op has its inputs' latest phase.
-
-The ops of one phase need only earlier phases and the sums between, so each
-phase becomes one function (with XLA, one computation; without, a function
-inlined into the step's graph), its ops imported from the traced graph.
-Independent sums (a ResNet's shortcut and main branch) share a phase. A
-:class:`Plan` holds the phases; ``towers/step/segments.py`` runs every
-tower's, phase by phase, with the sums between.
-
-Phases hold the ops the result needs and those that run for what they do
-(an assert, a print, a summary), as a ``tf.function`` runs every stateful op
-it traced. Constants are copied into every phase that reads them; an op that
-reads another phase's tensor keeps the static shape it had in the trace (a
-convolution's gradient reads its filter's shape from the forward phase).
+:func:`trace` traces the pass alone into a graph that never runs, each sum
+(``meetings.total``) a placeholder recorded as an :class:`Exchange`. The
+graph's inputs are phase 0, a sum's placeholder one phase after what made its
+value, any other op its inputs' latest; each phase becomes one function (with
+XLA, one computation) of ops imported from the trace, and a :class:`Plan`
+holds them. A phase keeps the ops its results need and the ops that run for
+what they do (an assert, a print), as a ``tf.function`` runs every stateful
+op it traced.
 """
 
 from __future__ import annotations

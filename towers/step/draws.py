@@ -1,34 +1,14 @@
 """Random draws on the towers as one device draws them.
 
-A layer or a step that draws (Dropout in training, GaussianNoise, a GAN's
-latent vectors, a VAE's epsilon) draws from a seed generator's state, which
-one device reads once and advances once per draw. So every tower starts from
-the step's states (:class:`Starts`), and each draw with a value per row of
-the tower's shard (a first axis as long as its rows) gives the tower its
-rows of the batch's draw, ``[first, first + n_t)``::
-
-    one device:  normal((B, d), seed=s)                    -> rows 0 .. B-1
-    tower t:     normal((n_t, d), seed=s), its Philox counter moved on past
-                 first * d values                          -> rows first ..
-
-TensorFlow's stateless draws give a value by its place in the draw alone: a
-uniform or normal draw (Keras' ``normal``, ``uniform``, ``randint`` and
-Dropout's mask) is one Philox counter step per four 32-bit values, so the
-tower draws its own values alone (``towers/_keras``'s ``drawn_after``).
-Keras' other draws (truncated normal, gamma, binomial, beta, categorical)
-are drawn up to the tower's last row and cut to its rows: a draw's first
-rows are a smaller draw's. Both hold under XLA too.
-
-A draw of any other shape is every tower's alike, as one device's. The
-states then move once (each tower ends where one device ends). Within a
-tower's pass the tower's rows are set by :func:`rows`; Keras' random
-functions are routed here while the step is traced (``towers/_keras``'s
-``routed_draws``).
-
-A draw that couples the batch's rows (``keras.random.shuffle`` along the
-examples) is refused by name: a tower's rows shuffled are not the batch's.
-In a cluster a worker's rows follow the workers' before it in the global
-batch (:func:`drawing`): the workers' draws are one device's too.
+Every tower starts from the step's seed states (:class:`Starts`), and a draw
+with a value per row of the tower's shard gives the tower its rows of the
+batch's draw, ``[first, first + n_t)``: a uniform or normal draw (Keras'
+``normal``, ``uniform``, ``randint``, Dropout's mask) by moving its Philox
+counter on past the rows before (``towers/_keras``'s ``drawn_after``); the
+others drawn up to the tower's last row and cut. A draw of any other shape is
+every tower's alike. The states then move once. Keras' random functions are
+routed here while a step is traced. A shuffle along the examples is refused
+by name; in a cluster a worker's rows follow the workers' before it.
 """
 
 from __future__ import annotations

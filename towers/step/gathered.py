@@ -1,52 +1,16 @@
-"""A model's own ``compute_loss`` that couples the batch's examples, computed
-on the whole batch's outputs (``coupled_losses="exact"``).
+"""A model's own ``compute_loss`` that couples the batch's examples (CLIP's,
+SigLIP's, SimCLR's loss over the batch's similarity matrix), computed on the
+whole batch's outputs (``coupled_losses="exact"``; docs/coupled-losses.md).
 
-A contrastive model (CLIP's symmetric cross-entropy, SigLIP's sigmoid loss,
-SimCLR's NT-Xent) computes its loss over the batch's similarity matrix: each
-example's term depends on every other example's outputs. Split over towers,
-each tower's shard would see a smaller matrix, and the update would not be one
-device's, however the shards are weighted. The probe finds such a loss on the
-first batch (``towers/step/probe.py``); ``towers/step/coupled.py`` then sets
-``gathered``, and the towers are traced in lockstep (``lockstep.py``).
-
-In tower ``t`` (share ``w_t = n_t / B`` of the step's examples), with ``L``
-the model's ``compute_loss`` of the gathered batch:
-
-- every tower hands in its ``x``, ``y``, ``y_pred`` and ``sample_weight``, and
-  takes everyone's, in example order (the shards are consecutive rows);
-- ``L_t`` is ``L`` with only tower ``t``'s outputs live (the others'
-  ``tf.stop_gradient``), so its gradient flows back through tower ``t``'s own
-  slice of the outputs only: summed over the towers, the outputs' gradients
-  are one device's;
-- ``L_s`` is ``L`` with every output stopped: its gradient is only what the
-  loss reads from the variables directly (a learned temperature, weight
-  regularisers) and the tower's own ``add_loss`` terms (its shard's);
-- the tower's term is ``L_t − (1 − w_t) · L_s``: its value is ``w_t · L``,
-  so the towers' add up to ``L``, and the direct gradients add up once.
-
-Each computation of ``L`` assigns what the model's ``compute_loss`` assigns
-(its own metrics, Keras' per-output loss trackers): tower 0's ``L_t`` keeps
-its assignments, every other one's is dropped (``ReadScope.forgetting``), so a
-metric is updated once, with the whole batch, as on one device. Evaluation
-takes ``w_t · L``, one computation per tower.
-
-In a cluster, each tower's shard is gathered over the towers first, then
-over the workers through the collective runtime: every worker's rows are
-put at its offset in zeros (padded to a power of two rows: a collective's key
-fixes its shapes, ``lockstep.SIZE_BUCKETS``) and the workers' summed. Each
-worker's loss is a mean over its own ``B_w`` examples, weighted by them when
-the workers' gradients are summed, so a tower's term is
-``(B / B_w) · (L_t − L_s) + (n_t / B_w) · L_s``: worth ``(n_t / B_w) · L``, the
-same gradients as above once weighted. Only worker 0's tower 0 keeps what
-``compute_loss`` assigns.
-
-A model's own ``train_step`` that calls its coupled ``compute_loss`` gets
-the whole batch's too (:func:`whole_batch_loss`): the tower's term over its
-share, as the step's applies weigh it by its share again.
-
-Costs: every tower computes the loss twice on the whole batch (the model's
-passes are not repeated), and the towers are traced side by side. Not built:
-``accumulate_steps`` and XLA: refused by name (``coupled.py``).
+Every tower hands in its ``x``, ``y``, ``y_pred`` and ``sample_weight`` and takes
+everyone's, in example order. With ``L`` the loss of the gathered batch and
+``w_t = n_t / B`` the tower's share, its term is ``L_t - (1 - w_t) L_s``:
+``L_t`` has only the tower's own outputs live, so its gradient flows through
+its own rows; ``L_s`` has every output stopped, so what the loss reads
+directly (a temperature, regularisers) counts once. The terms add up to
+``L``. What ``compute_loss`` assigns is kept from one computation only. In a
+cluster the rows are gathered over the workers too (padded to a power of two
+rows, ``lockstep.SIZE_BUCKETS``), each worker weighted by its ``B_w / B``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """Towers traced side by side, meeting wherever they need each other's values.
 
-A step traces its towers one after another into one graph. Global batch
-statistics (``batch_statistics="global"``, ``towers/step/batchnorm.py``) cannot be
-traced that way: every tower's BatchNormalization layer needs every other
-tower's partial sums before it can normalise, and in the backward pass each
-tower's gradient needs the others' gradients with respect to those sums.
-
-Where the tower's pass cannot be traced once and cut where the towers meet
-(``towers/step/segments.py``, the first choice for global statistics), and
-for every other meeting (a loss over the gathered batch, a model's own
-step's applies), the runner (``towers/step/runner.py``) has the towers take
-turns: traced in lockstep, one Python thread per working tower,
-each building its own ops (under its own device and name scope) into the one
-graph, and a :class:`Rendezvous` where they meet: each hands in a tensor, waits
-until all have, and takes every tower's. Nothing runs in those threads; they
-only *trace*, and the graph they build is the one a one-thread trace would
-build with the partial sums exchanged: the same ops, on the same devices. The
-threads take turns (one traces at a time, in rank order), so tracing never
-races: a graph's captures, for one, are not safe to make from two threads at
-once (a LossScaleOptimizer's scale, read by every tower, once failed the step
-with "You must feed a value for placeholder").
-
-- Deadlock-free: every tower runs the same model, so each calls the rendezvous
-  the same number of times in the same order (forward: every BatchNormalization
-  layer in call order; backward: the reverse). A tower that fails, or meets the
-  others fewer times, aborts the rendezvous, and the others fail too instead of
-  waiting.
-- Exact: the statistics' gradients are summed over the towers in the backward
-  pass too (``towers/step/batchnorm.py``), which is what one device's backward pass
-  computes through the whole batch's statistics.
+Where a pass cannot be traced once and cut (``segments.py``), and for every
+meeting that is not a sum (gathered rows, a model's own step's applies and
+assignments), the towers take turns: one Python thread per working tower,
+each tracing its own ops (its device, its name scope) into the one graph,
+meeting at a :class:`Rendezvous` where each hands in a value and takes
+everyone's. The threads only trace, one at a time in rank order (a graph's
+captures are not safe from two threads), so the graph is the one a
+one-thread trace would build with the values exchanged. Every tower meets
+the same number of times in the same order; one that fails or meets fewer
+times aborts the rendezvous, and the others fail instead of waiting.
 """
 
 from __future__ import annotations

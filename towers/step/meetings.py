@@ -1,24 +1,14 @@
 """Where the towers meet mid-step: one abstraction, a few verbs.
 
-Some steps need the towers' values in the middle of their passes: the whole
-batch's BatchNormalization moments, a mixture of experts' load-balancing
-sums, a coupled loss's gathered rows, each apply, assignment and metric
-update of a model's own step, ``towers.gather``. Each is a *meeting*, and
-every meeting goes through a tower's :class:`Seat`, which :func:`current`
-returns while the tower is traced to meet the others, with three verbs:
-
-- :meth:`Seat.total`: a sum over the towers (and the cluster's workers),
-  with its backward (an upstream gradient weighted as the tower's loss is);
-- :meth:`Seat.everyone`: every tower's value, in rank order (rows in example
-  order; what each would apply, assign or update);
-- :meth:`Seat.from_first`: the first tower computes, every tower reads it.
-
-The towers reach each other as a replica context's ``all_reduce``,
-``all_gather`` and ``merge_call`` serve tf.distribute: traced side by side
-(``towers/step/lockstep.py``), or, for sums alone, a pass traced once and cut
-where it meets (``towers/step/cut.py``, whose recording is the current
-meeting then, with ``total`` alone); across workers through TensorFlow's
-collective runtime.
+The whole batch's BatchNormalization moments, a mixture of experts' sums, a
+coupled loss's gathered rows, each apply, assignment and metric update of a
+model's own step, ``towers.gather``: every meeting goes through a tower's
+:class:`Seat`, which :func:`current` returns while the tower is traced to
+meet the others, as a replica context's ``all_reduce``, ``all_gather`` and
+``merge_call`` serve tf.distribute. Towers traced side by side
+(``lockstep.py``) meet at a seat; a pass traced once and cut
+(``cut.py``) records its sums instead. Across workers the sums go through
+TensorFlow's collective runtime.
 """
 
 from __future__ import annotations
@@ -37,22 +27,17 @@ _context = threading.local()
 
 
 class Seat:
-    """Tower ``rank``'s place at ``meet``: every meeting of the towers goes
-    through its verbs, in a tower traced in lockstep (:func:`current`).
+    """Tower ``rank``'s place at ``meet``, with its verbs: :meth:`total` (a
+    sum over the towers and workers, with its backward), :meth:`everyone`
+    (every tower's value in rank order) and :meth:`from_first` (the first
+    tower computes, every tower reads).
 
-    - :meth:`total`: a sum over the towers (and workers), with its backward;
-    - :meth:`everyone`: every tower's value, in rank order (rows gathered in
-      example order, what each would assign or apply);
-    - :meth:`from_first`: the first tower computes, every tower reads it.
-
-    ``weight``: the tower's weight in the step's gradient when its loss is a
-    mean over its own shard (a model's own step, ``towers/step/custom.py``):
-    a backward sum then weighs each tower's upstream gradient by its weight,
-    and hands back the sum over this tower's weight, so the weighted combine
-    gives one device's. None: the towers' losses are shares of the step's
-    already. ``own``: the towers run a model's own step. ``summing``: while
-    the own step takes the gradient of a sum over its rows
-    (``towers/step/applies.py``): a backward sum is then unweighted."""
+    ``weight``: the tower's share when its loss is a mean over its own shard
+    (a model's own step): a backward sum then weighs each tower's upstream
+    gradient by it and hands back the sum over this tower's weight; None:
+    the losses are shares of the step's already. ``own``: the towers run a
+    model's own step. ``summing``: while that step takes the gradient of a
+    sum over its rows, when a backward sum is unweighted."""
 
     def __init__(self, meet: Any, rank: int, weight: Any = None, own: bool = False):
         self.meet, self.rank, self.weight, self.own = meet, rank, weight, own

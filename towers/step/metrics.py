@@ -1,28 +1,13 @@
-"""The model's own metrics, updated from every tower's work as Keras' step
-updates them on one device.
+"""The compiled model's own metrics, updated from every tower's work as Keras'
+step updates them on one device, so ``model.metrics`` and Keras' callbacks
+see what Keras' fit gives.
 
-A compiled Keras model owns its metrics: a loss tracker (a ``Mean`` named
-``"loss"``), its compiled metrics (what ``compile(metrics=...,
-weighted_metrics=...)`` was given, custom ones included, built from the first
-batch's shapes), a loss tracker per output of a model with several, and any
-metric the model or its layers own. towers updates those objects, so
-``model.metrics``, ``model.metrics_names`` and ``model.get_metrics_result()``
-are what Keras' fit gives, and Keras' callbacks find the metrics they watch:
-
-- the loss tracker takes the step's loss, weighted by the step's examples;
-- each output's tracker takes that output's unweighted loss, once a step (as
-  Keras' fit has it: :meth:`Metrics.track`);
-- the compiled metrics are updated through the model's ``compute_metrics``,
-  once a step, with the batch's inputs and targets and the towers'
-  predictions concatenated in tower order: the whole batch's, so a metric
-  (streaming or not) equals one device's;
-- a metric the model updates in ``call`` or ``compute_loss`` is updated by
-  each tower with its shard (``towers/step/tower.py``).
-
-In a cluster each worker updates its metrics with its own share; the *change* of
-every metric variable is then summed across workers (in the step's one
-collective) and added to where the metric was, so every worker's metrics hold the
-cluster's (:class:`Changes`).
+The loss tracker takes the step's loss weighted by its examples; each output's
+tracker its unweighted loss once a step; the compiled metrics go through the
+model's ``compute_metrics`` once, with the towers' predictions concatenated
+(the whole batch's); a metric the model updates in ``call`` or
+``compute_loss`` is updated by each tower with its shard. In a cluster each
+metric variable's change is summed over the workers (:class:`Changes`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""How the towers run a step's passes: decided in one place, run four ways.
+"""How the towers run a step's passes: decided in one place (:meth:`Runner.way`).
 
-Every step runs its working towers' passes through a :class:`Runner`: towers'
-own train and evaluation steps, predict, and a model's own ``train_step``,
-``test_step`` and ``predict_step`` (``towers/step/custom.py``, the same data
-path with the model's code in the tower's place). :meth:`Runner.way` decides
-how, and nothing else does:
+- ``"alone"``: each tower traced in turn; nobody meets.
+- ``"once"``: one trace of the pass serves every tower (``segments.py``).
+- ``"phases"``: the same, cut where the towers meet by sums (``cut.py``).
+- ``"turns"``: the towers traced side by side (``lockstep.py``), where a
+  meeting gathers rows or runs code on one tower, or a pass cannot be cut.
 
-- ``"alone"``: each tower traced in turn, on its device; nobody meets.
-- ``"once"``: one trace of the tower's pass serves every tower of a model
-  (training: ``towers/step/segments.py``, one phase; with XLA one
-  computation, two around a divisor no tower knows alone, which without XLA
-  sends the towers ``"alone"``; evaluation and prediction:
-  :meth:`Runner.each`).
-- ``"phases"``: the same, where the towers meet by sums (BatchNormalization's
-  global moments, a mixture of experts' load-balancing sums): the pass cut
-  there, the sums between the phases (``towers/step/segments.py``,
-  ``towers/step/cut.py``).
-- ``"turns"``: the towers traced side by side, taking turns, meeting at any
-  verb of their seat (``towers/step/lockstep.py``): where a meeting gathers
-  rows (a coupled ``compute_loss``) or runs code on one tower (a model's own
-  step's applies and assignments), or where a pass cannot be cut.
-
-Every meeting, whichever way runs it, goes through a tower's seat
-(``towers/step/meetings.py``).
+Towers' own steps, predict and a model's own steps all run through it, and
+every meeting goes through a tower's seat (``meetings.py``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,16 @@
-"""A tower's pass traced once and run on every tower, in phases where the
-towers meet by sums.
+"""A tower's training pass traced once per model and shard shape, and run on
+every tower's device, in phases where the towers meet by sums.
 
-Every tower of a model runs the same code on a shard of the same shape
-(split sizes differ by at most one), so the tower's pass (forward, divisors,
-loss share, gradients: :func:`tower_pass`) is traced once per model and
-shard shape, not once per tower, and cut where the towers meet
-(``towers/step/cut.py``)::
-
-    tower t:  [phase 0] -> sum -> [phase 1] -> sum -> ... -> [phase K]
-                           ^ every tower's value     ^ every tower's upstream
-
-Where nobody meets the pass is one phase: one function called under each
-tower's device, inlined into the step's graph (with XLA, one computation per
-tower; ``Towers(tower_functions="call")``: a call each). The towers meet by
-sums at BatchNormalization's global moments and their upstream gradients
-(``towers/step/batchnorm.py``), a mixture of experts' load-balancing sums
-(``towers/step/balancing.py``), and a divisor no tower knows alone (a mean
-over the sample weights' sum, or a shard whose size only the run knows;
-without XLA and no other meeting, the towers are then traced one by one:
-:class:`MetAtDivisor`): :func:`run` calls each phase of every tower on its
-device, in rank order, and between phases adds each sum's values on every
-tower's device (``tf.add_n`` in rank order, as the lockstep does), then over
-the workers in a cluster. A divisor that is ``k`` per example follows from
-the tower's own, ``k * B``, and meets no one.
-
-The phases hold the ops a lockstep trace makes, cut where its towers would
-wait: one device's numbers. Passes that cannot be cut so (traces that differ
-with the shard's shape) fall back to the lockstep (``towers/step/lockstep.py``),
-which traces every tower; so does a step whose towers gather a loss's rows
-(``towers/step/gathered.py``), since the cut knows sums only. Every tower
-starts from the step's seed states and draws its rows of the batch's numbers
-(``towers/step/draws.py``); the first tower's last states are assigned once
-after the calls (assigned inside, a state would order them).
+Every tower runs the same code on a shard of nearly the same shape, so one
+trace (:func:`tower_pass`) serves them all. Where nobody meets, the pass is
+one phase, inlined per tower (with XLA one computation each). Where the
+towers meet by sums (global batch moments, a mixture of experts' sums, a
+divisor no tower knows alone), the pass is cut there (``cut.py``) and
+:func:`run` calls each phase of every tower in rank order, adding each sum
+between phases (then over the workers). A pass that cannot be cut runs in
+lockstep instead (``lockstep.py``); without XLA a divisor alone sends the
+towers to be traced one by one (:class:`MetAtDivisor`). Every call starts from
+the step's seed states (``draws.py``).
 """
 
 from __future__ import annotations

@@ -1,36 +1,17 @@
 """XLA for the towers: whether they compile, and a tower's work as one XLA call.
 
-``Towers(jit_compile=...)`` takes Keras' values. ``True`` compiles, ``False``
-does not, and ``"auto"`` decides as Keras' ``compile`` does: XLA where every
-tower is an accelerator (Keras turns it off on CPU-only machines), every layer
-supports it (``supports_jit``) and op determinism is off. Left unset, a
-compiled model's ``jit_compile`` is used (Keras resolved its ``"auto"`` at
-compile), else ``"auto"``.
+``jit_compile`` takes Keras' values: ``"auto"`` decides as Keras' ``compile``
+does (an accelerator per tower, every layer ``supports_jit``, no op
+determinism); unset, a compiled model's is used. A tower's forward and
+backward pass is one ``tf.function(jit_compile=True)`` on its device, its
+weights read outside and passed in (an XLA computation cannot read another
+device's variable); cut at the towers' sums, one computation per phase.
 
-How a tower compiles: its forward and backward pass is one
-``tf.function(jit_compile=True)``, called on the tower's device
-(``towers/step/segments.py``); TensorFlow runs the call as one XLA computation
-there.
-The weights are read outside it, on the tower's device, and passed in: an XLA
-computation cannot read a variable on another device. The combine and apply
-stay as they are without XLA. With global batch statistics the towers meet
-inside their pass, so it is cut there into several XLA computations, the
-towers' sums between them (``towers/step/segments.py``).
-
-One compilation per shard shape: TensorFlow keeps a compiled computation per
-device, so T towers compile the same pass T times (MobileNetV2 here: 7 s
-each). Where the user has turned on TensorFlow's persistent XLA cache
-(``TF_XLA_FLAGS=--tf_xla_persistent_cache_directory=DIR``, read before
-TensorFlow starts), the key of a computation holds the device's type, not the
-device. There, before the first run of a newly traced step, each shard shape
-that more than one tower takes has its pass run once on its first tower, on
-zeros (:func:`warm_up`; the pass changes no variable): it compiles and writes
-the cache, and the other towers then load that computation instead of
-compiling it again.
-
-An op XLA cannot compile (a string op, say) fails the first step before any
-update. With ``True`` the error names the layer the op belongs to; resolved
-from ``"auto"``, the engine warns, naming it, and runs without XLA.
+TensorFlow compiles a computation per device; with its persistent cache on,
+:func:`warm_up` compiles each shard shape once on its first tower, on zeros,
+and the others load it. An op XLA cannot compile fails the first step before
+any update: named with ``True``, warned of and run without XLA with
+``"auto"``.
 """
 
 from __future__ import annotations
