@@ -171,3 +171,45 @@ def test_a_loss_that_couples_the_examples_is_refused_with_nothing_updated():
     for got, b in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, b)
     assert int(model.optimizer.iterations) == 0
+
+
+class InputPenalty(keras.Model):
+    """WGAN-GP's gradient penalty, in small: an inner tape.gradient of the
+    outputs with respect to the inputs (a value per example, not a weight's
+    gradient), its norms in a mean the outer tape differentiates."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                y_pred = self(x, training=True)
+            slopes = inner.gradient(y_pred, x)  # f64[n, 5]
+            norms = ops.sqrt(ops.sum(ops.square(slopes), axis=1))
+            loss = ops.mean(ops.square(y_pred - y)) + ops.mean((norms - 1.0) ** 2)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"value": loss}
+
+
+def test_a_gradient_with_respect_to_the_inputs_is_the_examples_own():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(7, activation="tanh")(inputs)
+        model = InputPenalty(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    x, y = regression(23)
+    y = y[:, :1]
+    engine, reference = Towers(build(), devices=devices(3)), build()
+    before = reference.get_weights()
+
+    history = engine.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["value"], expected.history["value"], rtol=1e-12
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from towers.combine import combine_gradients, in_dtype
@@ -73,10 +74,13 @@ class Applies:
             grads = gradient(target)
         finally:
             here.summing = before
-        if kind == "mean":
+        flat, sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        # A gradient with respect to a tensor (WGAN-GP's, of the outputs with
+        # respect to the inputs) is the examples' own: it meets at no apply.
+        weights = [isinstance(v, (tf.Variable, keras.Variable)) for v in sources]
+        if kind == "mean" or not any(weights):
             return grads
         share = here.weight if self.worker is None else here.weight * self.worker
-        flat, sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
         free = None
         if tf.convert_to_tensor(target).shape.rank == 0:
             target = tf.convert_to_tensor(target)
@@ -87,9 +91,9 @@ class Applies:
         free_grads = [None] * len(flat)
         if free is not None:
             free_grads = tf.gradients(free, sources)
-        return tf.nest.pack_sequence_as(
-            grads, loss_kinds.as_mean(flat, free_grads, share)
-        )
+        means = loss_kinds.as_mean(flat, free_grads, share)
+        flat = [m if weight else g for m, g, weight in zip(means, flat, weights)]
+        return tf.nest.pack_sequence_as(grads, flat)
 
     def _kind(self, here: Any) -> loss_kinds.Kind:
         """The kind of the tower's next loss, as the probe found it by its
