@@ -33,6 +33,7 @@ import tensorflow as tf
 from towers._keras import in_stateless_scope, layers_of
 from towers._keras.patches import routed_assignments, routed_calls
 from towers.combine import in_dtype
+from towers.step.lockstep import over_workers
 from towers.step.meetings import own_step_seat
 from towers.step.state import aggregate, rule_of
 
@@ -196,15 +197,7 @@ class Assignments:
         )
 
     def _over_workers(self, value: tf.Tensor, by_examples: bool) -> tf.Tensor:
-        """``value`` summed over a cluster's workers, each weighted by its
-        share of the global batch (``by_examples``) or by 1, a worker without
-        examples by 0; ``value`` itself in one process."""
-        if self.across is None:
-            return value
-        weight = in_dtype(self.worker_weight, value.dtype)
-        if not by_examples:
-            weight = tf.cast(weight > 0, value.dtype)
-        return self.across(tf.math.multiply_no_nan(value, weight), False)
+        return over_workers(self.across, self.worker_weight, value, by_examples)
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
         here = own_step_seat()

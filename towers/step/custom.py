@@ -38,7 +38,7 @@ from towers.step.custom_copies import (
     metric_variables,
 )
 from towers.step.gathered import concat_rows, whole_batch_loss
-from towers.step.lockstep import across_workers
+from towers.step.lockstep import across_workers, over_workers
 from towers.step.runner import Runner
 
 # The hooks a model overrides that make towers run Keras' steps.
@@ -176,10 +176,7 @@ class CustomStep:
         if before is not None:  # every worker's changes, summed
             with tf.device(self.placement.variable_device):
                 for v, b in zip(self._metric_variables(), before):
-                    mine = tf.math.multiply_no_nan(
-                        v - b, tf.cast(self._weight_here > 0, v.dtype)
-                    )
-                    v.assign(b + self._across(mine, False))
+                    v.assign(b + self._over_workers(v - b, by_examples=False))
         return self._read_logs(logs, shards)
 
     def _metric_variables(self) -> list[Any]:
@@ -191,12 +188,8 @@ class CustomStep:
         mine = tf.cast(shards.size, tf.float64)
         return tf.math.divide_no_nan(mine, self._across(mine, False))
 
-    def _over_workers(self, value: tf.Tensor) -> tf.Tensor:
-        """``value`` weighted by this worker's weight, summed over the workers
-        (a worker without examples adds zeros, whatever its value)."""
-        value = tf.convert_to_tensor(value)
-        weight = tf.cast(self._weight_here, value.dtype)
-        return self._across(tf.math.multiply_no_nan(value, weight), False)
+    def _over_workers(self, value: Any, by_examples: bool = True) -> tf.Tensor:
+        return over_workers(self._across, self._weight_here, value, by_examples)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
         """``model.<hook>(data)`` on every working tower's shard, run by the

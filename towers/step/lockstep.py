@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from towers._keras import loss_ids_kept
+from towers.combine import in_dtype
 from towers.step.meetings import Seat, seated
 
 T = TypeVar("T")
@@ -227,6 +228,22 @@ def in_lockstep(
     if first or errors:
         raise (first or errors)[0]
     return results
+
+
+def over_workers(
+    across: Callable | None, weight: Any, value: Any, by_examples: bool = True
+) -> tf.Tensor:
+    """``value`` summed over a cluster's workers (``across``), each weighted
+    by its share of the global batch ``weight`` (``by_examples``) or by 1, a
+    worker without examples by 0 whatever its value; ``value`` itself
+    without a cluster."""
+    value = tf.convert_to_tensor(value)
+    if across is None:
+        return value
+    weight = in_dtype(weight, value.dtype)
+    if not by_examples:
+        weight = tf.cast(weight > 0, value.dtype)
+    return across(tf.math.multiply_no_nan(value, weight), False)
 
 
 def across_workers(workers: Any, kind: str = "train") -> tuple[Callable | None, dict]:

@@ -80,12 +80,9 @@ def run(
 
 
 class MetAtDivisor(Exception):
-    """A pass the runner sent to run ``"once"`` meets at a divisor's sum.
-    Without XLA the towers are then traced one by one: the cut there was up
-    to a few percent slower a step (``benchmarks/bench_divisor.py``), though
-    faster to a first step. With XLA the cut serves: faster than running the
-    forward pass twice (an MLP on 4 towers: 3.9 to 4.2 ms against 4.5 to 4.7 ms
-    a step)."""
+    """A pass the runner sent to run ``"once"`` meets at a divisor's sum:
+    without XLA the towers are then traced one by one, whose steady steps
+    are faster than the cut's (``benchmarks/bench_divisor.py``)."""
 
 
 def compute(

@@ -59,7 +59,8 @@ class TowerPass:
       tape: the tape that recorded the pass (None in evaluation).
       moments: BatchNormalization moments by layer index (training only).
       states: with ``states`` given to :meth:`Tower.forward`, the model's
-        seed-generator states after the pass (for the next tower to start from).
+        seed-generator states after the pass (the first tower's are assigned
+        once, ``draws.Starts``).
       state, state_values: the other variables the pass assigned (a layer's
         counter, a metric it updates), and their values after it, for the
         step to assign once (``towers/step/state.py``).
@@ -139,14 +140,9 @@ class Tower:
       loss_scale: the current loss scale (a zero-arg function; 1 without loss
         scaling).
       own_loss: the model overrides Keras' ``compute_loss``: each tower calls
-        it on its shard, and its value, weighted by the tower's share of the
-        step's examples (``n_t / B``), is the tower's loss. That is exactly one
-        device's loss whenever the override is a mean over the batch, as
-        Keras' default is: a sum over examples divided by their number, model
-        losses (regularisers) included. A term that couples examples across
-        the batch (a contrastive loss, a batch-wide normaliser, a mean whose
-        divisor is the sample weights' sum) is computed per shard instead, and
-        is then not one device's.
+        it on its shard, weighted by its share ``n_t / B`` (one device's for a
+        mean over the batch; a term that couples the examples is the probe's,
+        ``probe.py``).
       jit: whether each tower's pass is one XLA computation
         (``towers/step/xla.py``): evaluation and prediction here, training in
         ``towers/step/segments.py``.
