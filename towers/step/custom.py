@@ -113,21 +113,30 @@ class CustomStep:
         self._across: Any = None
         self._weight_here: Any = None
         self._batch: list[Any] = []  # the step's input tensors, while traced
+        self._logs_found: dict[str, dict] = {}  # by hook: each number's kind
 
     @property
     def model(self) -> keras.Model:
         return self.placement.model
 
-    def probe(self, batch: tuple) -> None:
-        """Before the first training step of two or more examples: how each
-        loss the step takes the gradient of depends on the batch
-        (``towers/step/loss_kinds.py``); a no-op after, and where the model's
-        ``compute_loss`` is the whole batch's on every tower."""
-        if "train" not in self.kinds or self.applies.kinds is not None:
+    def probe(self, batch: tuple, training: bool = True) -> None:
+        """Before the first training (or evaluation) step of two or more
+        examples: how each loss the step takes the gradient of and each
+        number it returns depends on the batch (``loss_kinds.py``); a no-op
+        after, and where the model's ``compute_loss`` is the whole batch's on
+        every tower."""
+        hook = "train_step" if training else "test_step"
+        kind = "train" if training else "evaluate"
+        if kind not in self.kinds or hook in self._logs_found:
             return
         self.applies.whole_batch = self.runner.tower.coupled.gathered
-        if not self.applies.whole_batch:
-            self.applies.kinds = loss_kinds.probe(self.model, batch)
+        if self.applies.whole_batch:
+            return
+        found = loss_kinds.probe(self.model, batch, hook)
+        if found.losses is not None:
+            self._logs_found[hook] = found.logs
+            if training:
+                self.applies.kinds = found.losses
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step: the model's ``train_step`` on every tower.
@@ -177,7 +186,7 @@ class CustomStep:
             with tf.device(self.placement.variable_device):
                 for v, b in zip(self._metric_variables(), before):
                     v.assign(b + self._over_workers(v - b, by_examples=False))
-        return self._read_logs(logs, shards)
+        return self._read_logs(logs, shards, self._logs_found.get(hook, {}))
 
     def _metric_variables(self) -> list[Any]:
         return metric_variables(self.model)
@@ -253,12 +262,27 @@ class CustomStep:
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
 
-    def _read_logs(self, logs: list[Any], shards: Shards) -> dict[str, Any]:
+    def _as_mean(self, value: Any, share: Any) -> tf.Tensor:
+        """A number the step returns that sums over the tower's rows, as a
+        mean's: its batch-free terms apart, over the tower's share of the
+        (in a cluster, global) batch."""
+        value = tf.convert_to_tensor(value)
+        if self._weight_here is not None:
+            share = in_dtype(share, value.dtype) * in_dtype(
+                self._weight_here, value.dtype
+            )
+        free = loss_kinds.batch_free(value, self._batch)
+        rest = value if free is None else value - free
+        mean = tf.math.divide_no_nan(rest, in_dtype(share, value.dtype))
+        return mean if free is None else mean + free
+
+    def _read_logs(self, logs: list[Any], shards: Shards, kinds: dict) -> dict:
         """The step's logs: a metric's result (a value the step read from a
         metric's ``result()``, under its name; with a copy per tower, any
         value under a metric's name) read after every tower updated it; any
-        other value weighted by the towers' shares. A dict of them (Keras'
-        ``"compile_metrics"``) is read alike, entry by entry."""
+        other value weighted by the towers' shares, a sum's (by ``kinds``,
+        the probe's) as a mean's. A dict of them (Keras' ``"compile_metrics"``)
+        is read alike, entry by entry."""
         results = {}
         with tf.device(self.placement.variable_device):
             for metric in self.model.metrics:
@@ -281,8 +305,11 @@ class CustomStep:
                 return value
             parts = []
             for part, t in zip(values, working):
+                share = _share(shards, t)
+                if kinds.get(key) == "sum" and self.applies.as_mean(part) is part:
+                    part = self._as_mean(part, share)
                 part = tf.convert_to_tensor(self.applies.as_mean(part))
-                parts.append(part * in_dtype(_share(shards, t), part.dtype))
+                parts.append(part * in_dtype(share, part.dtype))
             total = tf.add_n(parts)
             return total if self.workers is None else self._over_workers(total)
 

@@ -16,6 +16,7 @@ refused by name before any update, unless the step gathers the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Literal
 
@@ -144,35 +145,51 @@ def gathered() -> None:
         recorder.gathers = True
 
 
-def probe(model: keras.Model, batch: tuple) -> list[Kind] | None:
-    """The kinds of the losses the model's ``train_step`` takes
-    ``tape.gradient`` of, in call order (None: fewer than two examples). A
-    loss with a value per example is a sum (the tape sums it); a vector of
-    another length (a mean per output) is read as its sum.
+@dataclasses.dataclass
+class Found:
+    """What :func:`probe` found: the kind of each loss the step took the
+    gradient of, in call order (None: not probed), and of each number the
+    step returns, by its key (a key that is neither is left out)."""
+
+    losses: list[Kind] | None
+    logs: dict[str, Kind]
+
+
+def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
+    """How the model's ``hook`` (its ``train_step`` or ``test_step``) reads
+    the batch, on two examples together and on each alone. A loss with a
+    value per example is a sum (the tape sums it); a vector of another length
+    (a mean per output) is read as its sum.
 
     Raises:
       ValueError: a loss that is neither a mean nor a sum over the examples.
     """
     size = int(tf.nest.flatten(batch[0])[0].shape[0])
     if size < 2:
-        return None
-    recorder = _Recorder(model)
-    run = tf.function(recorder.losses, autograph=False)
+        return Found(None, {})
+    recorder = _Recorder(model, hook)
+    run = tf.function(recorder.run, autograph=False)
     kinds: list[Any] = []
+    logs: dict[str, Any] = {}
     for first in range(0, min(size - 1, 2 * PAIRS), 2):
         parts = [_rows(batch, first, first + 2)]
         parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
-        values = [[float(v) for v in variant] for variant in run(*parts)]
+        losses, returned = run(*parts)
+        values = [[float(v) for v in variant] for variant in losses]
+        for key in returned[0]:
+            fits = readings(*(float(variant[key]) for variant in returned))
+            logs.setdefault(key, fits.pop() if len(fits) == 1 else None)
         if recorder.gathers:  # the whole batch's loss on every tower
-            return ["mean"] * len(values[0])
+            return Found(["mean"] * len(values[0]), {})
         read = [
             "sum" if rows else _kind(model, k, *(v[k] for v in values))
             for k, rows in enumerate(recorder.per_row())
         ]
         kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
         if all(kinds):
-            return kinds
-    return [kind or "mean" for kind in kinds]  # zero on every pair tried
+            break
+    logs = {key: kind for key, kind in logs.items() if kind}
+    return Found([kind or "mean" for kind in kinds], logs)  # 0 on every pair: either
 
 
 def _rows(batch: tuple, start: int, stop: int) -> tuple:
@@ -197,19 +214,19 @@ def _kind(model: keras.Model, k: int, together, alone0, alone1) -> Kind | None:
 
 
 class _Recorder:
-    """The model's ``train_step`` run on each of three parts (two examples,
-    then each alone), nothing applied or kept; per part, each loss it takes
-    the gradient of, less its batch-free terms, summed to one number."""
+    """The model's ``hook`` run on each of three parts (two examples, then
+    each alone), nothing applied or kept; per part, each loss it takes the
+    gradient of and each number it returns, less their batch-free terms."""
 
-    def __init__(self, model: keras.Model):
-        self.model = model
+    def __init__(self, model: keras.Model, hook: str):
+        self.model, self.hook = model, hook
         self.leading: list[list[Any]] = []  # per part, each loss's first axis
         self.gathers = False  # the step called towers.gather
         self._losses: list[tf.Tensor] | None = None
         self._batch: list[tf.Tensor] = []
 
-    def losses(self, *parts: tuple) -> list[list[tf.Tensor]]:
-        out, together = [], _Together(self.model)
+    def run(self, *parts: tuple) -> tuple[list[list[tf.Tensor]], list[dict]]:
+        out, logs, together = [], [], _Together(self.model)
         _probing.recorder = self
         try:
             with routed_gradients(self._gradient), routed_applies(_nothing):
@@ -223,11 +240,31 @@ class _Recorder:
                         rows = draws.rows(2 if first is None else 1, first or 0)
                         with keras.StatelessScope(), rows:
                             data = keras.utils.pack_x_y_sample_weight(x, y, sw)
-                            self.model.train_step(data)
+                            returned = getattr(self.model, self.hook)(data)
                         out.append(self._losses)
+                        logs.append(self._numbers(returned))
         finally:
             _probing.recorder = None
-        return out
+        keys = set.intersection(*(set(numbers) for numbers in logs))
+        return out, [
+            {k: v for k, v in numbers.items() if k in keys} for numbers in logs
+        ]
+
+    def _numbers(self, logs: Any) -> dict[str, tf.Tensor]:
+        """The step's returned float numbers by key (nested dicts' entries by
+        theirs), each less its batch-free terms."""
+        numbers = {}
+        for key, value in logs.items() if isinstance(logs, dict) else []:
+            if isinstance(value, dict):
+                numbers.update(self._numbers(value))
+            elif (
+                tf.is_tensor(value)
+                and value.dtype.is_floating
+                and value.shape.rank == 0
+            ):
+                free = batch_free(value, self._batch)
+                numbers[key] = value if free is None else value - free
+        return numbers
 
     def per_row(self) -> list[bool]:
         """Per loss: whether it has a value per example (a first axis as

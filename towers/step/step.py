@@ -168,8 +168,8 @@ class Step:
         coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
         batch, own = (x, y, sample_weight), self.tower.own_loss
         coupled.probe(model, batch, own, self.device, jit.strict, training)
-        if training and self.custom is not None:
-            self.custom.probe(batch)
+        if self.custom is not None:
+            self.custom.probe(batch, training)
         if coupled.gathered and jit.enabled:  # "auto"
             self.tower.jit = xla.without("the model's compute_loss gathers the batch")
 
