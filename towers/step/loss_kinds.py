@@ -257,11 +257,10 @@ class _Recorder:
         for key, value in logs.items() if isinstance(logs, dict) else []:
             if isinstance(value, dict):
                 numbers.update(self._numbers(value))
-            elif (
-                tf.is_tensor(value)
-                and value.dtype.is_floating
-                and value.shape.rank == 0
-            ):
+            elif tf.is_tensor(value) and tf.as_dtype(value.dtype).is_floating:
+                value = tf.convert_to_tensor(value)  # a variable: its value
+                if value.shape.rank != 0:
+                    continue
                 free = batch_free(value, self._batch)
                 numbers[key] = value if free is None else value - free
         return numbers
