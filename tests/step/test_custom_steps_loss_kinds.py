@@ -223,3 +223,72 @@ def test_a_gradient_with_respect_to_the_inputs_is_the_examples_own():
     np.testing.assert_allclose(
         history.history["value"], expected.history["value"], rtol=1e-12
     )
+
+
+class SummedGAN(keras.Model):
+    """A GAN whose discriminator loss sums over real and generated rows, the
+    latents a draw per row (a static shape on each tower: no tensor of the
+    batch reaches them, yet they move with its rows), with an EMA of the
+    generator and a Mean tracker, as keras.io's GANs have."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed = keras.random.SeedGenerator(7)
+        self.g = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5, "tanh")])
+        self.d = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        self.tracker = keras.metrics.Mean(name="g_loss")
+        self.ema = [keras.Variable(ops.zeros_like(w), trainable=False)
+                    for w in self.g.weights]  # fmt: skip
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def call(self, x):
+        return self.d(x)
+
+    def train_step(self, x):
+        g_opt = self.g_optimizer
+        z = keras.random.normal((ops.shape(x)[0], 3), seed=self.seed)
+        with tf.GradientTape() as tape:
+            fake = self.g(z)
+            d_loss = ops.sum(ops.softplus(-self.d(x))) + ops.sum(
+                ops.softplus(self.d(fake))
+            )
+        self.optimizer.apply(tape.gradient(d_loss, self.d.weights), self.d.weights)
+        z = keras.random.normal((ops.shape(x)[0], 3), seed=self.seed)
+        with tf.GradientTape() as tape:
+            g_loss = ops.mean(ops.softplus(-self.d(self.g(z)))) + penalty(self.g)
+        g_opt.apply(tape.gradient(g_loss, self.g.weights), self.g.weights)
+        for average, w in zip(self.ema, self.g.weights):
+            average.assign(0.9 * average + 0.1 * w)
+        self.tracker.update_state(g_loss)
+        return {"d_loss": d_loss, "g_loss": self.tracker.result()}
+
+
+def test_a_gan_whose_loss_sums_over_drawn_rows_trains_as_keras_fit():
+    def build():
+        keras.utils.set_random_seed(1)
+        model = SummedGAN()
+        model(np.zeros((1, 5)))
+        model.compile(optimizer=keras.optimizers.SGD(0.02))
+        model.g_optimizer = keras.optimizers.SGD(0.05)
+        return model
+
+    x = regression(23)[0]
+    engine, reference = Towers(build(), devices=devices(3)), build()
+    before = [v.numpy() for v in reference.variables]
+
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = engine.fit(x, **fit)
+    expected = reference.fit(x, **fit)
+
+    for got, want, b in zip(engine.model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14, err_msg=want.path
+        )
+    assert int(engine.model.g_optimizer.iterations) == 6
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(
+            history.history[key], expected.history[key], rtol=1e-12
+        )

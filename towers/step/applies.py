@@ -69,7 +69,7 @@ class Applies:
         if here is None:
             return gradient(target)
         kind = self._kind(here)
-        before, here.summing = here.summing, kind == "sum"  # a backward sum's
+        before, here.summing = here.summing, kind != "mean"  # a backward sum's
         try:
             grads = gradient(target)
         finally:
@@ -84,7 +84,8 @@ class Applies:
         free = None
         if tf.convert_to_tensor(target).shape.rank == 0:
             target = tf.convert_to_tensor(target)
-            free = loss_kinds.batch_free(target, self.batch)
+            if kind == "sum":  # its batch-free terms set apart
+                free = loss_kinds.batch_free(target, self.batch)
             rest = target if free is None else target - free
             mean = tf.math.divide_no_nan(rest, in_dtype(share, target.dtype))
             self.means[target.ref()] = mean if free is None else mean + free

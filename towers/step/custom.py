@@ -262,16 +262,16 @@ class CustomStep:
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
 
-    def _as_mean(self, value: Any, share: Any) -> tf.Tensor:
+    def _as_mean(self, value: Any, share: Any, apart: bool) -> tf.Tensor:
         """A number the step returns that sums over the tower's rows, as a
-        mean's: its batch-free terms apart, over the tower's share of the
-        (in a cluster, global) batch."""
+        mean's: its batch-free terms apart (``apart``), over the tower's share
+        of the (in a cluster, global) batch."""
         value = tf.convert_to_tensor(value)
         if self._weight_here is not None:
             share = in_dtype(share, value.dtype) * in_dtype(
                 self._weight_here, value.dtype
             )
-        free = loss_kinds.batch_free(value, self._batch)
+        free = loss_kinds.batch_free(value, self._batch) if apart else None
         rest = value if free is None else value - free
         mean = tf.math.divide_no_nan(rest, in_dtype(share, value.dtype))
         return mean if free is None else mean + free
@@ -306,8 +306,9 @@ class CustomStep:
             parts = []
             for part, t in zip(values, working):
                 share = _share(shards, t)
-                if kinds.get(key) == "sum" and self.applies.as_mean(part) is part:
-                    part = self._as_mean(part, share)
+                kind = kinds.get(key, "mean")
+                if kind != "mean" and self.applies.as_mean(part) is part:
+                    part = self._as_mean(part, share, kind == "sum")
                 part = tf.convert_to_tensor(self.applies.as_mean(part))
                 parts.append(part * in_dtype(share, part.dtype))
             total = tf.add_n(parts)

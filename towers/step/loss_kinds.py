@@ -36,7 +36,9 @@ from towers.split import take_rows
 from towers.step import draws
 from towers.step.probe import readings
 
-Kind = Literal["mean", "sum"]
+# "whole_sum": a sum whose terms that read no tensor of the batch still move
+# with its rows (a draw per row of a static shape): nothing is set apart.
+Kind = Literal["mean", "sum", "whole_sum"]
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4
@@ -175,15 +177,15 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
         parts = [_rows(batch, first, first + 2)]
         parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
         losses, returned = run(*parts)
-        values = [[float(v) for v in variant] for variant in losses]
+        losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
         for key in returned[0]:
-            fits = readings(*(float(variant[key]) for variant in returned))
-            logs.setdefault(key, fits.pop() if len(fits) == 1 else None)
+            value = _less_free([variant[key].numpy() for variant in returned])
+            logs.setdefault(key, _kind(model, value, None))
         if recorder.gathers:  # the whole batch's loss on every tower
-            return Found(["mean"] * len(values[0]), {})
+            return Found(["mean"] * len(losses), {})
         read = [
-            "sum" if rows else _kind(model, k, *(v[k] for v in values))
-            for k, rows in enumerate(recorder.per_row())
+            "sum" if rows else _kind(model, value, k)
+            for k, (rows, value) in enumerate(zip(recorder.per_row(), losses))
         ]
         kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
         if all(kinds):
@@ -196,11 +198,28 @@ def _rows(batch: tuple, start: int, stop: int) -> tuple:
     return tf.nest.map_structure(lambda leaf: take_rows(leaf, start, stop), batch)
 
 
-def _kind(model: keras.Model, k: int, together, alone0, alone1) -> Kind | None:
-    """The kind of the ``k``-th loss from its values (None: either fits)."""
+def _less_free(pairs: list) -> tuple[list[float], bool]:
+    """A number's values on the three parts less its batch-free terms, and
+    whether those terms were set apart: not where they differ from part to
+    part (they moved with the rows after all)."""
+    whole = [float(value) for value, _ in pairs]
+    free = [float(free) for _, free in pairs]
+    if max(free) - min(free) > 1e-6 * max(map(abs, free)) + 1e-12:
+        return whole, False
+    return [w - f for w, f in zip(whole, free)], True
+
+
+def _kind(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
+    """The kind of the ``k``-th loss (None: a number the step returns) from
+    :func:`_less_free`'s values (None: either fits; a returned number that
+    is neither)."""
+    (together, alone0, alone1), apart = value
     fits = readings(together, alone0, alone1)
-    if fits:
-        return fits.pop() if len(fits) == 1 else None
+    if len(fits) == 1:
+        kind = fits.pop()
+        return kind if kind == "mean" or apart else "whole_sum"
+    if fits or k is None:
+        return None
     raise ValueError(
         f"{type(model).__name__}.train_step on towers: the loss of its "
         f"tape.gradient call {k + 1}, less its terms that read no example, is "
@@ -261,8 +280,7 @@ class _Recorder:
                 value = tf.convert_to_tensor(value)  # a variable: its value
                 if value.shape.rank != 0:
                     continue
-                free = batch_free(value, self._batch)
-                numbers[key] = value if free is None else value - free
+                numbers[key] = _with_free(value, batch_free(value, self._batch))
         return numbers
 
     def per_row(self) -> list[bool]:
@@ -274,8 +292,14 @@ class _Recorder:
         loss = tf.convert_to_tensor(target)
         self.leading[-1].append(loss.shape[0] if loss.shape.rank else None)
         free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
-        self._losses.append(tf.reduce_sum(loss if free is None else loss - free))
+        self._losses.append(_with_free(tf.reduce_sum(loss), free))
         return own(target)
+
+
+def _with_free(value: tf.Tensor, free: tf.Tensor | None) -> tf.Tensor:
+    """``[value, its batch-free terms]`` (0 for none), float64."""
+    free = tf.zeros_like(value) if free is None else free
+    return tf.cast(tf.stack([value, tf.cast(free, value.dtype)]), tf.float64)
 
 
 def _nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:
