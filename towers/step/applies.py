@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.combine import combine_gradients, in_dtype
+from towers.combine import combine_gradients
 from towers.placement.update import if_finite
 from towers.step import loss_kinds
 from towers.step.meetings import own_step_seat, seated
@@ -86,9 +86,7 @@ class Applies:
             target = tf.convert_to_tensor(target)
             if kind == "sum":  # its batch-free terms set apart
                 free = loss_kinds.batch_free(target, self.batch)
-            rest = target if free is None else target - free
-            mean = tf.math.divide_no_nan(rest, in_dtype(share, target.dtype))
-            self.means[target.ref()] = mean if free is None else mean + free
+            [self.means[target.ref()]] = loss_kinds.as_mean([target], [free], share)
         free_grads = [None] * len(flat)
         if free is not None:
             free_grads = tf.gradients(free, sources)

@@ -272,9 +272,7 @@ class CustomStep:
                 self._weight_here, value.dtype
             )
         free = loss_kinds.batch_free(value, self._batch) if apart else None
-        rest = value if free is None else value - free
-        mean = tf.math.divide_no_nan(rest, in_dtype(share, value.dtype))
-        return mean if free is None else mean + free
+        return loss_kinds.as_mean([value], [free], share)[0]
 
     def _read_logs(self, logs: list[Any], shards: Shards, kinds: dict) -> dict:
         """The step's logs: a metric's result (a value the step read from a

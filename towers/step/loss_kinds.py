@@ -121,8 +121,8 @@ class _Reads:
 
 
 def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:
-    """A sum's gradients as a mean's: ``(g - g_c) / s + g_c`` per gradient
-    (``free_grads``: the batch-free terms' ``g_c``, None where none)."""
+    """A sum's gradients (or values) as a mean's: ``(g - g_c) / s + g_c``
+    each (``free_grads``: the batch-free terms' ``g_c``, None where none)."""
     out = []
     for g, c in zip(grads, free_grads):
         if g is None:
