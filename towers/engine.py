@@ -242,6 +242,8 @@ class Towers(Trainer):
         1
         """
         self.update.flush()
+        if self.step.custom is not None:  # a model's own step's optimizers
+            self.step.custom.applies.flush()
 
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch, puts it on the host as tensors, builds a model
@@ -275,7 +277,11 @@ class Towers(Trainer):
         >>> sorted(make_engine(accumulate_steps=2).training_state())
         ['accumulator', 'model', 'optimizer', 'steps_done']
         """
-        return {"model": self.model, "optimizer": self.optimizer, **self.update.state()}
+        state = {"model": self.model, "optimizer": self.optimizer}
+        custom = self.step.custom
+        if custom is not None and custom.applies.accumulate_steps > 1:
+            state["own_step_updates"] = custom.applies.saved
+        return {**state, **self.update.state()}
 
     def after_restore(self) -> None:
         """Brings every tower's copy (if any) to a restored checkpoint.

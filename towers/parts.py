@@ -171,6 +171,7 @@ def make_step(
             step.runner,
             update,
             kinds,
+            metrics,
             workers,
             moving,
             options["accumulate_steps"],

@@ -1,6 +1,6 @@
 """The engine's options with a model's own train_step, per apply
 (towers/step/applies.py), against Keras' own fit on one device in float64:
-accumulate_steps as Keras' optimizer gradient_accumulation_steps, and
+accumulate_steps as one step on each window's batches, and
 on_nonfinite skipping (or raising at) an apply whose combined gradient is
 not finite, nothing half-applied."""
 
@@ -31,26 +31,48 @@ def accumulating(model, steps):
 
 
 @pytest.mark.parametrize("num_towers", [2, 3])
-def test_accumulate_steps_trains_as_keras_gradient_accumulation(num_towers):
-    x, y = regression(24)  # batches 7, 7, 7, 3: uneven on 2 and 3 towers
+def test_accumulate_steps_trains_as_one_step_on_each_window(num_towers):
+    # Batches of 7, 7, 7, 3 in windows of two: one step on 14, one on 10,
+    # each micro-batch weighed by its examples, as the built-in step does.
+    x, y = regression(24)
     engine = Towers(guide_model(), devices=devices(num_towers), accumulate_steps=2)
-    reference = accumulating(guide_model(), 2)
+    reference = guide_model()
     before = [v.numpy() for v in reference.variables]
 
     history = engine.fit(x, y, **FIT)
-    expected = reference.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **{**FIT, "batch_size": 14})
 
     assert_every_variable_moved_alike(engine.model, reference, before)
-    assert engine.model.optimizer.gradient_accumulation_steps == 2
     iterations = int(reference.optimizer.iterations)
     assert int(engine.model.optimizer.iterations) == iterations == 4  # 8 steps / 2
-    for key, values in expected.history.items():
-        np.testing.assert_allclose(history.history[key], values, rtol=1e-10)
+    assert engine.steps_done == 8
+    # A streaming metric sees each example once, at the window's weights.
+    # (The guide's loss tracker takes a number per batch: micro-batches'.)
+    np.testing.assert_allclose(
+        history.history["mae"], expected.history["mae"], rtol=1e-10
+    )
+
+
+def test_an_epochs_partial_window_is_applied_at_its_end():
+    # 29 examples in batches of 8: windows of 8, 8, 8 and of 5 alone, which
+    # fit applies as the epoch ends: one step on 24, one on 5, per epoch.
+    x, y = regression(29)
+    engine = Towers(guide_model(), devices=devices(3), accumulate_steps=3)
+    reference = guide_model()
+    before = [v.numpy() for v in reference.variables]
+
+    engine.fit(x, y, **{**FIT, "batch_size": 8})
+    reference.fit(x, y, **{**FIT, "batch_size": 24})
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    assert int(engine.model.optimizer.iterations) == 4
 
 
 def test_accumulate_steps_reaches_every_optimizer_a_gan_applies_with():
+    # A GAN's generator step reads the discriminator as the window left it,
+    # as Keras' own accumulation does: windows of equal batches agree with it.
     rng = np.random.default_rng(0)
-    real, z = rng.standard_normal((29, 2)), rng.standard_normal((29, 3))
+    real, z = rng.standard_normal((24, 2)), rng.standard_normal((24, 3))
     engine = Towers(gan(), devices=devices(3), accumulate_steps=3)
     reference = accumulating(gan(), 3)
     before = [v.numpy() for v in reference.variables]
@@ -59,6 +81,23 @@ def test_accumulate_steps_reaches_every_optimizer_a_gan_applies_with():
     reference.fit(real, z, batch_size=8, epochs=2, shuffle=False, verbose=0)
 
     assert_every_variable_moved_alike(engine.model, reference, before)
+    assert int(engine.model.d_optimizer.iterations) == 2
+
+
+def test_an_own_step_resumed_inside_a_window_trains_as_one_never_stopped(tmp_path):
+    # One epoch of 3 batches in windows of 2: the checkpoint at its end
+    # holds the second window's first batch, which the resumed run finishes.
+    x, y = regression(21)
+    run = dict(batch_size=7, shuffle=False, verbose=0)
+    resumed = Towers(guide_model(), devices=devices(2), accumulate_steps=2)
+    resumed.fit(x, y, epochs=1, checkpoint_dir=str(tmp_path), **run)
+    resumed = Towers(guide_model(), devices=devices(2), accumulate_steps=2)
+    resumed.fit(x, y, epochs=2, checkpoint_dir=str(tmp_path), **run)
+    straight = Towers(guide_model(), devices=devices(2), accumulate_steps=2)
+    straight.fit(x, y, epochs=2, **run)
+
+    for v, w in zip(resumed.model.variables, straight.model.variables, strict=True):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.path)
 
 
 def test_an_optimizer_accumulating_otherwise_is_refused_by_name():

@@ -65,10 +65,8 @@ def test_changes_summed_from_two_workers_equal_one_update_on_both_shares():
     before, their_before = mine.snapshot(), theirs.snapshot()
     mine.update(None, y[:2], [logits[:2]])
     theirs.update(None, y[2:], [logits[2:]])
-    changes = mine.changes_since(before)
-    their_changes = theirs.changes_since(their_before)
-    summed = [a + b for a, b in zip(changes.deltas, their_changes.deltas)]
-    mine.set_changes(changes, summed)
+    summed = [a + b for a, b in zip(before.deltas(), their_before.deltas())]
+    before.set(summed)
 
     # Check equivalence with one update on the whole batch.
     whole = built(compiled(["sparse_categorical_accuracy"]), y, logits)

@@ -265,3 +265,9 @@ def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
     """``evaluate``'s list: the results in the order of the model's metrics,
     the loss alone when it is the only one (Keras' own rule)."""
     return model._flatten_metrics_in_order(logs)
+
+
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """The variables a built optimizer applies to when ``apply`` is given
+    none (Keras keeps them privately)."""
+    return list(optimizer._trainable_variables)

@@ -5,11 +5,12 @@ every ``tape.gradient``, is routed here. A gradient is handed back as the
 gradient of a mean over the tower's rows (``loss_kinds.py``); at an apply
 each tower hands in its gradients and its share ``n_t / B``, and the first
 combines them (``combine_gradients``), sums them over the workers, and applies
-once on the variable device, by the engine's policies: ``on_nonfinite`` per
-apply (``placement/update.py``'s rule; ``"raise"`` refuses a step that would
-be left half-applied), ``accumulate_steps`` as Keras'
-``gradient_accumulation_steps``. With a copy per tower each tower applies to
-its own, all-reduced (replicated) or alone (independent).
+once on the variable device through the optimizer's ``placement/update.py``
+``Update``, the built-in step's: ``on_nonfinite`` per apply (``"raise"``
+refuses a step that would be left half-applied) and ``accumulate_steps``
+(the examples-weighted mean of k steps, saved with checkpoints). With a copy
+per tower each tower applies to its own, all-reduced (replicated) or alone
+(independent).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import optimizer_variables
 from towers.combine import combine_gradients
-from towers.placement.update import if_finite
+from towers.placement.update import Update
 from towers.step import loss_kinds
 from towers.step.meetings import own_step_seat, seated
 
@@ -36,19 +38,24 @@ class Applies:
     Args:
       placement: where the variables live; combines (its reducer) and, with
         a copy per tower, all-reduces.
-      on_nonfinite: ``"ignore"``, ``"skip"`` or ``"raise"``.
-      accumulate_steps: Keras' ``gradient_accumulation_steps`` for each
-        optimizer the step applies with (1: none).
+      update: the engine's (its ``on_nonfinite``, its steps counter).
+      accumulate_steps: the engine's, for each optimizer's update.
 
     Attributes:
       names: the optimizers met at, in order, while a step is traced.
       checked: per checked apply, its flags (one per gradient) and variables.
+      saved: what checkpoints save: each update's accumulator.
     """
 
-    def __init__(self, placement: Any, on_nonfinite: str, accumulate_steps: int):
+    def __init__(self, placement: Any, update: Update, accumulate_steps: int):
         self.placement = placement
-        self.on_nonfinite = on_nonfinite
+        self.engine_update = update
+        self.on_nonfinite = update.on_nonfinite
         self.accumulate_steps = accumulate_steps
+        self.updates: dict[int, Update] = {}  # by optimizer, at its first apply
+        self.saved = tf.Module(name="own_step_updates")
+        self.saved.accumulators = []
+        self.examples: Any = None  # the step's (global) examples, while traced
         # The kinds of the step's losses, in call order (loss_kinds.probe).
         self.kinds: list[loss_kinds.Kind] | None = None
         self.whole_batch = False  # every loss the whole batch's (gathered)
@@ -181,18 +188,47 @@ class Applies:
                     return self._apply(optimizer, combined, variables, apply)
 
     def _apply(self, optimizer: Any, grads: list, variables: Any, apply: Any) -> Any:
-        """``apply(grads, variables)`` by the policies (the module docstring)."""
-        if self.accumulate_steps > 1:
-            _accumulating(optimizer, self.accumulate_steps)
-        if self.on_nonfinite == "ignore":
-            return apply(grads, variables)
-        if not optimizer.built:  # as its apply would, outside the condition
-            optimizer.build(variables)
-        pairs = [(g, i) for i, g in enumerate(grads) if g is not None]
-        flags = if_finite([g for g, _ in pairs], lambda: apply(grads, variables))
-        named = variables or [f"gradient {i} of {optimizer.name}" for _, i in pairs]
-        self.checked.append((flags, [named[i] for _, i in pairs]))
+        """``grads`` applied by the optimizer's :class:`Update`: the engine's
+        policies, as the built-in step's apply takes them."""
+        if variables is None:  # the variables it was built with (Keras' rule)
+            variables = optimizer_variables(optimizer)
+        if all(g is None for g in grads):
+            return apply(grads, variables)  # Keras' own refusal
+        update = self._update_of(optimizer, variables)
+        flags = update.apply(grads, variables, lambda: None, self.examples)
+        if flags is not None:
+            self.checked.append((flags, list(update.applied)))
         return None
+
+    def _update_of(self, optimizer: Any, variables: list) -> Update:
+        """``optimizer``'s update, made at its first apply (out of the trace:
+        its accumulators are saved with checkpoints, ``saved``)."""
+        update = self.updates.get(id(optimizer))
+        if update is None:
+            own = optimizer.gradient_accumulation_steps
+            if self.accumulate_steps > 1 and own not in (None, 1):
+                raise ValueError(
+                    f"accumulate_steps={self.accumulate_steps} accumulates a "
+                    "model's own train_step's applies in towers; received "
+                    f"{optimizer.name}, which accumulates {own} steps itself. "
+                    "Pass one of them. Nothing was updated."
+                )
+            with tf.init_scope():
+                engine = self.engine_update
+                update = Update(
+                    optimizer, engine.device, self.on_nonfinite, self.accumulate_steps
+                )
+                update.steps = engine.steps  # the engine counts the steps
+                update.build(variables)
+            if update.accumulator is not None:
+                self.saved.accumulators.append(update.accumulator)
+            self.updates[id(optimizer)] = update
+        return update
+
+    def flush(self) -> None:
+        """Applies every partly filled accumulation window (``Update.flush``)."""
+        for update in self.updates.values():
+            update.flush()
 
     def _apply_each(self, seat: Any, handed: list, apply: Any) -> Any:
         """The apply of ``seat``'s tower to its copy's variables (what it
@@ -239,24 +275,3 @@ def check_same(handed: list[tuple], copies: bool = False) -> None:
                 f"{other} {theirs.name} to {len(their_variables)}. A step must "
                 "make the same applies on every shard; nothing was updated."
             )
-
-
-def _accumulating(optimizer: Any, steps: int) -> None:
-    """Gives ``optimizer`` Keras' ``gradient_accumulation_steps=steps`` before
-    it is built (its accumulators are made then).
-
-    Raises:
-      ValueError: it was built already, or accumulates by another count.
-    """
-    own = optimizer.gradient_accumulation_steps
-    if own == steps:
-        return
-    if optimizer.built or own is not None:
-        why = "was built already" if own is None else f"accumulates {own} steps"
-        raise ValueError(
-            f"accumulate_steps={steps} with a model's own train_step gives each "
-            "optimizer it applies with Keras' gradient_accumulation_steps, "
-            f"before it is built; received {optimizer.name}, which {why}. Pass "
-            "gradient_accumulation_steps to the optimizer instead."
-        )
-    optimizer.gradient_accumulation_steps = steps

@@ -32,11 +32,7 @@ from towers.step import draws, loss_kinds, xla
 from towers.step.applies import Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
-from towers.step.custom_copies import (
-    gather_metrics,
-    level_metrics,
-    metric_variables,
-)
+from towers.step.custom_copies import gather_metrics, level_metrics
 from towers.step.gathered import concat_rows, whole_batch_loss
 from towers.step.lockstep import across_workers, over_workers
 from towers.step.runner import Runner
@@ -97,6 +93,7 @@ class CustomStep:
         runner: Runner,
         update: Update,
         kinds: frozenset[str],
+        metrics: Any,
         workers: Any = None,
         moving: Any = None,
         accumulate_steps: int = 1,
@@ -105,9 +102,10 @@ class CustomStep:
         self.runner = runner
         self.update = update
         self.kinds = kinds
+        self.metrics = metrics  # the engine's (towers/step/metrics.py)
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
         self.moving = moving  # BatchNormalization's (towers/step/batchnorm.py)
-        self.applies = Applies(placement, update.on_nonfinite, accumulate_steps)
+        self.applies = Applies(placement, update, accumulate_steps)
         # In a cluster, while a step is traced: the workers' sum, and this
         # worker's weight in it (B_w / B, 0 without examples).
         self._across: Any = None
@@ -171,31 +169,25 @@ class CustomStep:
         copies = len(self.placement.models) > 1  # custom_copies.py
         levelled = level_metrics(self.placement.models) if copies else None
         self._batch = tf.nest.flatten((x, y, sample_weight), expand_composites=True)
-        before = None
+        before, examples = None, tf.cast(shards.size, tf.float64)
         if self.workers is not None:
             with tf.device(self.placement.variable_device):
-                before = [tf.identity(v) for v in self._metric_variables()]
-                self._weight_here = self._workers_weight(shards)
+                before = self.metrics.snapshot(tracker=True)
+                mine, examples = examples, self._across(examples, False)
+                # This worker's weight in the workers' sums: B_w / B.
+                self._weight_here = tf.math.divide_no_nan(mine, examples)
             # A backward sum over the workers (global batch statistics')
             # weighs each worker's upstream gradient as its gradients are.
             weight["examples"] = self._weight_here
+        self.applies.examples = tf.cast(examples, tf.float32)
         logs = self._run(hook, shards)
         if copies:
             gather_metrics(self.placement.models, levelled)
         if before is not None:  # every worker's changes, summed
             with tf.device(self.placement.variable_device):
-                for v, b in zip(self._metric_variables(), before):
-                    v.assign(b + self._over_workers(v - b, by_examples=False))
+                deltas = before.deltas()
+                before.set([self._over_workers(d, False) for d in deltas])
         return self._read_logs(logs, shards, self._logs_found.get(hook, {}))
-
-    def _metric_variables(self) -> list[Any]:
-        return metric_variables(self.model)
-
-    def _workers_weight(self, shards: Shards) -> Any:
-        """This worker's weight in the workers' sums: B_w / B (0 for a worker
-        without examples)."""
-        mine = tf.cast(shards.size, tf.float64)
-        return tf.math.divide_no_nan(mine, self._across(mine, False))
 
     def _over_workers(self, value: Any, by_examples: bool = True) -> tf.Tensor:
         return over_workers(self._across, self._weight_here, value, by_examples)

@@ -29,15 +29,22 @@ from towers._keras import (
 
 @dataclasses.dataclass
 class Changes:
-    """How this worker's step moved its metric variables.
+    """Metric variables and their values before a step's towers, to sum each
+    one's change over the workers."""
 
-    Attributes:
-      before: each metric variable's value before the step.
-      deltas: after minus before, in the same order: what the workers sum.
-    """
-
+    variables: list[Any]
     before: list[tf.Tensor]
-    deltas: list[tf.Tensor]
+
+    def deltas(self) -> list[tf.Tensor]:
+        """Each variable's change since: what the workers sum."""
+        pairs = zip(self.variables, self.before)
+        return [tf.convert_to_tensor(v) - b for v, b in pairs]
+
+    def set(self, deltas: Sequence[tf.Tensor]) -> None:
+        """Sets each variable to its value before plus ``deltas`` (every
+        worker's changes, summed)."""
+        for var, old, delta in zip(self.variables, self.before, deltas):
+            var.assign(old + delta)
 
 
 class Metrics:
@@ -140,28 +147,10 @@ class Metrics:
         as Keras' ``get_metrics_result`` gives them."""
         return self.model.get_metrics_result()
 
-    def snapshot(self) -> list[tf.Tensor]:
-        """Every metric variable's value now (the loss tracker's aside): read
-        before a step's towers, for :meth:`changes_since`."""
-        return [tf.convert_to_tensor(v) for v in self._variables]
-
-    def changes_since(self, before: list[tf.Tensor]) -> Changes:
-        """How the step moved the metric variables since :meth:`snapshot`."""
-        deltas = [tf.convert_to_tensor(v) - b for v, b in zip(self._variables, before)]
-        return Changes(before, deltas)
-
-    def set_changes(self, changes: Changes, deltas: Sequence[tf.Tensor]) -> None:
-        """Sets each metric variable to its value before the step plus
-        ``deltas`` (every worker's changes, summed)."""
-        for var, old, delta in zip(self._variables, changes.before, deltas):
-            var.assign(old + delta)
-
-    @property
-    def _variables(self) -> list[Any]:
-        tracker = self.loss_tracker
-        return [
-            v
-            for metric in self.model.metrics
-            if metric is not tracker
-            for v in metric.variables
-        ]
+    def snapshot(self, tracker: bool = False) -> Changes:
+        """Every metric variable's value now, the loss tracker's only with
+        ``tracker`` (a model's own step updates it itself)."""
+        skip = None if tracker else self.loss_tracker
+        variables = [v for metric in self.model.metrics if metric is not skip
+                     for v in metric.variables]  # fmt: skip
+        return Changes(variables, [tf.convert_to_tensor(v) for v in variables])

@@ -341,19 +341,18 @@ class Step:
         every other worker's (the metrics then hold the cluster's); a
         ``Summed`` with ``state``: the state's summed changes."""
         with tf.device(self.device), tf.name_scope("across_workers"):
-            changes = self.metrics.changes_since(before)
-            sent = exchanged(settled)
+            deltas, sent = before.deltas(), exchanged(settled)
             summed = self.workers.step(
                 grads,
                 loss,
                 examples,
-                [*changes.deltas, *sent],
+                [*deltas, *sent],
                 weight,
                 kind,
                 means=list(outputs.values()),
             )
-            cut = len(changes.deltas)
-            self.metrics.set_changes(changes, summed.extras[:cut])
+            cut = len(deltas)
+            before.set(summed.extras[:cut])
             summed.state = summed.extras[cut:]
         return summed
 
