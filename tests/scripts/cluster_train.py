@@ -88,10 +88,10 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 if args.in_turns:  # every pass as if it could not be cut: the towers take turns
-    from towers.step import segments
+    from towers.step import meetings, segments
 
     def _uncuttable(*arguments, **named):
-        raise segments.Uncuttable("--in-turns")
+        raise meetings.Unserved("--in-turns")
 
     segments.compute = _uncuttable
 

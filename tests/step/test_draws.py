@@ -10,7 +10,7 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import draws, runner, segments
+from towers.step import draws, meetings, runner, segments
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 
@@ -90,7 +90,7 @@ def test_draws_tower_by_tower_are_one_devices(float64, monkeypatch):
     def counted(*args):
         try:
             return compute(*args)
-        except segments.MetAtDivisor:
+        except meetings.Unserved:
             met.append(1)
             raise
 
@@ -201,4 +201,4 @@ def test_a_shuffle_of_the_examples_is_refused_by_name_before_any_update():
 
 
 def _uncuttable(*arguments):
-    raise segments.Uncuttable("forced by the test")
+    raise meetings.Unserved("forced by the test")

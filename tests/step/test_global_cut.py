@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from towers import Towers
-from towers.step import runner, segments
+from towers.step import meetings, runner, segments
 
 
 class Counting(keras.layers.Layer):
@@ -79,4 +79,4 @@ def test_the_cut_pass_gives_the_locksteps_numbers(
 
 
 def _uncuttable(*arguments):
-    raise segments.Uncuttable("forced by the test")
+    raise meetings.Unserved("forced by the test")

@@ -62,7 +62,7 @@ def by_kind(decided):
         (build_mlp, 1, {}, "alone", "alone"),  # nobody to share a trace with
         (build_mlp, 3, {}, "once", "once"),
         (build_mlp, 3, {"placement": "replicated"}, "alone", "alone"),  # a copy each
-        (build_mlp, 3, {"jit_compile": True}, "once", "once"),
+        (build_mlp, 3, {"jit_compile": True}, "phases", "once"),  # cut where met
         (batch_norm_mlp, 3, {"batch_statistics": "global"}, "phases", "once"),
         (batch_norm_mlp, 1, {"batch_statistics": "global"}, "alone", "alone"),
     ],
@@ -108,7 +108,7 @@ def test_a_pass_that_cannot_be_cut_takes_turns_without_xla(monkeypatch):
     turns = runner_module.turns
 
     def uncuttable(*args):
-        raise runner_module.segments.Uncuttable("forced by the test")
+        raise runner_module.meetings.Unserved("forced by the test")
 
     monkeypatch.setattr(runner_module.segments, "compute", uncuttable)
     monkeypatch.setattr(

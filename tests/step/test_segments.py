@@ -128,7 +128,7 @@ def test_each_tower_runs_its_phases_on_its_own_device(num_towers):
         assert len(mine) == phases
         assert {c.device for c in mine} == {canonical_device(device)}
     sums = [op for op in graph.get_operations() if "towers_sum" in op.name]
-    assert sums and all(op.type in ("AddN", "Identity") for op in sums)
+    assert sums and all(op.type in ("AddN", "Identity", "StopGradient") for op in sums)
 
 
 def test_independent_sums_share_a_phase():

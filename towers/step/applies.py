@@ -25,7 +25,8 @@ from towers._keras import optimizer_variables
 from towers.combine import combine_gradients
 from towers.placement.update import Update
 from towers.step import loss_kinds
-from towers.step.meetings import own_step_seat, seated
+from towers.step.lockstep import over_workers
+from towers.step.meetings import current, seated
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
 # range (the shapes differ from apply to apply).
@@ -61,19 +62,20 @@ class Applies:
         self.whole_batch = False  # every loss the whole batch's (gathered)
         self.begin(None, [])
 
-    def begin(self, over_workers: Any, batch: list[tf.Tensor], worker: Any = None):
-        """A step is traced: ``over_workers(value)``, a value weighted by this
-        worker's weight ``worker`` (``B_w / B``) and summed over the workers
-        (None: no cluster); ``batch``: the step's input tensors."""
-        self.names, self.checked, self.over_workers = [], [], over_workers
-        self.batch, self.worker, self.means, self._calls = batch, worker, {}, {}
+    def begin(self, across: Any, batch: list[tf.Tensor]):
+        """A step is traced: ``across``, the runner's handle on a cluster's
+        workers (its ``weight``: this worker's ``B_w / B``), or None;
+        ``batch``: the step's input tensors."""
+        self.names, self.checked, self.across = [], [], across
+        self.batch, self.means, self._calls = batch, {}, {}
+        self.worker = None if across is None else across.weight
 
     def gradient(self, target: Any, sources: Any, gradient: Callable) -> Any:
         """``tape.gradient(target, sources)`` inside a tower's step
         (``gradient``: the tape's own): taken, and handed back as the
         gradient of a mean over the tower's rows (``loss_kinds``)."""
-        here = own_step_seat()
-        if here is None:
+        here = current()
+        if not here.own:
             return gradient(target)
         kind = self._kind(here)
         before, here.summing = here.summing, kind != "mean"  # a backward sum's
@@ -154,8 +156,8 @@ class Applies:
     def meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
         """An ``optimizer.apply(grads, variables)`` inside a tower's step
         (``apply``: the optimizer's own): met, combined, applied once."""
-        here = own_step_seat()
-        if here is None:  # not a tower's step, or the apply itself
+        here = current()
+        if not here.own:  # not a tower's step, or the apply itself
             return apply(grads, variables)
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
@@ -178,10 +180,10 @@ class Applies:
                         reduction="sum",
                         reducer=self.placement.reducer,
                     )
-                if self.over_workers is not None:
+                if self.across is not None:
                     with tf.name_scope("across_workers/"):
                         combined = [
-                            None if g is None else self.over_workers(g)
+                            None if g is None else over_workers(self.across, g)
                             for g in combined
                         ]
                 with tf.name_scope("apply/"):

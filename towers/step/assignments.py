@@ -34,7 +34,7 @@ from towers._keras import in_stateless_scope, layers_of
 from towers._keras.patches import routed_assignments, routed_calls
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
-from towers.step.meetings import own_step_seat
+from towers.step.meetings import current
 from towers.step.state import aggregate, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
@@ -49,8 +49,8 @@ def quiet() -> Iterator[None]:
     (its seat says so): a loss computed again only for a part of its
     gradient (``towers/step/gathered.py``). Every tower is quiet alike, so
     they still meet alike."""
-    seat = own_step_seat()
-    before = getattr(seat, "quiet", False)
+    seat = current()
+    before = seat.quiet
     seat.quiet = True
     try:
         yield
@@ -81,7 +81,6 @@ class Assignments:
         self.models = models
         self.apart = apart
         self.across = across
-        self.worker_weight: Any = None  # B_w / B in a cluster, while traced
         # A loss value as a mean over the tower's rows (Applies.as_mean).
         self.as_mean: Any = lambda value: value
         self.assigned: list[str] = []  # what the step assigned, when traced
@@ -134,8 +133,8 @@ class Assignments:
         return value
 
     def _assign(self, variable: Any, value: Any, assign: Any) -> Any:
-        here = own_step_seat()
-        if here is None or in_stateless_scope() or id(variable) in self._passed:
+        here = current()
+        if not here.own or in_stateless_scope() or id(variable) in self._passed:
             return assign(value)
         if here.quiet:
             return value
@@ -197,11 +196,11 @@ class Assignments:
         )
 
     def _over_workers(self, value: tf.Tensor, by_examples: bool) -> tf.Tensor:
-        return over_workers(self.across, self.worker_weight, value, by_examples)
+        return over_workers(self.across, value, by_examples)
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
-        here = own_step_seat()
-        if here is None or in_stateless_scope():
+        here = current()
+        if not here.own or in_stateless_scope():
             return update(*args, **kwargs)
         if here.quiet:
             return None
@@ -217,7 +216,7 @@ class Assignments:
             dtype = handed[0][1].dtype
             value = tf.add_n([in_dtype(w, dtype) * v for _, v, w in handed])
             after = metric.stateless_update_state(before, value)
-            weight = 1.0 if self.worker_weight is None else self.worker_weight
+            weight = 1.0 if self.across is None else self.across.weight
             changes = [in_dtype(weight, old.dtype) * (tf.convert_to_tensor(new) - old)
                        for new, old in zip(after, before)]  # fmt: skip
         else:

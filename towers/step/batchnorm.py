@@ -151,7 +151,7 @@ class MovingStatistics:
                     "tower's step; towers updates each layer's moving statistics "
                     "once per step"
                 )
-            if self.statistics == "global" and meetings.current() is not None:
+            if self.statistics == "global":  # over the towers its seat meets
                 taken = _global_moments(layer, inputs, kept)
             else:
                 mean, variance = moments_fn(inputs, mask)

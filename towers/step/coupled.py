@@ -30,7 +30,6 @@ import keras
 
 from towers._keras import layers_of, patches
 from towers.split import batch_size_of
-from towers.step import meetings
 from towers.step.balancing import load_balancing_over_towers
 from towers.step.probe import Measured, probe_terms, shares_of_terms
 
@@ -360,16 +359,7 @@ def _why_not_exact(terms: list[Term], accumulate_steps: int) -> str:
 
 
 def _over_the_batch(own: Any) -> Any:
-    """``own`` (a block module's ``compute_load_balancing_loss``), but in a
-    tower traced in lockstep, computed from every tower's tokens."""
-
-    def compute_load_balancing_loss(
-        router_logits, num_experts, top_k, attention_mask=None
-    ):
-        if meetings.current() is None:
-            return own(router_logits, num_experts, top_k, attention_mask)
-        return load_balancing_over_towers(
-            router_logits, num_experts, top_k, attention_mask
-        )
-
-    return compute_load_balancing_loss
+    """A block module's ``compute_load_balancing_loss``, computed from the
+    tokens of every tower its seat meets (``own`` is not called)."""
+    del own
+    return load_balancing_over_towers

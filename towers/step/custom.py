@@ -34,7 +34,7 @@ from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import gather_metrics, level_metrics
 from towers.step.gathered import concat_rows, whole_batch_loss
-from towers.step.lockstep import across_workers, over_workers
+from towers.step.lockstep import over_workers
 from towers.step.runner import Runner
 
 # The hooks a model overrides that make towers run Keras' steps.
@@ -106,10 +106,9 @@ class CustomStep:
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
         self.moving = moving  # BatchNormalization's (towers/step/batchnorm.py)
         self.applies = Applies(placement, update, accumulate_steps)
-        # In a cluster, while a step is traced: the workers' sum, and this
-        # worker's weight in it (B_w / B, 0 without examples).
+        # In a cluster, while a step is traced: the runner's handle on the
+        # workers, its weight this worker's B_w / B (0 without examples).
         self._across: Any = None
-        self._weight_here: Any = None
         self._batch: list[Any] = []  # the step's input tensors, while traced
         self._logs_found: dict[str, dict] = {}  # by hook: each number's kind
 
@@ -157,7 +156,7 @@ class CustomStep:
         """The model's ``predict_step`` on every tower, its outputs (any nest)
         concatenated in example order."""
         shards = self.runner.split(x, None, None)
-        self._across, _ = across_workers(self.workers, "predict")
+        self._across = self.runner.across("predict")
         outputs = self._run("predict_step", shards)
         with tf.device(HOST):
             return concat_rows(outputs)
@@ -165,7 +164,7 @@ class CustomStep:
     def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
         shards = self.runner.split(x, y, sample_weight)
         kind = "train" if hook == "train_step" else "eval"
-        self._across, weight = across_workers(self.workers, kind)
+        self._across = self.runner.across(kind)
         copies = len(self.placement.models) > 1  # custom_copies.py
         levelled = level_metrics(self.placement.models) if copies else None
         self._batch = tf.nest.flatten((x, y, sample_weight), expand_composites=True)
@@ -175,10 +174,7 @@ class CustomStep:
                 before = self.metrics.snapshot(tracker=True)
                 mine, examples = examples, self._across(examples, False)
                 # This worker's weight in the workers' sums: B_w / B.
-                self._weight_here = tf.math.divide_no_nan(mine, examples)
-            # A backward sum over the workers (global batch statistics')
-            # weighs each worker's upstream gradient as its gradients are.
-            weight["examples"] = self._weight_here
+                self._across.weight = tf.math.divide_no_nan(mine, examples)
         self.applies.examples = tf.cast(examples, tf.float32)
         logs = self._run(hook, shards)
         if copies:
@@ -190,20 +186,19 @@ class CustomStep:
         return self._read_logs(logs, shards, self._logs_found.get(hook, {}))
 
     def _over_workers(self, value: Any, by_examples: bool = True) -> tf.Tensor:
-        return over_workers(self._across, self._weight_here, value, by_examples)
+        return over_workers(self._across, value, by_examples)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
         """``model.<hook>(data)`` on every working tower's shard, run by the
         step's runner (in turns), meeting at each apply; their results in
         tower order."""
         working = self.placement.working_towers(shards)
-        over_workers = None if self.workers is None else self._over_workers
-        self.applies.begin(over_workers, self._batch, self._weight_here)
+        self.applies.begin(self._across, self._batch)
 
         def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
             del examples  # the step's own loss divides by its shard's
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-            with self._moving_at_once(len(working)):
+            with self._moving_at_once(working):
                 return getattr(model, hook)(data)
 
         assignments = Assignments(
@@ -211,7 +206,6 @@ class CustomStep:
             self._across,
             apart=self.placement.name == "independent",
         )
-        assignments.worker_weight = self._weight_here
         assignments.as_mean = self.applies.as_mean
         self._assignments = assignments  # which logs are metrics' results
         weights = [_share(shards, t) for t in working]
@@ -242,7 +236,7 @@ class CustomStep:
             return contextlib.nullcontext()
         return whole_batch_loss(self.placement.models)
 
-    def _moving_at_once(self, working: int) -> Any:
+    def _moving_at_once(self, working: list[int]) -> Any:
         """Where BatchNormalization layers meet at each call in training mode
         (more than one tower, or a cluster): the first tower moves their
         moving statistics at once (``MovingStatistics.moving_at_once``)."""
@@ -250,7 +244,7 @@ class CustomStep:
             return contextlib.nullcontext()
         if len(self.placement.models) > 1:
             return contextlib.nullcontext()  # independent copies: each its own
-        if working == 1 and self.workers is None:
+        if not self.runner.meets(working):
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
 
@@ -259,10 +253,9 @@ class CustomStep:
         mean's: its batch-free terms apart (``apart``), over the tower's share
         of the (in a cluster, global) batch."""
         value = tf.convert_to_tensor(value)
-        if self._weight_here is not None:
-            share = in_dtype(share, value.dtype) * in_dtype(
-                self._weight_here, value.dtype
-            )
+        if self._across is not None:
+            worker = in_dtype(self._across.weight, value.dtype)
+            share = in_dtype(share, value.dtype) * worker
         free = loss_kinds.batch_free(value, self._batch) if apart else None
         return loss_kinds.as_mean([value], [free], share)[0]
 

@@ -27,11 +27,6 @@ _COPIED = ("Const",)
 _READS = ("ReadVariableOp", "VarHandleOp", "Placeholder")
 
 
-class Uncuttable(ValueError):
-    """The towers' passes cannot run as one traced pass cut into phases
-    (its message says why, for ``jit_compile``'s error or warning)."""
-
-
 @dataclasses.dataclass
 class Exchange:
     """One sum over the towers, as a traced tower's pass made it.
@@ -49,14 +44,26 @@ class Exchange:
     phase: int = 0
 
 
-class Recording:
-    """Stands for the rendezvous while a tower's pass is traced alone: each sum
-    over the towers becomes a placeholder, recorded as an :class:`Exchange`."""
+class Recording(meetings.Alone):
+    """The seat of a tower's pass traced alone to be cut: each sum over the
+    towers becomes a placeholder, recorded as an :class:`Exchange`; rows
+    and code on one tower it cannot serve. ``meets``: the towers were sent
+    to meet; else a sum is not served either (the runner then traces them
+    one by one, whose steady steps beat the cut's: bench_divisor.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, meets: bool) -> None:
         self.exchanges: list[Exchange] = []
+        self.meets = meets
+
+    def everyone(self, value: Any) -> list[Any]:
+        raise meetings.Unserved("the towers' pass gathers rows")
+
+    def from_first(self, compute: Callable[[], Any]) -> Any:
+        raise meetings.Unserved("the towers' pass runs code on one tower")
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+        if not self.meets:
+            raise meetings.Unserved("the towers' pass meets at a sum")
         result = tf.raw_ops.Placeholder(
             dtype=value.dtype, shape=value.shape, name="towers_sum"
         )
@@ -104,15 +111,19 @@ class Plan:
 
 
 def trace(
-    work: Callable[..., Any], args: tuple, jit: bool = True, inline: bool = True
+    work: Callable[..., Any],
+    args: tuple,
+    jit: bool = True,
+    inline: bool = True,
+    meets: bool = True,
 ) -> Plan:
     """``work(*args)`` traced alone and cut into phases.
 
     ``args``: a nest of tensors (and None); the plan serves any call with
     tensors of the same shapes and dtypes. Each phase is an ``xla.function``
-    (``inline``: inlined into the step's graph).
+    (``inline``: inlined into the step's graph); ``meets``: :class:`Recording`'s.
     """
-    recording = Recording()
+    recording = Recording(meets)
     with _runtime.pass_graph("tower_pass", jit) as graph:
         placeholders = [
             tf.raw_ops.Placeholder(dtype=a.dtype, shape=a.shape, name="arg")
@@ -194,7 +205,7 @@ class _Cut:
                 self.outputs[self.phase[tensor.op.name]].append(tensor.name)
 
     def check_compilable(self) -> None:
-        """Raises :class:`Uncuttable` where a value one XLA computation could
+        """Raises ``meetings.Unserved`` where a value one XLA computation could
         not hand the next crosses between phases: a list a loop keeps for its
         backward pass (a recurrent layer's, when the towers meet between its
         forward and backward passes)."""
@@ -202,7 +213,7 @@ class _Cut:
             for name in names:
                 tensor = self.graph.get_tensor_by_name(name)
                 if tensor.dtype == tf.variant:
-                    raise Uncuttable(
+                    raise meetings.Unserved(
                         f"{tensor.op.name!r}, a list a loop keeps for its "
                         "backward pass (a recurrent layer's), would cross between "
                         "the XLA computations of a pass cut where the towers meet"

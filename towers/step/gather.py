@@ -32,7 +32,7 @@ from towers.combine import in_dtype
 from towers.step import loss_kinds
 from towers.step.assignments import met_for
 from towers.step.gathered import gathered_rows
-from towers.step.meetings import own_step_seat
+from towers.step.meetings import current
 
 
 def gather(value: Any) -> Any:
@@ -45,8 +45,8 @@ def gather(value: Any) -> Any:
       >>> towers.gather(tf.constant([[1.0], [2.0]])).numpy().tolist()  # no towers
       [[1.0], [2.0]]
     """
-    here = own_step_seat()
-    if here is None:
+    here = current()
+    if not here.own:
         loss_kinds.gathered()  # a step probed: its loss is the whole batch's
         return value
     value = tf.convert_to_tensor(value)

@@ -53,7 +53,7 @@ def gathered_loss(
     live = _rows_unknown(rows.with_own(2, y_pred))
     # In a model's own step every tower's updates meet (assignments.py): what
     # the loss updates from the batch's outputs is the same on every tower.
-    own_step = meetings.own_step_seat() is not None
+    own_step = meetings.current().own
     for tensor, theirs in zip(
         _leaves(live) if own_step else [], _leaves(rows.first[2])
     ):
@@ -85,8 +85,8 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
     inside = threading.local()  # the loss's own calls pass through
 
     def route(model: Any, own: Any, args: tuple, kwargs: dict) -> Any:
-        here = meetings.own_step_seat()
-        if here is None or getattr(inside, "on", False):
+        here = meetings.current()
+        if not here.own or getattr(inside, "on", False):
             return own(*args, **kwargs)
         if len(models) > 1:
             raise ValueError(

@@ -64,19 +64,17 @@ class Rendezvous:
         self,
         size: int,
         timeout: float = TRACE_TIMEOUT_SECONDS,
-        across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
+        across: Across | None = None,
         keep: Callable[[], Callable[[], None]] | None = None,
-        worker: tuple[int, int] | None = None,
     ):
         self.size = size
-        # In a cluster: (this worker's index, the number of workers).
-        self.worker = worker
         # keep(): what a tower's thread keeps of shared Python state while the
         # others take their turns; it returns the call that puts it back.
         self.keep = keep
-        # across(tensor, backward): the tensor summed over the cluster's workers
-        # (called by rank 0 only).
+        # In a cluster, the sums over the workers (called by rank 0 only), and
+        # (this worker's index, the number of workers).
         self.across = across
+        self.worker = None if across is None else across.where
         self.timeout = timeout
         self._turn = threading.Condition()
         self._holder = 0  # the rank whose turn it is
@@ -150,22 +148,10 @@ class Rendezvous:
                 )
 
 
-def meeting(
-    size: int, placement: Any, workers: Any, across: Any = None, kind: str = "train"
-) -> Rendezvous:
-    """The rendezvous of ``size`` towers of ``placement`` (and ``workers``'
-    sums, ``across``: ``across_workers``' for a ``kind`` step when None)."""
-    if across is None:
-        across, _ = across_workers(workers, kind)
-    keep = kept(placement.models)
-    return Rendezvous(size, across=across, keep=keep, worker=where(workers))
-
-
-def where(workers: Any) -> tuple[int, int] | None:
-    """This worker's index and the number of workers (None: no cluster)."""
-    if workers is None:
-        return None
-    return workers.cluster.index, workers.cluster.num_workers
+def meeting(size: int, placement: Any, across: Across | None) -> Rendezvous:
+    """The rendezvous of ``size`` towers of ``placement`` (``across``: the
+    step's handle on the other workers, or None)."""
+    return Rendezvous(size, across=across, keep=kept(placement.models))
 
 
 def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
@@ -230,44 +216,49 @@ def in_lockstep(
     return results
 
 
-def over_workers(
-    across: Callable | None, weight: Any, value: Any, by_examples: bool = True
-) -> tf.Tensor:
-    """``value`` summed over a cluster's workers (``across``), each weighted
-    by its share of the global batch ``weight`` (``by_examples``) or by 1, a
+class Across:
+    """The one handle on a cluster's other workers for one ``kind`` step's
+    meetings (``"train"``, ``"eval"``, ``"predict"``), made by the runner:
+    ``across(value, backward)`` is ``value`` summed over the workers, the
+    sums numbered in the order they are made (the same on every worker).
+
+    ``weight``: this worker's weight in the step (its examples, or its share
+    ``B_w / B``), once known: a backward sum weighs each worker's upstream
+    gradient by it, as its gradients are weighed."""
+
+    def __init__(self, workers: Any, kind: str):
+        self.workers, self.kind = workers, kind
+        self.weight: Any = None
+        self._instances = itertools.count()
+
+    @property
+    def where(self) -> tuple[int, int]:
+        """This worker's index and the number of workers."""
+        return self.workers.cluster.index, self.workers.cluster.num_workers
+
+    def __call__(self, value: tf.Tensor, backward: bool, bucket: Any = None):
+        sum_statistics = self.workers.sum_statistics
+        if bucket is not None:  # a size only the run knows: see SIZE_BUCKETS
+            first = next(self._instances)
+            for _ in range(SIZE_BUCKETS - 1):
+                next(self._instances)
+            return sum_statistics(value, (first, bucket), self.kind)
+        if not backward or self.weight is None:  # statistics, or a sum loss
+            return sum_statistics(value, next(self._instances), self.kind)
+        scale = tf.cast(self.weight, value.dtype)
+        summed = sum_statistics(value * scale, next(self._instances), self.kind)
+        return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
+
+
+def over_workers(across: Across | None, value: Any, by_examples=True) -> tf.Tensor:
+    """``value`` summed over a cluster's workers, each weighted by its share
+    of the global batch (``across.weight``, ``by_examples``) or by 1, a
     worker without examples by 0 whatever its value; ``value`` itself
     without a cluster."""
     value = tf.convert_to_tensor(value)
     if across is None:
         return value
-    weight = in_dtype(weight, value.dtype)
+    weight = in_dtype(across.weight, value.dtype)
     if not by_examples:
         weight = tf.cast(weight > 0, value.dtype)
     return across(tf.math.multiply_no_nan(value, weight), False)
-
-
-def across_workers(workers: Any, kind: str = "train") -> tuple[Callable | None, dict]:
-    """The sum over a cluster's workers that a ``kind`` step's (``"train"``,
-    ``"eval"``, ``"predict"``) meetings go through (None without
-    ``workers``), and where to put this worker's weight once it is known
-    (``weight["examples"]``, see ``runner.turns``). The sums are numbered in
-    the order they are made: the same on every worker."""
-    if workers is None:
-        return None, {}
-    weight: dict[str, Any] = {}
-    instances = itertools.count()
-
-    def across(value: tf.Tensor, backward: bool, bucket: Any = None) -> tf.Tensor:
-        if bucket is not None:  # a size only the run knows: see SIZE_BUCKETS
-            first = next(instances)
-            for _ in range(SIZE_BUCKETS - 1):
-                next(instances)
-            return workers.sum_statistics(value, (first, bucket), kind)
-        scale = weight.get("examples") if backward else None
-        if scale is None:  # the forward's statistics, or a sum loss
-            return workers.sum_statistics(value, next(instances), kind)
-        scale = tf.cast(scale, value.dtype)
-        summed = workers.sum_statistics(value * scale, next(instances), kind)
-        return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
-
-    return across, weight

@@ -26,6 +26,13 @@ T = TypeVar("T")
 _context = threading.local()
 
 
+class Unserved(Exception):
+    """The seat protocol's one signal: a verb the way the towers run cannot
+    serve (a cut pass cannot gather rows; a pass traced once for towers that
+    do not meet cannot sum). Its message says why; the runner
+    (``Runner._train``) takes the next way."""
+
+
 class Seat:
     """Tower ``rank``'s place at ``meet``, with its verbs: :meth:`total` (a
     sum over the towers and workers, with its backward), :meth:`everyone`
@@ -60,13 +67,19 @@ class Seat:
         return self.meet.across
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-        if not backward or self.weight is None:
-            return _total(self.meet, self.rank, value, backward)
-        if self.summing:  # every tower's gradient counts whole, as one device's
-            return _total(self.meet, self.rank, value)
+        if not backward or self.weight is None or self.summing:
+            return self._total(value, backward and not self.summing)
         weight = in_dtype(self.weight, value.dtype)  # a float64 model's digits
-        summed = _total(self.meet, self.rank, value * weight, backward)
-        return summed / weight  # only towers with examples run
+        return self._total(value * weight, backward) / weight  # rows here
+
+    def _total(self, value: tf.Tensor, backward: bool) -> tf.Tensor:
+        """``value`` summed over the towers, then the workers (rank 0 sends
+        this process's sum; every tower takes the cluster's)."""
+        handed = self.meet.exchange(self.rank, value)
+        if self.across is None:
+            return summed(handed)
+        total = summed(handed, self.across, backward) if self.first else None
+        return self.meet.exchange(self.rank, total)[0]
 
     def everyone(self, value: Any) -> list[Any]:
         """Hands in ``value``; every tower's, in rank order, once all have."""
@@ -77,12 +90,44 @@ class Seat:
         return self.meet.exchange(self.rank, compute() if self.first else None)[0]
 
 
+class Alone:
+    """The seat of a tower that meets nobody (one tower, no cluster; or
+    outside a step): its verbs serve it as the only tower."""
+
+    rank, first, worker, across, weight, own = 0, True, None, None, None, False
+    quiet = summing = False
+
+    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+        return summed([value])
+
+    def everyone(self, value: Any) -> list[Any]:
+        return [value]
+
+    def from_first(self, compute: Callable[[], T]) -> T:
+        return compute()
+
+
+ALONE = Alone()
+
+
+def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Tensor:
+    """The towers' ``handed`` values summed (then over the workers, with
+    ``across``): the one sum every meeting takes. No gradient flows back
+    through it: its caller writes it (``towers/step/batchnorm.py``), and a
+    graph walk from it (``tf.custom_gradient``'s, for variables) stops here
+    instead of running through every tower traced so far (a trace that grew
+    with the square of the depth)."""
+    local = tf.add_n(handed)
+    if across is not None:
+        local = across(local, backward)
+    return tf.stop_gradient(local)
+
+
 def current() -> Any:
-    """Where this thread's tower meets the others, when it is traced to meet
-    them: a :class:`Seat` in lockstep, or a recording of the meetings
-    (``towers/step/segments.py``); None otherwise. Its ``total(value,
-    backward)`` is :func:`total`."""
-    return getattr(_context, "meeting", None)
+    """Where this thread's tower meets the others: a :class:`Seat` in
+    lockstep, a recording of its sums while traced to be cut
+    (``towers/step/cut.py``), else :data:`ALONE`."""
+    return getattr(_context, "meeting", None) or ALONE
 
 
 @contextlib.contextmanager
@@ -97,32 +142,9 @@ def seated(meeting: Any) -> Iterator[None]:
         _context.meeting = before
 
 
-def _total(meet: Any, rank: int, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-    """``value`` summed over the towers, then over the workers if any (rank 0
-    sends this process's sum; every tower takes the cluster's).
-
-    The sum is wrapped in ``tf.stop_gradient``: its gradient is written out by
-    the caller (``towers/step/batchnorm.py``), and a graph walk back from it (as
-    ``tf.custom_gradient`` makes, looking for variables) stops there instead
-    of running through every other tower's model traced so far, which made
-    tracing grow with the square of the depth."""
-    local = tf.add_n(meet.exchange(rank, value))
-    if meet.across is not None:
-        summed = meet.across(local, backward) if rank == 0 else None
-        local = meet.exchange(rank, summed)[0]
-    return tf.stop_gradient(local)
-
-
 def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-    """The sum of ``value`` over every tower (and worker) in lockstep, on this
-    tower's device; no gradient flows back through it. ``backward``: ``value``
+    """The sum of ``value`` over every tower (and worker) this tower meets,
+    on its device; no gradient flows back through it. ``backward``: ``value``
     is an upstream gradient of this tower's loss share (across workers it is
-    weighted by each worker's examples, see :func:`compute`)."""
+    weighted by each worker's examples, ``lockstep.across_workers``)."""
     return current().total(value, backward)
-
-
-def own_step_seat() -> Seat | None:
-    """Where this thread's tower meets the others in a model's own step; None
-    outside one."""
-    here = current()
-    return here if isinstance(here, Seat) and here.own else None

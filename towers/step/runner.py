@@ -20,11 +20,13 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from towers.split import Shards, split_for_towers
-from towers.step import draws, lockstep, segments, xla
+from towers.step import draws, lockstep, meetings, segments, xla
 from towers.step.batches import HOST
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
+# The way a step takes when its seats cannot serve a verb (meetings.Unserved).
+NEXT: dict[str, Way] = {"once": "alone", "phases": "turns"}
 # What a step runs: towers' own training pass (forward, divisors, backward),
 # a pass without gradients (evaluation, prediction), a model's own step.
 Kind = Literal["train", "evaluate", "predict", "own"]
@@ -52,23 +54,30 @@ class Runner:
         with tf.device(HOST), tf.name_scope("split"):
             return split_for_towers((x, y, sample_weight), len(self.placement.devices))
 
+    def meets(self, working: list[int]) -> bool:
+        """Whether the working towers meet anyone: more than one, or a cluster."""
+        return len(working) > 1 or self.workers is not None
+
+    def across(self, kind: str) -> lockstep.Across | None:
+        """The step's one handle on the other workers (None: no cluster)."""
+        return None if self.workers is None else lockstep.Across(self.workers, kind)
+
     def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
         """How the working towers run a ``kind`` step: the one decision.
 
-        The towers meet only when there is more than one, or a cluster. A
-        model's own step meets at whatever it applies, assigns and updates:
+        A model's own step meets at whatever it applies, assigns and updates:
         turns. A pass that gathers a loss's rows (a coupled ``compute_loss``)
-        meets in turns (never under XLA: the probe sees to it). A
-        training pass whose towers meet by sums (global batch statistics, a
-        mixture of experts' terms) is cut into phases. A pass nobody meets in
-        is traced once for every tower when they share a model and the shard
-        sizes are known (a training pass always with XLA: once per model and
-        shard shape); else tower by tower.
+        meets in turns (never under XLA: the probe sees to it). A training
+        pass whose towers meet by sums (global batch statistics, a mixture of
+        experts' terms), or any under XLA (a computation per model and shard
+        shape), is cut into phases. A pass nobody meets in is traced once for
+        every tower when they share a model and the shard sizes are known;
+        else tower by tower. A way whose seat cannot serve a verb says so
+        (``meetings.Unserved``): the step takes the next (:data:`NEXT`).
         """
-        meets = len(working) > 1 or self.workers is not None
+        meets = self.meets(working)
         if kind == "own":
             return "turns"
-        # Never under XLA: the probe turns "auto" off, and refuses True.
         gathered = meets and self.tower.coupled.gathered
         if kind != "train":
             if gathered and kind == "evaluate":
@@ -79,10 +88,10 @@ class Runner:
         sums = statistics.statistics == "global" and bool(statistics.layers)
         if meets and (sums or self.tower.coupled.exact):
             return "turns" if gathered else "phases"
-        jit = self.tower.jit.enabled
-        if jit or segments.shareable(self.placement, shards, working):
-            return "once"
-        return "alone"
+        if self.tower.jit.enabled:
+            return "phases"
+        shared = segments.shareable(self.placement, shards, working)
+        return "once" if shared else "alone"
 
     def train(
         self,
@@ -108,17 +117,18 @@ class Runner:
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
         way = self.way("train", working, shards)
         args = (self.placement, self.tower, shards, working, divisors_of)
-        if way in ("once", "phases"):
+        across = self.across("train")
+        while way in NEXT:
             try:
                 meets = way == "phases"
-                return segments.compute(*args, self.workers, weight_of, meets)
-            except segments.Uncuttable as error:
-                xla.refuse_uncut(self.tower.jit, str(error))
-                way = "turns"
-            except segments.MetAtDivisor:
-                way = "alone"
+                return segments.compute(*args, across, weight_of, meets)
+            except meetings.Unserved as unserved:
+                way = NEXT[way]
+                if way == "turns":
+                    xla.refuse_uncut(self.tower.jit, str(unserved))
+                across = self.across("train")  # numbered from the start
         if way == "turns":
-            return turns(*args, self.workers, weight_of)
+            return turns(*args, across, weight_of)
         return in_halves(*args, lambda works: [work() for work in works])
 
     def each(
@@ -156,10 +166,8 @@ class Runner:
         works = [run(t) for t in working]
         if way != "turns":
             return [work() for work in works]
-        weights, across = seats or (None, None)
-        meet = lockstep.meeting(
-            len(works), self.placement, self.workers, across, "eval"
-        )
+        weights, across = seats or (None, self.across("eval"))
+        meet = lockstep.meeting(len(works), self.placement, across)
         return lockstep.in_lockstep(works, meet, weights, seats is not None)
 
 
@@ -204,28 +212,25 @@ def turns(
     shards,
     working: list[int],
     divisors_of: Callable[[list], Any],
-    workers: Any = None,
+    across: lockstep.Across | None = None,
     weight_of: Callable[[list], Any] | None = None,
 ) -> list:
     """:meth:`Runner.train` in turns: every tower's forward pass traced in
     lockstep, the step's divisors, then every tower's backward.
 
-    With ``workers`` (``towers/cluster/workers.py``) the sums also run over
-    the cluster, one collective each, in the same order on every worker;
-    ``weight_of(passes)`` is this worker's weight in the cluster's sum (None
-    for a sum loss). Each worker's loss is a mean over its own examples,
-    weighted by them when the workers' gradients are summed
-    (``Workers.step``): so in the backward pass each worker sends its
-    upstream gradient times its examples and divides the cluster's sum by
-    them, which makes every worker's share of the cross-worker terms exact.
+    With ``across`` the sums also run over the cluster's workers, one
+    collective each, in the same order on every worker; ``weight_of(passes)``
+    is this worker's weight in the cluster's sum (None for a sum loss): each
+    worker's loss is a mean over its own examples, weighted by them when the
+    workers' gradients are summed, and so is its upstream gradient in a
+    backward sum (``lockstep.Across``).
     """
-    across, weight = lockstep.across_workers(workers)
-    meet = lockstep.meeting(len(working), placement, workers, across)
+    meet = lockstep.meeting(len(working), placement, across)
 
     def divided(passes: list) -> list[Any]:
         divisors = divisors_of(passes)
-        if workers is not None:
-            weight["examples"] = weight_of(passes)
+        if across is not None:
+            across.weight = weight_of(passes)
         return divisors
 
     run = partial(lockstep.in_lockstep, meet=meet)

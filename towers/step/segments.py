@@ -8,9 +8,9 @@ towers meet by sums (global batch moments, a mixture of experts' sums, a
 divisor no tower knows alone), the pass is cut there (``cut.py``) and
 :func:`run` calls each phase of every tower in rank order, adding each sum
 between phases (then over the workers). A pass that cannot be cut runs in
-lockstep instead (``lockstep.py``); without XLA a divisor alone sends the
-towers to be traced one by one (:class:`MetAtDivisor`). Every call starts from
-the step's seed states (``draws.py``).
+lockstep instead, and a pass the towers were not sent to meet in but that
+sums (a divisor) tower by tower: ``meetings.Unserved`` tells the runner.
+Every call starts from the step's seed states (``draws.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import tensorflow as tf
 
 from towers.split import Shards, batch_size_of
-from towers.step import cut, draws, lockstep, meetings, xla
-from towers.step.cut import Plan, Uncuttable
+from towers.step import cut, draws, meetings, xla
+from towers.step.cut import Plan
 from towers.step.tower import Tower, TowerResult
 
 
@@ -47,8 +47,8 @@ def run(
     Returns each tower's result, as ``work`` returned it.
 
     Raises:
-      Uncuttable: the towers' passes meet at different phases (their shards'
-        shapes made the traces differ).
+      meetings.Unserved: the towers' passes meet at different phases (their
+        shards' shapes made the traces differ).
     """
     _check_alike(plans)
     values = [
@@ -79,19 +79,13 @@ def run(
     ]
 
 
-class MetAtDivisor(Exception):
-    """A pass the runner sent to run ``"once"`` meets at a divisor's sum:
-    without XLA the towers are then traced one by one, whose steady steps
-    are faster than the cut's (``benchmarks/bench_divisor.py``)."""
-
-
 def compute(
     placement: Any,
     tower: Tower,
     shards: Shards,
     working: list[int],
     divisors_of: Callable[[list], list[Any]],
-    workers: Any = None,
+    across: Any = None,
     weight_of: Callable[[list], Any] | None = None,
     meets: bool = True,
 ) -> list[TowerResult]:
@@ -100,18 +94,16 @@ def compute(
     model and shard shape, cut where the towers meet.
 
     ``divisors_of(passes)``: the step's checks on the towers' passes (given
-    one). ``weight_of(passes)``: this worker's weight in a cluster's
-    backward sums (None for a sum loss). ``meets``: the towers were sent to
-    meet (``"phases"``).
+    one). ``across``: the runner's handle on a cluster's workers;
+    ``weight_of(passes)``: this worker's weight in its backward sums (None
+    for a sum loss). ``meets``: the towers were sent to meet
+    (``"phases"``).
 
     Raises:
-      Uncuttable: the pass cannot be cut so (the runner then takes turns).
-      MetAtDivisor: not ``meets``, without XLA, the pass met at a divisor's
-        sum (the runner then traces the towers one by one).
+      meetings.Unserved: the pass cannot run so (the runner takes the next way).
     """
     models = [placement.model_of(t) for t in working]
     traced: list[Any] = []
-    across, weight = lockstep.across_workers(workers)
     starts = draws.Starts(models)
     scale = tower.loss_scale()
     plans: dict[tuple, Plan] = {}
@@ -125,14 +117,14 @@ def compute(
         args = (x, y, sample_weight, first, starts.of(model), weights, scale)
         key = (id(model), xla.signature(args))
         if key not in plans:
-            meet = meets or tower.jit.enabled  # a divisor's sum, cut at
-            work = tower_pass(tower, model, shards, divisors_of, traced, meet)
+            work = tower_pass(tower, model, shards, divisors_of, traced)
+            jit, inline = tower.jit.enabled, tower.inline
             with tf.name_scope(f"tower_{t}"):
-                plans[key] = cut.trace(work, args, tower.jit.enabled, tower.inline)
+                plans[key] = cut.trace(work, args, jit, inline, meets)
         chosen.append(plans[key])
         calls.append(args)
-    if workers is not None:
-        weight["examples"] = weight_of(traced[:1])
+    if across is not None:
+        across.weight = weight_of(traced[:1])
     devices = [placement.devices[t] for t in working]
     outputs = run(chosen, calls, devices, working, across)
     for model, (_, ended) in zip(models, outputs):
@@ -147,15 +139,13 @@ def tower_pass(
     shards: Shards,
     divisors_of: Callable[[list], list[Any]],
     traced: list,
-    meet: bool = True,
 ) -> Callable[..., tuple]:
     """A tower's pass as one function of ``(x, y, sample_weight, first,
     states, weights, scale)``: its forward pass drawing its rows of the batch
     (``first``: its first row), the step's divisors (:func:`_step_divisor` of
     each of ``divisors_of``'s for its own pass), its loss share and
     gradients. Returns ``(TowerResult, its last states)``; ``traced``
-    collects the forward passes. Not ``meet``: a divisor no tower knows alone
-    raises :class:`MetAtDivisor` as it is traced, before the backward pass."""
+    collects the forward passes."""
     examples = shards.normaliser
 
     def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
@@ -164,7 +154,7 @@ def tower_pass(
         )
         size = batch_size_of(x)
         divisors = [
-            _step_divisor(term, d, size, examples, meet)
+            _step_divisor(term, d, size, examples)
             for term, d in zip(recorded.terms, divisors_of([recorded]))
         ]
         traced.append(recorded)
@@ -188,15 +178,11 @@ def _sums(
     """The towers' sum of ``handed`` on each tower's device (in rank order);
     with ``across``, tower 0's sum summed over the workers, read by every
     tower."""
-    if across is None:
-        sums = []
-        for device in devices:
-            with tf.device(device), tf.name_scope("towers_sum"):
-                sums.append(tf.add_n(handed))
-        return sums
-    with tf.device(devices[0]), tf.name_scope("towers_sum"):
-        total = across(tf.add_n(handed), backward)
-    return [total] * len(devices)
+    sums = []
+    for device in devices[: 1 if across else None]:
+        with tf.device(device), tf.name_scope("towers_sum"):
+            sums.append(meetings.summed(handed, across, backward))
+    return sums * (len(devices) if across else 1)
 
 
 def _check_alike(plans: list[Plan]) -> None:
@@ -204,7 +190,7 @@ def _check_alike(plans: list[Plan]) -> None:
     for plan in plans[1:]:
         other = [(e.phase, e.backward, e.value.dtype) for e in plan.exchanges]
         if other != first:
-            raise Uncuttable(
+            raise meetings.Unserved(
                 "the towers' passes meet by sums (global batch statistics, a "
                 f"divisor) {len(first)} and {len(other)} times, or at different "
                 "phases, on shards of different shapes: the model's trace depends "
@@ -212,14 +198,12 @@ def _check_alike(plans: list[Plan]) -> None:
             )
 
 
-def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any, meet: bool):
+def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any):
     """The step's divisor of ``term`` from this tower's: ``k * B`` when it is
     ``k`` per example (exact: integers), none for a sum, else the towers' sum
-    of theirs (an exchange; not ``meet``: :class:`MetAtDivisor`)."""
+    of theirs (a meeting)."""
     if divisor is None:
         return None
     if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
         return divisor // size * examples if size else divisor  # empty: 0, as summed
-    if not meet:
-        raise MetAtDivisor
     return meetings.total(tf.cast(divisor, term.total.dtype))

@@ -35,7 +35,7 @@ from towers._keras import (
     own_losses,
 )
 from towers.split import batch_size_of
-from towers.step import draws, meetings, xla
+from towers.step import draws, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
@@ -299,7 +299,7 @@ class Tower:
     ) -> TowerPass:
         y_pred = model(x, training=training)
         terms, extra = [], None
-        if self.own_loss and self.coupled.gathered and meetings.current():
+        if self.own_loss and self.coupled.gathered:
             # The whole batch's loss, this tower's term of it (gathered.py).
             share = tf.cast(batch_size_of(x), tf.float64) / tf.cast(
                 examples, tf.float64
