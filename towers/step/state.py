@@ -36,18 +36,11 @@ RULES = ("sum", "mean", "only_first_replica", "none")
 
 @dataclasses.dataclass
 class Settled:
-    """A variable the towers assigned, and what it takes this step.
-
-    Attributes:
-      variable: the variable.
-      rule: its aggregation, one of :data:`RULES`.
-      before: its value before the step.
-      value: what it takes, from this process's towers.
-      change, towers: what this worker adds to the cluster's sums (in the
-        variable's float dtype, float32 for another): :func:`aggregate`'s,
-        for "none" and "only_first_replica" the chief's change, zeros
-        elsewhere.
-    """
+    """A variable the towers assigned (``rule``: its aggregation), its value
+    ``before`` the step and the ``value`` it takes from this process's
+    towers; ``change`` and ``towers``: what this worker adds to a cluster's
+    sums (:func:`aggregate`'s; for "none" and "only_first_replica" the
+    chief's change, zeros elsewhere)."""
 
     variable: Any
     rule: str
@@ -98,18 +91,10 @@ def settle(
     cluster: Any = None,
     warned: set | None = None,
 ) -> list:
-    """What each variable the towers' ``passes`` assigned takes this step.
-
-    Args:
-      passes: the working towers' passes, in tower order, each with ``state``
-        (the variables it assigned) and ``state_values`` (their values after it).
-      sizes: their shards' examples (this worker's share empty: its tower ran
-        on zeros, and adds nothing to a "sum" or "mean").
-      cluster: the ``towers.Cluster`` this process is a worker of, or None.
-      warned: the paths already warned of (the warning is once a variable).
-
-    Returns:
-      A :class:`Settled` per variable, in the order the towers assigned them.
+    """What each variable the towers' ``passes`` assigned takes this step, a
+    :class:`Settled` each, in the order they assigned them. ``sizes``: their
+    shards' examples (an empty share's tower ran on zeros and adds nothing);
+    ``warned``: the paths warned of already (once a variable).
 
     Example:
       >>> import keras, types

@@ -49,21 +49,13 @@ class TowerPass:
 
     Attributes:
       terms: per output with a loss, its ``S_t`` and ``D_t``.
-      extra: the model's own losses (regularisers, ``add_loss``), or the value
-        of its ``compute_loss`` override, weighted by the tower's share of the
-        step's examples; None if the model has none.
-      predictions: the model's outputs on the shard, ``[n_t, ...]``.
-      variables: the trainable variables, read when the step was traced.
+      extra: the model's own losses (regularisers, ``add_loss``), or its
+        ``compute_loss`` override's value, weighted by the tower's share.
       sources: per variable, its value as this tower read it: what the
         gradients are taken with respect to.
-      tape: the tape that recorded the pass (None in evaluation).
-      moments: BatchNormalization moments by layer index (training only).
-      states: with ``states`` given to :meth:`Tower.forward`, the model's
-        seed-generator states after the pass (the first tower's are assigned
-        once, ``draws.Starts``).
-      state, state_values: the other variables the pass assigned (a layer's
-        counter, a metric it updates), and their values after it, for the
-        step to assign once (``towers/step/state.py``).
+      states: the seed generators' states after the pass (``draws.Starts``).
+      state, state_values: the other variables the pass assigned and their
+        values after it, for the step to assign once (``state.py``).
     """
 
     terms: list[Term]
@@ -99,24 +91,10 @@ class TowerPass:
 
 @dataclasses.dataclass
 class TowerResult:
-    """What one tower hands back to the step.
-
-    Attributes:
-      loss: the tower's share of the step's loss (unscaled), a scalar in the
-        loss's dtype.
-      predictions: the model's outputs on the tower's shard, ``[n_t, ...]``.
-      grads: per variable of ``variables``, a Tensor, IndexedSlices or None (no
-        path from the loss). Of ``scale * loss`` under loss scaling: the update
-        unscales their combination once.
-      variables: the trainable variables the gradients are for.
-      moments: BatchNormalization moments by layer index (``towers/step/batchnorm.py``).
-      terms, extra: the pass's loss terms and model losses (how the step's loss
-        is normalised: ``towers/step/losses.py``).
-      output_losses: by output name, the tower's share of that output's loss
-        (unweighted), for a model with several.
-      state, state_values: the other variables the pass assigned, and their
-        values after it (``TowerPass``).
-    """
+    """What one tower hands back to the step: its :class:`TowerPass`'s
+    parts, its share of the step's loss (unscaled) and its gradients (of
+    ``scale * loss`` under loss scaling: the update unscales their
+    combination once; None where no path leads from the loss)."""
 
     loss: tf.Tensor
     predictions: Any
@@ -134,21 +112,12 @@ class Tower:
     """The work of one tower, the same on every device.
 
     Args:
-      loss: the user's loss, as terms per output.
-      moving_statistics: records each BatchNormalization layer's moments
-        instead of letting every tower move the shared statistics.
-      loss_scale: the current loss scale (a zero-arg function; 1 without loss
-        scaling).
+      loss_scale: the current loss scale (a zero-arg function).
       own_loss: the model overrides Keras' ``compute_loss``: each tower calls
-        it on its shard, weighted by its share ``n_t / B`` (one device's for a
-        mean over the batch; a term that couples the examples is the probe's,
-        ``probe.py``).
-      jit: whether each tower's pass is one XLA computation
-        (``towers/step/xla.py``): evaluation and prediction here, training in
-        ``towers/step/segments.py``.
-      coupled: the model's loss terms that couple the batch's examples, and
-        whether the towers compute them from the whole batch
-        (``towers/step/coupled.py``): the step then traces them in lockstep.
+        it on its shard, weighted by its share ``n_t / B``.
+      jit: each pass one XLA computation (evaluation and prediction here,
+        training in ``segments.py``).
+      coupled: the loss terms that couple the batch's examples (``coupled.py``).
 
     Example:
       >>> import keras, numpy as np
@@ -191,19 +160,11 @@ class Tower:
     ) -> TowerPass:
         """The forward pass in training mode, recorded for :meth:`gradients`.
 
-        Args:
-          model: the model this tower runs (shared, or the tower's copy).
-          x, y, sample_weight: the tower's shard, ``[n_t, ...]`` (y and
-            sample_weight may be None).
-          examples: B, the step's examples (1 for an empty share).
-          states: the values of ``state_variables(model)`` to start from; the
-            pass then assigns none of them and hands their last values out
-            (``TowerPass.states``). None: the pass assigns them as it draws.
-          weights: the values of ``model.weights`` (read outside an XLA
-            computation); None: read here.
-          first: the shard's first row in the batch: its random draws are
-            its rows of the batch's (``towers/step/draws.py``; with
-            ``states``, which every tower starts from). None: not placed.
+        ``examples``: B (1 for an empty share). ``states``: the seed states to
+        start from, assigned by none of the pass (None: assigned as drawn).
+        ``weights``: ``model.weights``' values read outside an XLA
+        computation (None: read here). ``first``: the shard's first row, so
+        its draws are its rows of the batch's (``draws.py``).
         """
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
@@ -333,17 +294,11 @@ def weights_here(
     states: list[tf.Tensor] | None = None,
     weights: list[tf.Tensor] | None = None,
 ) -> Iterator[ReadScope]:
-    """Within, each of ``model``'s weights reads as one tensor, read once on the
-    current device (the tower's): a layer that compiles with XLA inside cannot
-    read a variable on another device (``towers/_keras``). Keras reads an
-    Embedding's whole table before it gathers, so no layer reads less than this.
-
-    With ``states`` (one value per ``state_variables(model)``), the seed
-    generators' states read as those values and their assignments stay in the
-    scope; without, they are assigned as drawn. Any other variable assigned
-    stays in the scope (``ReadScope.assigned``). Yields the scope:
-    ``get_current_value(v)`` is what ``v`` reads as. ``weights``: the
-    weights' values, read already (``xla.read_weights``)."""
+    """Within, each of ``model``'s weights reads as one tensor, read once on
+    the tower's device: a layer that compiles with XLA inside cannot read a
+    variable on another device. With ``states``, the seed generators read as
+    them and their assignments stay in the scope, as any other variable's
+    (``ReadScope.assigned``); yields the scope."""
     values = xla.read_weights(model) if weights is None else weights
     mapping = list(zip(model.weights, values))
     seeds = state_variables(model)
