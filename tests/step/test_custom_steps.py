@@ -351,10 +351,13 @@ class GAN(keras.Model):
     def call(self, z):
         return self.generator(z)
 
+    def rows_of(self, real):
+        return keras.ops.shape(real)[0]
+
     def train_step(self, data):
         real, z, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self.sampled:
-            shape = (keras.ops.shape(real)[0], self.latent)
+            shape = (self.rows_of(real), self.latent)
             z = keras.random.normal(shape, seed=self.seed_generator, dtype=real.dtype)
         bce = keras.losses.BinaryCrossentropy(from_logits=True)
         d = self.discriminator

@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.optimizers.base_optimizer import BaseOptimizer
-from tensorflow.python.ops import gen_stateless_random_ops_v2
+from tensorflow.python.ops import gen_random_ops, gen_stateless_random_ops_v2
 
 Replacement = tuple[Any, str, Any]  # (owner, attribute name, new value)
 _ABSENT = object()  # the owner had no attribute of its own: delete on restore
@@ -188,16 +188,23 @@ DRAWS = ("normal", "uniform", "truncated_normal", "randint", "gamma", "binomial"
 @contextlib.contextmanager
 def routed_draws(route: Callable[..., Any]) -> Iterator[None]:
     """Within, Keras' random function ``name`` (``DRAWS``) calls ``route(name,
-    own, args, kwargs)`` (``own``: Keras' own)."""
+    own, args, kwargs)`` (``own``: Keras' own), and TensorFlow's stateful
+    random op ``name`` (``STATEFUL``, whatever function made it) calls
+    ``route("tf." + name, own, args, kwargs)``."""
     module = keras.src.backend.random
 
     def routed(name: str) -> Callable:
         own = getattr(module, name)
         return lambda *args, **kwargs: route(name, own, args, kwargs)
 
+    def stateful(name: str) -> Callable:
+        own = getattr(gen_random_ops, name)
+        return lambda *args, **kwargs: route(f"tf.{name}", own, args, kwargs)
+
     def replacements() -> list[Replacement]:
         ops = [(_V2, name, _skipping(getattr(_V2, name))) for name in _COUNTED]
-        return [(module, name, routed(name)) for name in DRAWS] + ops
+        tf_ops = [(gen_random_ops, name, stateful(name)) for name in STATEFUL]
+        return [(module, name, routed(name)) for name in DRAWS] + ops + tf_ops
 
     # One patch per router: entered again within, it is not routed twice.
     with _DRAW_PATCHES.setdefault(route, Patch(replacements)).applied():
@@ -205,6 +212,11 @@ def routed_draws(route: Callable[..., Any]) -> Iterator[None]:
 
 
 _DRAW_PATCHES: dict[Callable, Patch] = {}
+# TensorFlow's stateful random ops (tf.random.normal, uniform, ...): each op
+# draws from its own seed, which no tower can share with one device's.
+STATEFUL = ("random_standard_normal", "random_uniform", "random_uniform_int",
+            "truncated_normal", "parameterized_truncated_normal", "multinomial",
+            "random_shuffle", "random_gamma", "random_poisson_v2")  # fmt: skip
 
 # TensorFlow's stateless draws whose values follow from a key and a Philox
 # counter by their place alone: one counter step gives four 32-bit words, a

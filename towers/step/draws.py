@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,8 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     where = getattr(_here, "rows", None)
     if where is None:
         return own(*args, **kwargs)
+    if name.startswith("tf."):
+        return _stateful(name, own, args, kwargs)
     size, first = where
     if name == "dropout":
         return _dropout(own, size, first, *args, **kwargs)
@@ -81,6 +84,8 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         known = tf.get_static_value(shape)
         shape = list(known) if known is not None else tf.unstack(shape)
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
+    if dims:  # a row count read from a tensor's shape: as the trace knows it
+        dims[0] = _static(dims[0])
     if not dims or not _per_row(dims[:1], size):
         return own(*args, **kwargs)
     _check_placed(name, own, args, kwargs)
@@ -93,6 +98,35 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     else:
         args[0] = whole
     return _cut(own(*args, **kwargs), first, dims[0])
+
+
+# The stateful ops named already (once a model: ``(id(model), op name)``),
+# the model whose step is traced, and the ops met since the probe began
+# (``loss_kinds.probe``).
+_named: set[tuple[int, str]] = set()
+_drawing: list[int] = [0]
+stateful_met: set[str] = set()
+
+
+def _stateful(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
+    """A TensorFlow stateful random op in a tower's step: each op draws from
+    a seed of its own, which no tower shares with one device's op, so its
+    numbers are the tower's own. Named once, never silent."""
+    stateful_met.add(name)
+    if (_drawing[0], name) not in _named:
+        _named.add((_drawing[0], name))
+        warnings.warn(
+            f"towers: the step draws with TensorFlow's stateful {name[3:]} "
+            "(tf.random.normal, tf.random.uniform, ...): each tower draws its "
+            "own numbers from the op's own seed, not one device's numbers for "
+            "its examples, so training differs from one device's in its draws "
+            "(and a model's own train_step's losses are read as means over its "
+            "examples, which towers cannot find through such a draw). Draw with "
+            "keras.random and a keras.random.SeedGenerator for one device's "
+            "numbers.",
+            stacklevel=3,
+        )
+    return own(*args, **kwargs)
 
 
 def _check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
@@ -115,11 +149,30 @@ def _check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict)
 def _per_row(leading: Any, size: Any) -> bool:
     """Whether a first axis ``leading`` (a shape's first entry, in a list)
     is as long as the tower's rows."""
-    dim = leading[0]
-    if isinstance(dim, tf.Tensor):
-        dim = tf.get_static_value(dim)
-    dim = tf.compat.dimension_value(dim)
-    return dim == size
+    dim = _static(leading[0])
+    return (None if isinstance(dim, tf.Tensor) else dim) == size
+
+
+def _static(dim: Any) -> Any:
+    """A shape's entry as a number where the trace knows it, else itself:
+    ``tf.shape(x)[i]`` of an ``x`` whose static shape has it, which
+    ``tf.get_static_value`` does not read through the slice."""
+    if not isinstance(dim, tf.Tensor):
+        return tf.compat.dimension_value(dim)
+    known = tf.get_static_value(dim)
+    if known is not None:
+        return int(known)
+    op = dim.op
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
+        return dim
+    index, source = tf.get_static_value(op.inputs[1]), op.inputs[0]
+    whole = tf.get_static_value(source)  # a shape the trace folded
+    if whole is None and source.op.type == "Shape":
+        shape = source.op.inputs[0].shape
+        whole = None if shape.rank is None else shape.as_list()
+    if whole is None or index is None or whole[int(index[0])] is None:
+        return dim
+    return int(whole[int(index[0])])
 
 
 def _cut(whole: tf.Tensor, first: Any, size: Any) -> tf.Tensor:
@@ -181,6 +234,7 @@ def drawing(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
     batch after the workers before this one (``workers.first_row``, one small
     sum over the workers), when the towers' ``models`` draw at all."""
     draw = any(state_variables(model) for model in models)
+    _drawing[0] = id(models[0])
     with routed_draws(route):
         if workers is None:
             yield
