@@ -263,6 +263,35 @@ def test_a_variable_made_to_sum_adds_the_towers_changes():
     assert float(engine.model.seen) == float(reference.seen) == 46.0
 
 
+class CastStep(CountStep):
+    """A float32 variable of a float64 model, assigned a float64 value: Keras
+    casts it."""
+
+    def __init__(self):
+        super().__init__()
+        self.level = self.add_weight(
+            shape=(), dtype="float32", initializer="zeros", trainable=False,
+            aggregation="mean",
+        )  # fmt: skip
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        self.level.assign(keras.ops.mean(data[0]))  # float64
+        return logs
+
+
+def test_a_float64_value_assigned_to_a_float32_variable_is_cast_as_keras_does():
+    x, y = regression(23)
+    engine = Towers(built(CastStep), devices=devices(3))
+    reference = built(CastStep)
+    engine.fit(x, y, **FIT)
+    reference.fit(x, y, **FIT)
+    assert engine.model.level.dtype == "float32"
+    np.testing.assert_allclose(
+        float(engine.model.level), float(reference.level), rtol=1e-6
+    )
+
+
 class ExtraLogStep(keras.Model):
     """An own test_step that adds one entry to Keras' logs."""
 

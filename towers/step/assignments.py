@@ -138,7 +138,7 @@ class Assignments:
             return assign(value)
         if here.quiet:
             return value
-        value = tf.convert_to_tensor(value, dtype=variable.dtype)
+        value = keras.ops.convert_to_tensor(value, variable.dtype)  # cast, as Keras
         if here.first:
             self.assigned.append(variable.path)
         if len(self.models) > 1:
