@@ -50,3 +50,41 @@ def test_a_jax_sparse_x_trains_evaluates_and_predicts_as_keras():
         engine.predict(x, batch_size=4, verbose=0),
         reference.predict(x, batch_size=4, verbose=0),
     )
+
+
+class Subclassed(keras.Model):
+    """A model with no symbolic input, built from the first batch it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_jax_sparse_batches_from_a_generator_train_and_evaluate_as_keras():
+    rng = np.random.default_rng(0)
+    dense = (rng.standard_normal((10, 5)) * (rng.random((10, 5)) < 0.4)).astype("f4")
+    y = rng.standard_normal((10, 3)).astype("float32")
+
+    def batches():
+        for start in (0, 4, 8):  # 4, 4, 2: the last uneven on 3 towers
+            part = jax_sparse.BCOO.fromdense(dense[start : start + 4])
+            yield part, y[start : start + 4]
+
+    def build():
+        keras.utils.set_random_seed(1)
+        net = Subclassed()
+        net.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+        return net
+
+    engine = Towers(build(), devices=[f"/cpu:{t}" for t in range(3)])
+    reference = build()
+    history = engine.fit(batches(), verbose=0).history
+    expected = reference.fit(batches(), verbose=0).history
+    for key in expected:
+        assert_close(history[key], expected[key])
+    assert_close(
+        engine.evaluate(batches(), verbose=0), reference.evaluate(batches(), verbose=0)
+    )

@@ -89,3 +89,39 @@ def test_a_sparse_or_ragged_batch_splits_by_rows_in_order(form):
     width = whole.shape[1]
     pad = lambda r: np.pad(r, [(0, 0), (0, width - r.shape[1])], constant_values=-1)  # noqa: E731
     np.testing.assert_array_equal(np.concatenate([pad(r) for r in rows]), whole)
+
+
+class Subclassed(keras.Model):
+    """A model with no symbolic input, built from the first batch it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_scipy_sparse_batches_from_a_generator_train_and_evaluate_as_keras():
+    x, y = data("scipy", 16)
+
+    def batches():
+        for start in range(0, 16, 5):  # 5, 5, 5, 1: uneven on 3 towers
+            yield x[start : start + 5], y[start : start + 5]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+        return model
+
+    engine, reference = Towers(build(), devices=devices(3)), build()
+    history = engine.fit(batches(), verbose=0).history
+    expected = reference.fit(batches(), verbose=0).history
+    for key in expected:
+        assert_close(history[key], expected[key], key)
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        assert_close(got, want)
+    assert_close(
+        engine.evaluate(batches(), verbose=0), reference.evaluate(batches(), verbose=0)
+    )

@@ -20,7 +20,7 @@ from keras.src.backend.tensorflow.trainer import (
     convert_to_np_if_not_ragged,
     potentially_ragged_concat,
 )
-from keras.src.trainers.data_adapters import get_data_adapter
+from keras.src.trainers.data_adapters import data_adapter_utils, get_data_adapter
 from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
 from keras.src.trainers.data_adapters.array_slicing import (
     TensorflowSparseWrapper,
@@ -124,8 +124,18 @@ def initial_epoch(model: keras.Model, forget: bool = False) -> int | None:
 
 def peeked_batch(adapter: Any) -> Any:
     """A generator's first batch, which Keras' adapter read to find the
-    batches' signature (reading the generator again would move it on)."""
-    return adapter._first_batches[0]
+    batches' signature (reading the generator again would move it on), its
+    scipy and jax sparse arrays as TensorFlow's, as the adapter's pipeline
+    gives them."""
+
+    def as_tf(leaf: Any) -> Any:
+        if data_adapter_utils.is_scipy_sparse(leaf):
+            return data_adapter_utils.scipy_sparse_to_tf_sparse(leaf)
+        if data_adapter_utils.is_jax_sparse(leaf):
+            return data_adapter_utils.jax_sparse_to_tf_sparse(leaf)
+        return leaf
+
+    return keras.tree.map_structure(as_tf, adapter._first_batches[0])
 
 
 def set_in_place(progbar: keras.utils.Progbar, in_place: bool) -> None:
