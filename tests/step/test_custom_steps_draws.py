@@ -92,3 +92,62 @@ def test_tensorflows_stateful_draws_are_named_not_silent(recwarn):
         np.abs(v.numpy() - b).max() for v, b in zip(model.trainable_variables, before)
     ]
     assert all(np.isfinite(moved)) and max(moved) > 0
+
+
+class Denoiser(keras.Model):
+    """keras.io's DDIM step, reduced: images without targets, noise drawn per
+    image, the compiled loss called by the step itself on the noise."""
+
+    def __init__(self, fixed_batch=None):
+        super().__init__()
+        self.fixed_batch = fixed_batch
+        self.network = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(5, activation="tanh"),
+             keras.layers.Dense(3)]
+        )  # fmt: skip
+        self.noise_loss = keras.metrics.Mean(name="n_loss")
+        self.seed_generator = keras.random.SeedGenerator(5)
+
+    @property
+    def metrics(self):
+        return [self.noise_loss]
+
+    def call(self, images):
+        return self.network(images)
+
+    def train_step(self, images):
+        rows = self.fixed_batch or keras.ops.shape(images)[0]
+        noises = keras.random.normal(
+            (rows, 3), seed=self.seed_generator, dtype=images.dtype
+        )
+        with tf.GradientTape() as tape:
+            predicted = self.network(images + 0.5 * noises, training=True)
+            loss = self.loss(noises, predicted)
+        variables = self.network.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        self.noise_loss.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def denoiser(fixed_batch=None):
+    keras.utils.set_random_seed(2)
+    model = Denoiser(fixed_batch)
+    model.compile(keras.optimizers.Adam(0.01), loss=keras.losses.mean_absolute_error)
+    model(np.zeros((1, 3)))
+    return model
+
+
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_a_step_calling_the_compiled_loss_on_images_alone_trains_as_keras(num_towers):
+    images = np.random.default_rng(1).standard_normal((29, 3))
+    assert_trains_as_keras_fit(denoiser, num_towers, images)
+
+
+def test_a_step_shaped_by_a_fixed_batch_size_is_refused_by_name():
+    model = denoiser(fixed_batch=8)
+    before = [v.numpy() for v in model.variables]
+    images = np.random.default_rng(1).standard_normal((24, 3))
+    with pytest.raises(ValueError, match="Denoiser.train_step.*fixed batch size"):
+        Towers(model, devices=devices(3)).fit(images, batch_size=8, verbose=0)
+    for v, b in zip(model.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)

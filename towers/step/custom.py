@@ -227,6 +227,11 @@ class CustomStep:
                 f"shard ({error}); a step must, as the towers meet at each. "
                 "Nothing was updated."
             ) from error
+        except ValueError as error:
+            named = loss_kinds.misfit(self.model, hook, error)
+            if named is None:
+                raise
+            raise named from error
 
     def _whole_batch_loss(self) -> Any:
         """Where the model's ``compute_loss`` couples the batch's examples

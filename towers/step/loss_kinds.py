@@ -177,7 +177,13 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
         parts = [_rows(batch, first, first + 2)]
         parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
         draws.stateful_met.clear()
-        losses, returned = run(*parts)
+        try:
+            losses, returned = run(*parts)
+        except ValueError as error:
+            named = misfit(model, hook, error)
+            if named is None:
+                raise
+            raise named from error
         if draws.stateful_met:  # each part's own numbers: means (draws.py)
             return Found(["mean"] * len(losses[0]), {})
         losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
@@ -195,6 +201,21 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
             break
     logs = {key: kind for key, kind in logs.items() if kind}
     return Found([kind or "mean" for kind in kinds], logs)  # 0 on every pair: either
+
+
+def misfit(model: keras.Model, hook: str, error: ValueError) -> ValueError | None:
+    """``error``, raised while ``hook`` ran on a part of the batch, named
+    where the part's shapes did not fit the step's (None: another error)."""
+    text = str(error)
+    if not any(k in text for k in ("Dimensions must be equal", "Incompatible")):
+        return None
+    return ValueError(
+        f"{type(model).__name__}.{hook} on towers runs on each tower's share of "
+        f"the batch, and a share did not fit it: {text.splitlines()[0]} A shape "
+        "the step takes from a fixed batch size, not from its data "
+        "(keras.ops.shape(x)[0]), does not fit a share: read it from the data, "
+        "or train on one device. Nothing was updated."
+    )
 
 
 def _rows(batch: tuple, start: int, stop: int) -> tuple:

@@ -173,11 +173,15 @@ class Step:
         if coupled.gathered and jit.enabled:  # "auto"
             self.tower.jit = xla.without("the model's compute_loss gathers the batch")
 
-    def build_metrics(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        """Before a first training or evaluation step: its targets checked
-        against the loss, the compiled metrics built from its shapes (tensors
-        or ``tf.TensorSpec``), on the variable device, as Keras' fit does."""
-        check_targets(self.tower.loss, y)
+    def build_metrics(self, x, y=None, sample_weight=None, training=True) -> None:
+        """Before a first training (or evaluation) step: its targets checked
+        against the loss where towers' own step computes it (a model's own
+        step reads its data itself), the compiled metrics built from its
+        shapes (tensors or ``tf.TensorSpec``), as Keras' fit does."""
+        if own(self, "train" if training else "evaluate") is None:
+            check_targets(self.tower.loss, y)
+        elif y is None:  # built by the step as it calls them, as in Keras' fit
+            return
         self.metrics.build(x, y, sample_weight)
 
     def whole_batch_loss(self, x: Any, y: Any, sample_weight: Any = None) -> bool:

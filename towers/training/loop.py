@@ -336,7 +336,7 @@ class Trainer(ModelMetrics, abc.ABC):
         if not self.model.variables:
             self.prepare(*unpack(source.sample()))
         with named_misfits(self.model, unpack(source.spec()), (x, y, sample_weight)):
-            self.build_metrics(*unpack(source.spec()))
+            self.build_metrics(*unpack(source.spec()), training=False)
         batches = Epochs(source, steps)
         logs = evaluate_loop(
             self, batches, make_callbacks(self, callbacks, verbose, 1, batches.steps)

@@ -75,8 +75,10 @@ class ModelMetrics:
         """
         return pythonify_logs(self.model.get_metrics_result())
 
-    def build_metrics(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        """Before a first training or evaluation step: checks its targets
+    def build_metrics(
+        self, x: Any, y: Any = None, sample_weight: Any = None, training=True
+    ) -> None:
+        """Before a first training (or evaluation) step: checks its targets
         against the loss and builds the compiled metrics from its shapes
         (``Step.build_metrics``); nothing is trained.
 
@@ -85,7 +87,7 @@ class ModelMetrics:
         >>> eng.model.metrics_names
         ['loss', 'compile_metrics']
         """
-        self.step.build_metrics(x, y, sample_weight)
+        self.step.build_metrics(x, y, sample_weight, training)
         if self.step.custom is not None:  # a copy per tower: each copy's too
             build_copies(self.placement, x, y, sample_weight)
 
@@ -97,6 +99,7 @@ class ModelMetrics:
         self.require_compiled(method)
         batch = self.prepare(*batch)
         with named_misfits(self.model, batch):
-            self.build_metrics(*batch)
-            self.step.probe(*batch, training=method != "evaluate_step")
+            training = method != "evaluate_step"
+            self.build_metrics(*batch, training=training)
+            self.step.probe(*batch, training=training)
         return batch
