@@ -131,18 +131,3 @@ def test_evaluate_leaves_moving_statistics_alone():
 def test_unknown_policy_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"one of \['batch', 'tower0', 'mean'\]"):
         make_engine((5,), 2, "sync")
-
-
-def test_a_layer_run_twice_in_one_step_is_a_clear_error():
-    class Twice(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.norm = keras.layers.BatchNormalization(name="shared_bn")
-
-        def call(self, x, training=False):
-            return self.norm(self.norm(x, training=training), training=training)
-
-    engine = Towers(Twice, "mse", keras.optimizers.SGD(0.1), devices=["/cpu:0"])
-    x = np.ones((4, 3), "float32")
-    with pytest.raises(ValueError, match="'shared_bn' ran twice"):
-        engine.train_step(x, x)

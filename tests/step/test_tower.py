@@ -123,7 +123,7 @@ def test_batch_norm_moments_are_recorded_not_assigned():
 
     result = train(tower_for(model), model, x, np.zeros((2, 2), "float32"), 2)
 
-    mean, variance, count = result.moments[0]
+    [(mean, variance, count)] = result.moments[0]  # one call
     np.testing.assert_allclose(mean.numpy(), [2.0, 4.0])
     np.testing.assert_allclose(variance.numpy(), [1.0, 4.0])
     assert float(count) == 2.0

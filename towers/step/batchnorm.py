@@ -106,8 +106,8 @@ class MovingStatistics:
         """Within, BatchNormalization layers record their moments, assign nothing.
 
         Yields:
-          ``{layer index: (mean, variance, count)}``, filled as the layers run in
-          training mode; ``count`` is the number of values each mean was taken over.
+          ``{layer index: [(mean, variance, count), ...]}``, a tuple a call
+          in training mode; ``count``: the values each mean was taken over.
         """
         moments: dict[int, tuple] = {}
         with self._patched(moments):
@@ -145,12 +145,6 @@ class MovingStatistics:
             kept = None if mask is None else _kept(inputs, mask)
             # A masked layer divides by its count plus ε (Keras' _moments).
             self._epsilons[index] = 0.0 if kept is None else keras.config.epsilon()
-            if isinstance(moments, dict) and index in moments:
-                raise ValueError(
-                    f"BatchNormalization layer {layer.name!r} ran twice in one "
-                    "tower's step; towers updates each layer's moving statistics "
-                    "once per step"
-                )
             if self.statistics == "global":  # over the towers its seat meets
                 taken = _global_moments(layer, inputs, kept)
             else:
@@ -159,7 +153,7 @@ class MovingStatistics:
             if not isinstance(moments, dict):  # a device: move them at once
                 self._move_at_once(layer, index, taken, moments)
                 return taken[:2]
-            moments[index] = taken
+            moments.setdefault(index, []).append(taken)  # a call each
             return taken[:2]
 
         return recorded_moments
@@ -169,13 +163,13 @@ class MovingStatistics:
 
         Args:
           tower_moments: per working tower, in tower order, what ``recording``
-            yielded for it.
+            yielded for it (every tower calls each layer as often).
         """
         for index, layer in enumerate(self.layers):
             per_tower = [m[index] for m in tower_moments if index in m]
-            if not per_tower:
-                continue  # the layer did not run in training mode
-            _move(layer, *self._statistics(per_tower, self._epsilons[index]))
+            # Each call in training mode moves them, in call order (Keras').
+            for calls in zip(*per_tower):
+                _move(layer, *self._statistics(list(calls), self._epsilons[index]))
 
     def _move_at_once(self, layer, index: int, moments: tuple, device: Any) -> None:
         """Hands this tower's ``moments`` to the others; the first tower moves
