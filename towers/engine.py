@@ -40,8 +40,10 @@ class Towers(Trainer):
         metrics see every tower's predictions: the full batch's.
       moving_statistics: how BatchNormalization's moving statistics move once
         a step: ``"batch"``, ``"tower0"``, ``"mean"`` (``step/batchnorm.py``).
-      batch_statistics: BatchNormalization normalises with each tower's shard
-        (``"tower"``) or the whole batch's statistics (``"global"``).
+      batch_statistics: BatchNormalization normalises with the whole batch's
+        statistics (``"global"``, the default where the towers share a model)
+        or each shard's (``"tower"``, for speed); ``synchronized=True`` layers
+        take the whole batch's under either.
       on_nonfinite: a gradient with inf or NaN is applied (``"ignore"``, as
         Keras), or nothing is (``"skip"``; ``"raise"`` then names it).
       accumulate_steps: apply once every k steps their examples-weighted mean
@@ -90,7 +92,7 @@ class Towers(Trainer):
         variable_device: str = "/cpu:0",
         metrics: Sequence[Any] | None = None,
         moving_statistics: MovingStatisticsPolicy = "batch",
-        batch_statistics: BatchStatistics = "tower",
+        batch_statistics: BatchStatistics | None = None,
         on_nonfinite: NonfinitePolicy = "ignore",
         accumulate_steps: int = 1,
         reducer: Any = "per_tensor",
@@ -241,9 +243,7 @@ class Towers(Trainer):
         >>> int(eng.optimizer.iterations)
         1
         """
-        self.update.flush()
-        if self.step.custom is not None:  # a model's own step's optimizers
-            self.step.custom.applies.flush()
+        self.step.flush()
 
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
         """Checks a batch, puts it on the host as tensors, builds a model
@@ -277,11 +277,7 @@ class Towers(Trainer):
         >>> sorted(make_engine(accumulate_steps=2).training_state())
         ['accumulator', 'model', 'optimizer', 'steps_done']
         """
-        state = {"model": self.model, "optimizer": self.optimizer}
-        custom = self.step.custom
-        if custom is not None and custom.applies.accumulate_steps > 1:
-            state["own_step_updates"] = custom.applies.saved
-        return {**state, **self.update.state()}
+        return {"model": self.model, "optimizer": self.optimizer, **self.step.state()}
 
     def after_restore(self) -> None:
         """Brings every tower's copy (if any) to a restored checkpoint.

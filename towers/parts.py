@@ -116,8 +116,13 @@ def make_step(
         options["accumulate_steps"],
         len(devices),
     )
+    # The whole batch's statistics, one device's, unless each tower keeps a
+    # copy of its own (placement="independent": the zero-sync floor).
+    statistics = options["batch_statistics"]
+    if statistics is None:
+        statistics = "tower" if len(where.models) > 1 else "global"
     moving = MovingStatistics(
-        lambda: where.model, options["moving_statistics"], options["batch_statistics"]
+        lambda: where.model, options["moving_statistics"], statistics
     )
     weights = option(options, compiled, "loss_weights")
     names = outputs.names_of(where.model)
@@ -143,12 +148,14 @@ def make_step(
     )
     batch_norm = bool(moving.layers)
     where.refuse(update, batch_norm)
-    if batch_norm and moving.statistics == "global" and len(where.models) > 1:
+    if moving.meets and len(where.models) > 1:
         raise ValueError(
-            "batch_statistics='global' needs the towers to share one model: use "
-            f"placement='central' or 'balanced'; received placement={where.name!r}"
+            "the whole batch's BatchNormalization statistics (batch_statistics="
+            "'global', or a layer's synchronized=True) need the towers to share "
+            "one model: use placement='central' or 'balanced', or batch_statistics="
+            f"'tower' without synchronized layers; received placement={where.name!r}"
         )
-    per_tower = batch_norm and moving.statistics == "tower"
+    per_tower = not all(moving.whole_batch(layer) for layer in moving.layers)
     workers = join_workers(cluster, where, per_tower, variable_device)
     jit = xla.resolve(options.get("jit_compile"), where.model, devices)
     if trains and not own_train:

@@ -31,6 +31,7 @@ def make_engine(input_shape, num_towers, policy, seed=0):
         lambda: keras.optimizers.SGD(0.1),
         devices=[f"/cpu:{t}" for t in range(num_towers)],
         moving_statistics=policy,
+        batch_statistics="tower",  # each policy moves from the towers' own
     )
 
 

@@ -107,7 +107,7 @@ def test_with_tower_statistics_the_moving_statistics_are_the_whole_batchs():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((19, 5)) * [1, 2, 3, 4, 5] + 2
     y = rng.standard_normal((19, 2))
-    engine = Towers(two_passes(), devices=devices(3))
+    engine = Towers(two_passes(), devices=devices(3), batch_statistics="tower")
     reference = two_passes()
     start = moving_statistics(reference)
 

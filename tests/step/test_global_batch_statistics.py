@@ -230,23 +230,36 @@ def synchronized_model():
     )
 
 
-def test_keras_synchronized_layers_need_global_statistics():
-    # Keras' synchronized=True asks tf.distribute's replica context for the sum,
-    # which under towers is one replica: it would silently stay per tower.
-    devices = ["/cpu:0", "/cpu:1"]
-    with pytest.raises(ValueError, match="'sync_bn' has synchronized=True") as error:
-        Towers(synchronized_model, "mse", keras.optimizers.SGD(0.1), devices=devices)
-    assert "batch_statistics='global'" in str(error.value)
+def variables_after(build, num_towers, width=3, **options):
     keras.utils.set_random_seed(0)
-    engine = Towers(
-        synchronized_model,
-        "mse",
-        keras.optimizers.SGD(0.1),
-        devices=devices,
-        batch_statistics="global",
-    )
-    x = np.arange(18, dtype="float32").reshape(6, 3)
-    assert np.isfinite(float(engine.train_step(x, x[:, :1])["loss"]))
+    devices = [f"/cpu:{t}" for t in range(num_towers)]
+    engine = Towers(build, "mse", keras.optimizers.SGD(0.1), devices=devices, **options)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((13, width)).astype("float32")
+        engine.train_step(x, x[:, :1] ** 2)
+    return [v.numpy() for v in engine.model.variables]
+
+
+@pytest.mark.parametrize("options", [{}, {"batch_statistics": "tower"}])
+def test_keras_synchronized_layers_take_the_whole_batchs_statistics(options):
+    # Keras' synchronized=True asks tf.distribute's replica context for the
+    # batch's moments: under towers, the towers meet for them, whatever the
+    # engine's batch_statistics (on 3 uneven shards, one device's update).
+    one = variables_after(synchronized_model, 1)
+    towers = variables_after(synchronized_model, 3, **options)
+    for got, want in zip(towers, one, strict=True):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
+
+
+def test_by_default_batch_normalization_is_one_devices():
+    one = variables_after(bn_mlp, 1, 5)
+    for got, want in zip(variables_after(bn_mlp, 3, 5), one, strict=True):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
+        )
 
 
 def test_an_unknown_batch_statistics_is_named():
@@ -288,7 +301,7 @@ def test_a_layer_masked_by_an_embedding_trains_as_one_device():
 
 
 def test_global_statistics_need_one_shared_model():
-    with pytest.raises(ValueError, match="needs the towers to share one model"):
+    with pytest.raises(ValueError, match="need the towers to share one model"):
         Towers(
             bn_mlp,
             "mse",

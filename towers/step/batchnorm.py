@@ -45,9 +45,7 @@ class MovingStatistics:
       statistics: what the towers normalise with, ``"tower"`` or ``"global"``.
 
     Raises:
-      ValueError: an unknown policy or statistics, or a layer with
-        ``synchronized=True`` under ``"tower"`` (Keras would silently take each
-        tower's statistics).
+      ValueError: an unknown policy or statistics.
 
     Example:
       >>> import keras
@@ -61,7 +59,7 @@ class MovingStatistics:
         self,
         model: Callable[[], keras.Model],
         policy: MovingStatisticsPolicy = "batch",
-        statistics: BatchStatistics = "tower",
+        statistics: BatchStatistics = "global",
     ):
         for name, value, allowed in [
             ("moving_statistics", policy, POLICIES),
@@ -84,13 +82,17 @@ class MovingStatistics:
             ]
         )
         self._epsilons: dict[int, float] = {}  # by layer: Keras' ε of its moments
-        for layer in self.layers:
-            if layer.synchronized and statistics == "tower":
-                raise ValueError(
-                    f"layer {layer.name!r} has synchronized=True, which under towers "
-                    "would normalise with each tower's statistics; pass "
-                    "batch_statistics='global' to Towers for the whole batch's"
-                )
+
+    def whole_batch(self, layer: Any) -> bool:
+        """Whether ``layer`` normalises with the whole batch's moments: under
+        ``"global"``, or asked by the layer itself (``synchronized=True``,
+        as under a tf.distribute strategy)."""
+        return self.statistics == "global" or layer.synchronized
+
+    @property
+    def meets(self) -> bool:
+        """Whether the towers meet at some layer's moments."""
+        return any(self.whole_batch(layer) for layer in self.layers)
 
     @property
     def layers(self) -> list[keras.layers.BatchNormalization]:
@@ -145,7 +147,7 @@ class MovingStatistics:
             kept = None if mask is None else _kept(inputs, mask)
             # A masked layer divides by its count plus ε (Keras' _moments).
             self._epsilons[index] = 0.0 if kept is None else keras.config.epsilon()
-            if self.statistics == "global":  # over the towers its seat meets
+            if self.whole_batch(layer):  # over the towers its seat meets
                 taken = _global_moments(layer, inputs, kept)
             else:
                 mean, variance = moments_fn(inputs, mask)
@@ -169,7 +171,8 @@ class MovingStatistics:
             per_tower = [m[index] for m in tower_moments if index in m]
             # Each call in training mode moves them, in call order (Keras').
             for calls in zip(*per_tower):
-                _move(layer, *self._statistics(list(calls), self._epsilons[index]))
+                stat = self._statistics(list(calls), self._epsilons[index], layer)
+                _move(layer, *stat)
 
     def _move_at_once(self, layer, index: int, moments: tuple, device: Any) -> None:
         """Hands this tower's ``moments`` to the others; the first tower moves
@@ -178,11 +181,11 @@ class MovingStatistics:
         handed = seat.everyone(tf.nest.map_structure(tf.stop_gradient, moments))
         if seat.first:
             with tf.device(device), tf.name_scope("moving_statistics/"):
-                stat = self._statistics(handed, self._epsilons[index])
+                stat = self._statistics(handed, self._epsilons[index], layer)
                 _move(layer, *stat)
 
     def _statistics(
-        self, per_tower: list[tuple], epsilon: float
+        self, per_tower: list[tuple], epsilon: float, layer: Any
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """The ``stat`` the policy takes from the towers' ``(mean, variance,
         count)``, each as Keras' ``_moments`` gives it (``epsilon`` added to
@@ -192,7 +195,7 @@ class MovingStatistics:
         with T)."""
         if self.policy == "tower0" or len(per_tower) == 1:
             return per_tower[0][0], per_tower[0][1]
-        if self.statistics == "global" and self.policy == "batch":
+        if self.whole_batch(layer) and self.policy == "batch":
             # Every tower holds the whole batch's moments already.
             return per_tower[0][0], per_tower[0][1]
         means = tf.stack([mean for mean, _, _ in per_tower])

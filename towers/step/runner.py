@@ -84,8 +84,7 @@ class Runner:
                 return "turns"
             shared = segments.shareable(self.placement, shards, working)
             return "once" if shared else "alone"
-        statistics = self.moving_statistics
-        sums = statistics.statistics == "global" and bool(statistics.layers)
+        sums = self.moving_statistics.meets
         if meets and (sums or self.tower.coupled.exact):
             return "turns" if gathered else "phases"
         if self.tower.jit.enabled:

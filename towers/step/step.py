@@ -158,6 +158,21 @@ class Step:
         if self.workers is not None:
             self.workers.start_together(self.placement.model.variables)
 
+    def flush(self) -> None:
+        """Applies every partly filled ``accumulate_steps`` window, a model's
+        own step's optimizers' too."""
+        self.update.flush()
+        if self.custom is not None:
+            self.custom.applies.flush()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint saves of the updates (``Update.state``), a model's
+        own step's accumulators too."""
+        state = self.update.state()
+        if self.custom is not None and self.custom.applies.accumulate_steps > 1:
+            state["own_step_updates"] = self.custom.applies.saved
+        return state
+
     def probe(
         self, x: Any, y: Any, sample_weight: Any = None, training: bool = True
     ) -> None:
