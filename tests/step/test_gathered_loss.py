@@ -256,3 +256,22 @@ def test_a_coupled_loss_in_the_models_own_step_trains_as_keras_fit(float64, num_
     ]
     for key in scores[1]:
         np.testing.assert_allclose(scores[0][key], scores[1][key], rtol=1e-9)
+
+
+def test_auto_xla_runs_a_gathered_loss_without_it_saying_so(float64):
+    # jit_compile="auto" on accelerators: the towers meet to gather the
+    # batch's outputs, in turns, which XLA cannot run: the runner says so once.
+    from towers.step import xla
+
+    x, y = data()
+    engine = Towers(clip(), devices=devices(2))
+    engine.step.tower.jit = xla.Jit(enabled=True, strict=False)  # "auto" on GPUs
+    reference = clip()
+    reference.set_weights(engine.model.get_weights())
+    with pytest.warns(UserWarning, match="compute_loss gathers the batch") as caught:
+        engine.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert sum("gathers the batch" in str(w.message) for w in caught) == 1
+    assert engine.step.tower.jit == xla.OFF
+    for got, want in zip(engine.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=FLOAT64_UPDATE_RTOL, atol=1e-12)

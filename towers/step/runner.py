@@ -67,7 +67,7 @@ class Runner:
 
         A model's own step meets at whatever it applies, assigns and updates:
         turns. A pass that gathers a loss's rows (a coupled ``compute_loss``)
-        meets in turns (never under XLA: the probe sees to it). A training
+        meets in turns, without XLA (``True`` was refused by the probe). A training
         pass whose towers meet by sums (global batch statistics, a mixture of
         experts' terms), or any under XLA (a computation per model and shard
         shape), is cut into phases. A pass nobody meets in is traced once for
@@ -76,6 +76,8 @@ class Runner:
         (``meetings.Unserved``): the step takes the next (:data:`NEXT`).
         """
         meets = self.meets(working)
+        if self.tower.coupled.gathered and self.tower.jit.enabled:  # "auto"
+            self.tower.jit = xla.without("the model's compute_loss gathers the batch")
         if kind == "own":
             return "turns"
         gathered = meets and self.tower.coupled.gathered

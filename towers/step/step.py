@@ -25,7 +25,6 @@ from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of
-from towers.step import xla
 from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
 from towers.step.batchnorm import MovingStatistics
 from towers.step.custom import overrides, own
@@ -185,8 +184,6 @@ class Step:
         coupled.probe(model, batch, own, self.device, jit.strict, training)
         if self.custom is not None:
             self.custom.probe(batch, training)
-        if coupled.gathered and jit.enabled:  # "auto"
-            self.tower.jit = xla.without("the model's compute_loss gathers the batch")
 
     def build_metrics(self, x, y=None, sample_weight=None, training=True) -> None:
         """Before a first training (or evaluation) step: its targets checked
