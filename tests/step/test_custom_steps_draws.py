@@ -151,3 +151,41 @@ def test_a_step_shaped_by_a_fixed_batch_size_is_refused_by_name():
         Towers(model, devices=devices(3)).fit(images, batch_size=8, verbose=0)
     for v, b in zip(model.variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
+
+
+class NoisyLabelsGAN(GAN):
+    """The fit guide's GAN: the discriminator sees the fake and real rows
+    concatenated, its labels noised by one draw over both (2n rows)."""
+
+    def train_step(self, data):
+        real = data
+        rows = keras.ops.shape(real)[0]
+        z = keras.random.normal((rows, self.latent), seed=self.seed_generator)
+        combined = keras.ops.concatenate([self.generator(z), real], axis=0)
+        labels = keras.ops.concatenate(
+            [keras.ops.ones((rows, 1)), keras.ops.zeros((rows, 1))], axis=0
+        )
+        labels += 0.05 * keras.random.uniform(
+            tf.shape(labels), seed=self.seed_generator, dtype=real.dtype
+        )
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        d = self.discriminator
+        with tf.GradientTape() as tape:
+            d_loss = bce(labels, d(combined, training=True))
+        grads = tape.gradient(d_loss, d.trainable_variables)
+        self.d_optimizer.apply(grads, d.trainable_variables)
+        z = keras.random.normal((rows, self.latent), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            fakes = d(self.generator(z, training=True), training=True)
+            g_loss = bce(keras.ops.zeros((rows, 1)), fakes)
+        variables = self.generator.trainable_variables
+        self.g_optimizer.apply(tape.gradient(g_loss, variables), variables)
+        self.d_loss.update_state(d_loss)
+        self.g_loss.update_state(g_loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_label_noise_over_the_fake_and_real_rows_is_one_devices(num_towers):
+    real = np.random.default_rng(0).standard_normal((29, 2))
+    assert_trains_as_keras_fit(lambda: gan(True, NoisyLabelsGAN), num_towers, real)

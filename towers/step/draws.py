@@ -34,12 +34,13 @@ COUNTED = ("normal", "uniform", "randint")
 
 
 @contextlib.contextmanager
-def rows(size: Any, first: Any) -> Iterator[None]:
+def rows(size: Any, first: Any, total: Any = None) -> Iterator[None]:
     """Within, this thread's tower draws as rows ``[first, first + size)``
     of the batch (``size``: the shard's static rows, None if unknown;
-    ``first``: an int or a scalar tensor)."""
+    ``first``: an int or a scalar tensor; ``total``: the batch's rows, where
+    known, for a draw over k times the rows: :func:`_blocks`)."""
     before = getattr(_here, "rows", None)
-    _here.rows = (tf.compat.dimension_value(size), first)
+    _here.rows = (tf.compat.dimension_value(size), first, total)
     try:
         yield
     finally:
@@ -60,7 +61,7 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return own(*args, **kwargs)
     if name.startswith("tf."):
         return _stateful(name, own, args, kwargs)
-    size, first = where
+    size, first, total = where
     if name == "dropout":
         return _dropout(own, size, first, *args, **kwargs)
     if name == "categorical":
@@ -82,10 +83,12 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     shape = kwargs["shape"] if "shape" in kwargs else args[0]
     if tf.is_tensor(shape):  # tf.shape(x): its values as far as they are known
         known = tf.get_static_value(shape)
-        shape = list(known) if known is not None else tf.unstack(shape)
+        shape = [int(d) for d in known] if known is not None else tf.unstack(shape)
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
     if dims:  # a row count read from a tensor's shape: as the trace knows it
         dims[0] = _static(dims[0])
+    if dims and _blocks(dims[0], size, total):
+        return _from_blocks(own, args, kwargs, dims, size, first, total)
     if not dims or not _per_row(dims[:1], size):
         return own(*args, **kwargs)
     _check_placed(name, own, args, kwargs)
@@ -127,6 +130,29 @@ def _stateful(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
             stacklevel=3,
         )
     return own(*args, **kwargs)
+
+
+def _blocks(rows: Any, size: Any, total: Any) -> bool:
+    """Whether a draw of ``rows`` rows is ``k >= 2`` blocks of the shard's
+    ``size`` (the fit guide's label noise over its fake and real rows,
+    concatenated): one device's is k blocks of the batch's ``total``."""
+    known = isinstance(rows, int) and isinstance(size, int) and size > 0
+    return total is not None and known and rows % size == 0 and rows > size
+
+
+def _from_blocks(own, args: list, kwargs: dict, dims: list, size, first, total):
+    """One device's draw of k blocks of the batch's rows, made whole, and the
+    tower's rows of each block, in block order."""
+    _check_placed("draw", own, args, kwargs)
+    blocks = dims[0] // size
+    whole = [blocks * total, *dims[1:]]
+    if "shape" in kwargs:
+        kwargs["shape"] = whole
+    else:
+        args[0] = whole
+    starts = tf.range(blocks) * total + tf.cast(first, tf.int32)
+    rows = tf.reshape(starts[:, None] + tf.range(size)[None, :], [-1])
+    return tf.gather(own(*args, **kwargs), rows)
 
 
 def _check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):

@@ -280,7 +280,7 @@ class _Recorder:
                         self.leading.append([])
                         self._batch = tf.nest.flatten((x, y, sw), True)
                         together.replay = first is not None
-                        rows = draws.rows(2 if first is None else 1, first or 0)
+                        rows = draws.rows(2 if first is None else 1, first or 0, 2)
                         with keras.StatelessScope(), rows:
                             data = keras.utils.pack_x_y_sample_weight(x, y, sw)
                             returned = getattr(self.model, self.hook)(data)

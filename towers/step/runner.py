@@ -155,7 +155,9 @@ class Runner:
                 return partial(on_tower, self.placement, t, partial(work, model, x))
             args = (model, x, y, sample_weight, shards.normaliser)
             if kind == "own":  # its states meet where it assigns them
-                rows = draws.rows(draws.size_of(x), draws.first_rows(shards)[t])
+                total = shards.size if self.workers is None else None
+                first = draws.first_rows(shards)[t]
+                rows = draws.rows(draws.size_of(x), first, total)
                 return partial(on_tower, self.placement, t, partial(work, *args), rows)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
