@@ -4,8 +4,10 @@ accumulate_steps as one step on each window's batches, and
 on_nonfinite skipping (or raising at) an apply whose combined gradient is
 not finite, nothing half-applied."""
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.step.test_custom_steps import gan, guide_model, regression
 from tests.step.test_custom_steps_state import (
@@ -187,3 +189,41 @@ def test_options_with_a_copy_per_tower_are_refused_by_name():
                 placement="replicated",
                 **option,
             )
+
+
+class UnusedLayer(keras.Model):
+    """The guide's step over every trainable variable, one layer unused:
+    its gradients are None, and Keras builds the optimizer on it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = keras.layers.Dense(2), keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.used(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def test_the_optimizer_is_built_on_every_variable_given_as_keras_builds_it():
+    def build():
+        keras.utils.set_random_seed(0)
+        model = UnusedLayer()
+        model.used.build((None, 5))
+        model.unused.build((None, 5))  # never in the loss
+        model.compile(keras.optimizers.Adam(0.01))
+        return model
+
+    x, y = regression(14)
+    engine, reference = Towers(build(), devices=devices(2)), build()
+    engine.fit(x, y, **FIT)
+    reference.fit(x, y, **FIT)
+    mine, theirs = engine.model.optimizer.variables, reference.optimizer.variables
+    assert [v.shape for v in mine] == [v.shape for v in theirs]
+    assert len(mine) == 2 + 2 * 4  # iterations, learning rate; m and v of 4

@@ -196,6 +196,8 @@ class Applies:
             variables = optimizer_variables(optimizer)
         if all(g is None for g in grads):
             return apply(grads, variables)  # Keras' own refusal
+        if not optimizer.built:  # on every variable given, as its apply would
+            optimizer.build(variables)
         update = self._update_of(optimizer, variables)
         flags = update.apply(grads, variables, lambda: None, self.examples)
         if flags is not None:
