@@ -202,3 +202,31 @@ def test_a_shuffle_of_the_examples_is_refused_by_name_before_any_update():
 
 def _uncuttable(*arguments):
     raise meetings.Unserved("forced by the test")
+
+
+class PairedNoise(keras.layers.Layer):
+    """Noise drawn over twice the rows, its halves added: a draw whose place
+    in one device's towers cannot read in towers' own step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds = keras.random.SeedGenerator(3)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        rows = keras.ops.shape(x)[0]
+        noise = keras.random.normal((2 * rows, 4), seed=self.seeds, dtype=x.dtype)
+        return x + 0.1 * (noise[:rows] + noise[rows:])
+
+
+def test_a_draw_over_blocks_of_the_rows_in_towers_own_step_is_named(recwarn):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), PairedNoise(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.random.default_rng(0).standard_normal((9, 4))
+    Towers(model, devices=[f"/cpu:{t}" for t in range(3)]).fit(
+        x, x[:, :1], batch_size=9, epochs=2, verbose=0
+    )
+    named = [str(w.message) for w in recwarn if "blocks of its rows" in str(w.message)]
+    assert len(named) == 1 and "draws 6 rows on a tower of 3" in named[0]

@@ -87,8 +87,15 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
     if dims:  # a row count read from a tensor's shape: as the trace knows it
         dims[0] = _static(dims[0])
-    if dims and _blocks(dims[0], size, total):
-        return _from_blocks(own, args, kwargs, dims, size, first, total)
+    if dims and _blocks(dims[0], size):
+        if total is not None:
+            return _from_blocks(own, args, kwargs, dims, size, first, total)
+        _name(
+            name, f"draws {dims[0]} rows on a tower of {size}: blocks of its rows, "
+            "whose place in one device's draw towers reads in a model's own "
+            "train_step in one process only; here every tower draws the same "
+            "numbers, not one device's",
+        )  # fmt: skip
     if not dims or not _per_row(dims[:1], size):
         return own(*args, **kwargs)
     _check_placed(name, own, args, kwargs)
@@ -116,28 +123,30 @@ def _stateful(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
     a seed of its own, which no tower shares with one device's op, so its
     numbers are the tower's own. Named once, never silent."""
     stateful_met.add(name)
-    if (_drawing[0], name) not in _named:
-        _named.add((_drawing[0], name))
-        warnings.warn(
-            f"towers: the step draws with TensorFlow's stateful {name[3:]} "
-            "(tf.random.normal, tf.random.uniform, ...): each tower draws its "
-            "own numbers from the op's own seed, not one device's numbers for "
-            "its examples, so training differs from one device's in its draws "
-            "(and a model's own train_step's losses are read as means over its "
-            "examples, which towers cannot find through such a draw). Draw with "
-            "keras.random and a keras.random.SeedGenerator for one device's "
-            "numbers.",
-            stacklevel=3,
-        )
+    _name(
+        name, f"TensorFlow's stateful {name[3:]} (tf.random.normal, "
+        "tf.random.uniform, ...) draws from the op's own seed: each tower draws "
+        "its own numbers, not one device's for its examples (and a model's own "
+        "train_step's losses are read as means over its examples, which towers "
+        "cannot find through such a draw). Draw with keras.random and a "
+        "keras.random.SeedGenerator for one device's numbers",
+    )  # fmt: skip
     return own(*args, **kwargs)
 
 
-def _blocks(rows: Any, size: Any, total: Any) -> bool:
+def _name(draw: str, why: str) -> None:
+    """Warns once a model that ``draw`` is not one device's, saying ``why``."""
+    if (_drawing[0], draw) not in _named:
+        _named.add((_drawing[0], draw))
+        warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
+
+
+def _blocks(rows: Any, size: Any) -> bool:
     """Whether a draw of ``rows`` rows is ``k >= 2`` blocks of the shard's
     ``size`` (the fit guide's label noise over its fake and real rows,
-    concatenated): one device's is k blocks of the batch's ``total``."""
+    concatenated): one device's is k blocks of the batch's rows."""
     known = isinstance(rows, int) and isinstance(size, int) and size > 0
-    return total is not None and known and rows % size == 0 and rows > size
+    return known and rows % size == 0 and rows > size
 
 
 def _from_blocks(own, args: list, kwargs: dict, dims: list, size, first, total):
