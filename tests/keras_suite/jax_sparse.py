@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
+from tests.training.test_sparse_inputs import Subclassed
 from towers import Towers
 
 FIT = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
@@ -50,17 +51,6 @@ def test_a_jax_sparse_x_trains_evaluates_and_predicts_as_keras():
         engine.predict(x, batch_size=4, verbose=0),
         reference.predict(x, batch_size=4, verbose=0),
     )
-
-
-class Subclassed(keras.Model):
-    """A model with no symbolic input, built from the first batch it sees."""
-
-    def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.dense(x)
 
 
 def test_jax_sparse_batches_from_a_generator_train_and_evaluate_as_keras():

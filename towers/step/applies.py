@@ -68,7 +68,6 @@ class Applies:
         ``batch``: the step's input tensors."""
         self.names, self.checked, self.across = [], [], across
         self.batch, self.means, self._calls = batch, {}, {}
-        self.worker = None if across is None else across.weight
 
     def gradient(self, target: Any, sources: Any, gradient: Callable) -> Any:
         """``tape.gradient(target, sources)`` inside a tower's step
@@ -89,7 +88,7 @@ class Applies:
         weights = [isinstance(v, (tf.Variable, keras.Variable)) for v in sources]
         if kind == "mean" or not any(weights):
             return grads
-        share = here.weight if self.worker is None else here.weight * self.worker
+        share = here.weight if self.across is None else here.weight * self.across.weight
         free = None
         if tf.convert_to_tensor(target).shape.rank == 0:
             target = tf.convert_to_tensor(target)
@@ -112,7 +111,7 @@ class Applies:
             return "mean"
         if self.kinds is not None and place < len(self.kinds):
             return self.kinds[place]
-        if self.kinds is None and here.weight == 1 and self.worker is None:
+        if self.kinds is None and here.weight == 1 and self.across is None:
             return "mean"  # one tower alone: its loss is the batch's
         raise ValueError(
             f"a train_step on towers took tape.gradient of a loss number "
