@@ -39,17 +39,26 @@ def network(width=6):
     )  # fmt: skip
 
 
+def normalised_network():
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(6, use_bias=False),
+         keras.layers.BatchNormalization(),
+         keras.layers.Activation("tanh"), keras.layers.Dense(2)]
+    )  # fmt: skip
+
+
 class Follower(keras.Model):
     """A network that trains and a second one that follows it after the
     apply, ``follower = rate * follower + (1 - rate) * network``; the tracker
     is fed the step's batch mean."""
 
     rate = 0.9
+    make = staticmethod(network)
 
     def __init__(self):
         super().__init__()
-        self.network = network()
-        self.follower = network()
+        self.network = self.make()
+        self.follower = self.make()
         self.tracker = keras.metrics.Mean(name="loss")
 
     @property
@@ -83,6 +92,14 @@ class EMAStep(Follower):
         return self.follower(x)
 
 
+class NormalisedEMAStep(EMAStep):
+    """keras.io's DDIM in full: the network normalises its batches, and the
+    step's EMA follows its moving statistics too, which the copy's layers,
+    never called in training, do not move themselves."""
+
+    make = staticmethod(normalised_network)
+
+
 class BYOLStep(Follower):
     """BYOL's shape: the online network's loss reads the target network."""
 
@@ -104,7 +121,9 @@ def built(cls, seed=3):
     return model
 
 
-@pytest.mark.parametrize("cls", [EMAStep, BYOLStep], ids=["ema", "byol"])
+@pytest.mark.parametrize(
+    "cls", [EMAStep, NormalisedEMAStep, BYOLStep], ids=["ema", "ema_bn", "byol"]
+)
 @pytest.mark.parametrize("num_towers", [2, 3])
 def test_a_network_the_step_assigns_moves_once_as_on_one_device(cls, num_towers):
     x, y = regression(23)  # batches 8, 8, 7: uneven on 2 and 3 towers

@@ -102,13 +102,43 @@ def _restore(owner: Any, name: str, saved: Any) -> None:
 
 def batch_norm_replacements(layer: Any, moments: Callable) -> list[Replacement]:
     """``layer`` (a BatchNormalization) takes its moments from
-    ``moments(inputs, mask)`` and leaves its moving statistics alone: a renorm
-    layer moves them in one method, others assign their two variables."""
-    replacements = [(layer, "_moments", moments)]
+    ``moments(inputs, mask)`` and leaves its moving statistics alone in its
+    call: a renorm layer moves them in one method, others assign their two
+    variables (an assignment from outside its call, a step's EMA of them,
+    stands)."""
+    replacements = [(layer, "_moments", moments), *tracked_calls([layer])]
     if layer.renorm:
         return [*replacements, (layer, "_update_renorm_statistics", _dropped)]
     moving = (layer.moving_mean, layer.moving_variance)
-    return [*replacements, *[(v, "assign", _kept_value) for v in moving]]
+    return [*replacements, *[(v, "assign", _kept_in_call(layer, v)) for v in moving]]
+
+
+_calling = threading.local()
+
+
+def tracked_calls(layers: list[Any]) -> list[Replacement]:
+    """Each of ``layers``' ``call`` marks this thread as within it
+    (:func:`calling`)."""
+
+    def tracked(layer: Any) -> Callable:
+        own = layer.call
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            within = getattr(_calling, "layers", ())
+            _calling.layers = (*within, layer)
+            try:
+                return own(*args, **kwargs)
+            finally:
+                _calling.layers = within
+
+        return call
+
+    return [(layer, "call", tracked(layer)) for layer in layers]
+
+
+def calling(layer: Any) -> bool:
+    """Whether this thread is within ``layer``'s call (:func:`tracked_calls`)."""
+    return any(x is layer for x in getattr(_calling, "layers", ()))
 
 
 def own_moments(layer: Any) -> Callable:
@@ -136,9 +166,16 @@ def _dropped(*_: Any) -> None:
     """A layer's own update, dropped: towers makes it."""
 
 
-def _kept_value(value: Any) -> Any:
-    """A layer's own assignment, dropped: towers makes it."""
-    return value
+def _kept_in_call(layer: Any, variable: Any) -> Callable:
+    """``variable``'s assignment: dropped within ``layer``'s call (towers
+    makes it), Keras' own elsewhere."""
+
+    def assign(value: Any, *args: Any, **kwargs: Any) -> Any:
+        if calling(layer):
+            return value
+        return type(variable).assign(variable, value, *args, **kwargs)
+
+    return assign
 
 
 def module_functions(modules: list[Any], name: str, wrap: Callable) -> Patch:

@@ -31,7 +31,13 @@ import keras
 import tensorflow as tf
 
 from towers._keras import in_stateless_scope, layers_of
-from towers._keras.patches import routed_assignments, routed_calls
+from towers._keras.patches import (
+    Patch,
+    calling,
+    routed_assignments,
+    routed_calls,
+    tracked_calls,
+)
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current
@@ -86,11 +92,20 @@ class Assignments:
         self.assigned: list[str] = []  # what the step assigned, when traced
         # A metric's result() the step read, by its values' ids (when traced).
         self._results: dict[Any, Any] = {}
-        # BatchNormalization's moving statistics meet on their own.
-        passed = [v for m in models for layer in layers_of(m)
-                   if isinstance(layer, keras.layers.BatchNormalization)
-                   for v in (layer.moving_mean, layer.moving_variance)]  # fmt: skip
-        self._passed = {id(v) for v in passed}
+        # BatchNormalization's moving statistics, assigned in the layer's
+        # call, meet on their own (another assignment of them meets here).
+        normalising = keras.layers.BatchNormalization
+        self._normalising = [
+            layer
+            for m in models
+            for layer in layers_of(m)
+            if isinstance(layer, normalising)
+        ]
+        self._passed = {
+            id(v): layer
+            for layer in self._normalising
+            for v in (layer.moving_mean, layer.moving_variance)
+        }
         # With a copy per tower: each variable's place in its copy, where the
         # copies' variables correspond.
         self._place = {id(v): i for m in models for i, v in enumerate(m.variables)}
@@ -109,6 +124,7 @@ class Assignments:
         _MARKS.clear()
         try:
             with (
+                Patch(lambda: tracked_calls(self._normalising)).applied(),
                 routed_assignments(self._assign) as own,
                 routed_calls(metrics, "update_state", self._update),
                 routed_calls(metrics, "result", self._result),
@@ -134,7 +150,8 @@ class Assignments:
 
     def _assign(self, variable: Any, value: Any, assign: Any) -> Any:
         here = current()
-        if not here.own or in_stateless_scope() or id(variable) in self._passed:
+        layer = self._passed.get(id(variable))
+        if not here.own or in_stateless_scope() or (layer and calling(layer)):
             return assign(value)
         if here.quiet:
             return value
