@@ -67,11 +67,34 @@ def test_split_batch_fewer_examples_than_towers_gives_empty_shards():
     assert [s.shape[0] for s in shards] == [1, 1, 0, 0]
 
 
-def test_split_batch_leaves_with_different_sizes_raise():
-    with pytest.raises(
-        ValueError, match=r"same number of examples; received .*\[4, 3\]"
-    ):
-        split_batch((np.zeros((4, 1)), np.zeros((3,))), 2)
+def test_parts_of_other_rows_are_split_in_the_same_shares():
+    # 12 and 4 rows: 4 units of 3 and 1 rows; 3 towers take 2, 1 and 1 units.
+    shards = split_batch((np.arange(12), {"labeled": np.arange(4) * 10}), 3)
+
+    assert [s[0].tolist() for s in shards] == [
+        [0, 1, 2, 3, 4, 5],
+        [6, 7, 8],
+        [9, 10, 11],
+    ]
+    assert [s[1]["labeled"].tolist() for s in shards] == [[0, 10], [20], [30]]
+
+
+def test_parts_whose_rows_share_no_divisor_go_to_one_tower():
+    # 4 and 3 rows: one unit, so no tower's share of one part differs from
+    # its share of the other.
+    shards = split_batch((np.zeros((4, 1)), np.zeros((3,))), 2)
+
+    assert [(a.shape[0], b.shape[0]) for a, b in shards] == [(4, 3), (0, 0)]
+
+
+def test_parts_of_other_rows_split_alike_when_only_the_run_knows_them():
+    @tf.function(input_signature=[tf.TensorSpec([None]), tf.TensorSpec([None])])
+    def rows(a, b):
+        return [tf.shape(leaf)[0] for shard in split_batch((a, b), 2) for leaf in shard]
+
+    counts = rows(tf.range(10.0), tf.range(4.0))
+
+    assert [int(n) for n in counts] == [5, 2, 5, 2]
 
 
 def test_split_batch_empty_batch_raises():

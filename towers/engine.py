@@ -245,14 +245,14 @@ class Towers(Trainer):
         """
         self.step.flush()
 
-    def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
-        """Checks a batch, puts it on the host as tensors, builds a model
-        not built yet from it (``Step.prepare``).
+    def prepare(self, x: Any, y: Any = None, sample_weight: Any = None, kind=""):
+        """Checks a batch for the ``kind`` step (``Step.prepare``), puts it on
+        the host as tensors, builds a model not built yet from it.
 
         >>> x, y, sw = make_engine().prepare(np.ones((2, 3)), np.ones((2, 1)))
         >>> x.device, tuple(y.shape), sw
         ('/job:localhost/replica:0/task:0/device:CPU:0', (2, 1), None)"""
-        batch = self.step.prepare(x, y, sample_weight)
+        batch = self.step.prepare(x, y, sample_weight, kind)
         self.model = self.placement.model  # a balanced placement builds anew
         return batch
 

@@ -4,11 +4,17 @@ A batch of B examples goes to T towers in contiguous, ordered shards whose sizes
 differ by at most one (the first ``B % T`` towers get one more). When B < T the last
 towers get zero examples. Concatenating the shards in tower order gives the batch
 back, which is what makes T towers add up to one device on the whole batch.
+
+A batch whose parts differ in rows (a model's own step may take a zip of two
+datasets batched apart) is ``g = gcd`` of their rows *units*, each of
+``B_p / g`` rows of part p; the rule deals out units, so every part's share of
+tower t is the same ``k_t / g``, and every part's shards concatenate back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -46,6 +52,40 @@ def _part_sizes(size: Any, parts: int) -> Any:
     if isinstance(size, int):
         return [base + (1 if t < extra else 0) for t in range(parts)]
     return base + tf.cast(tf.range(parts) < extra, size.dtype)
+
+
+def units_of(batch: Any) -> tuple[Any, list[Any]]:
+    """The batch's units ``g`` (the gcd of its leaves' rows) and each leaf's
+    rows (None for a None leaf): ints where every leaf's rows are known, else
+    scalar int32 tensors. Leaves of equal rows: ``g = B``, one row each.
+
+    >>> units_of((np.zeros((6, 2)), np.zeros(4), None))
+    (2, [6, 4, None])
+    """
+    rows = [
+        None if leaf is None else batch_size_of(leaf) for leaf in tf.nest.flatten(batch)
+    ]
+    counts = [r for r in rows if r is not None]
+    if not counts:
+        raise ValueError(f"a batch needs at least one tensor; received {batch!r}")
+    if all(isinstance(r, int) for r in counts):
+        return math.gcd(*counts), rows
+    units = tf.cast(counts[0], tf.int32)
+    for r in counts[1:]:  # Euclid's, as the input runs
+        pair = (units, tf.cast(r, tf.int32))
+        units = tf.while_loop(lambda a, b: b > 0, lambda a, b: (b, a % b), pair)[0]
+    return units, rows
+
+
+def examples_of(batch: Any) -> int | tf.Tensor:
+    """The batch's examples, what its shares divide: its first leaf's rows
+    (of a batch whose parts differ in rows, its first part's).
+
+    >>> examples_of({"a": np.zeros((6, 2)), "b": np.zeros(4)})
+    6
+    """
+    leaves = [leaf for leaf in tf.nest.flatten(batch) if leaf is not None]
+    return batch_size_of(leaves[0] if leaves else batch)
 
 
 def batch_size_of(batch: Any) -> int | tf.Tensor:
@@ -121,8 +161,9 @@ def split_batch(batch: Any, num_towers: int) -> list[Any]:
     """Splits every tensor or array of a nested batch into per-tower shards.
 
     Args:
-      batch: a tensor, a NumPy array, or any nest (tuple, list, dict) of them, all
-        with the same first dimension B >= 1; a None in the nest (no targets,
+      batch: a tensor, a NumPy array, or any nest (tuple, list, dict) of them,
+        B >= 1 examples on the first axis; parts of other rows are split in
+        the same shares (the module's units); a None in the nest (no targets,
         say) stays None in every shard.
       num_towers: T >= 1.
 
@@ -131,22 +172,27 @@ def split_batch(batch: Any, num_towers: int) -> list[Any]:
       examples ``[offset_t, offset_t + n_t)``. NumPy leaves stay NumPy views.
 
     Raises:
-      ValueError: T < 1, B == 0, or leaves with different first dimensions.
+      ValueError: T < 1, or B == 0.
 
     Example:
       >>> import numpy as np
       >>> shards = split_batch({"x": np.arange(5), "y": np.arange(5) * 10}, 2)
       >>> [s["x"].tolist() for s in shards], shards[1]["y"].tolist()
       ([[0, 1, 2], [3, 4]], [30, 40])
+      >>> parts = split_batch((np.arange(6), np.arange(2)), 2)  # in units of 3 and 1
+      >>> [[p.tolist() for p in s] for s in parts]
+      [[[0, 1, 2], [0]], [[3, 4, 5], [1]]]
     """
     _check_num_towers(num_towers)
-    size = batch_size_of(batch)
-    if isinstance(size, int) and size == 0:
+    units, rows = units_of(batch)
+    if isinstance(units, int) and units == 0:
         raise ValueError("a batch needs at least one example; received 0")
-    sizes = _part_sizes(size, num_towers)
+    shares = _part_sizes(units, num_towers)  # each tower's units
     per_leaf = [
-        [None] * num_towers if leaf is None else _split_leaf(leaf, sizes, num_towers)
-        for leaf in tf.nest.flatten(batch)
+        [None] * num_towers
+        if leaf is None
+        else _split_leaf(leaf, _rows_of_units(shares, n, units), num_towers)
+        for leaf, n in zip(tf.nest.flatten(batch), rows)
     ]
     return [
         tf.nest.pack_sequence_as(batch, [shards[t] for shards in per_leaf])
@@ -154,13 +200,20 @@ def split_batch(batch: Any, num_towers: int) -> list[Any]:
     ]
 
 
+def _rows_of_units(shares: Any, rows: Any, units: Any) -> Any:
+    """Each tower's rows of a leaf of ``rows`` rows, given its ``units``."""
+    if isinstance(shares, list):
+        return [k * (rows // units) for k in shares]
+    return shares * (tf.cast(rows, tf.int32) // units)
+
+
 @dataclasses.dataclass
 class Shards:
     """One step's batch, cut for its towers.
 
     Attributes:
-      size: B, the step's examples: an int, or a scalar tensor when only the run
-        knows it.
+      size: B, the step's examples (its first part's rows, ``examples_of``):
+        an int, or a scalar tensor when only the run knows it.
       parts: ``parts[t]``, tower t's shard: the batch's structure over its n_t
         examples.
       sizes: ``[n_0, ..., n_{T-1}]`` when B is known at trace time, else None.
@@ -202,10 +255,14 @@ def split_for_towers(batch: Any, num_towers: int) -> Shards:
       >>> shards.size, shards.sizes, shards.parts[1][0].tolist()
       (5, [3, 2], [3, 4])
     """
-    size = batch_size_of(batch)
+    size = examples_of(batch)
     if isinstance(size, int) and size == 0:
         return Shards(0, [batch] * num_towers, [0] * num_towers)
-    sizes = split_sizes(size, num_towers) if isinstance(size, int) else None
+    units = units_of(batch)[0] if isinstance(size, int) else None
+    known = isinstance(units, int)  # each tower's first-part rows
+    sizes = (
+        _rows_of_units(split_sizes(units, num_towers), size, units) if known else None
+    )
     if num_towers == 1:  # the whole batch: no split op to run
         return Shards(size, [batch], sizes)
     return Shards(size, split_batch(batch, num_towers), sizes)

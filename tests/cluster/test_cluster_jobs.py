@@ -207,7 +207,10 @@ def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
     # it assigns moves once: an EMA (the same on every tower), a count of
     # examples (aggregation "sum") and a mean prediction ("mean", weighted by
     # the global shares), among the weights compared. Its Dropout layer draws
-    # one device's masks, its seed state assigned once, as the others.
+    # one device's masks, its seed state assigned once, as the others; its
+    # input noise, drawn over two blocks of the rows, takes each worker's
+    # rows of each block of the global batch's draw (its rows from the one
+    # small sum that places them).
     # Worker 1 has nothing in the batch of one. The reference: one tower.
     expected, results = as_one_tower(tmp_path, "twoapplies")
     for got in results:
@@ -249,9 +252,10 @@ def test_a_models_own_step_with_batchnorm_trains_in_a_cluster_as_one_device(
 
 
 def test_random_draws_in_a_cluster_are_one_devices(tmp_path):
-    # Dropout and GaussianNoise: each worker's towers draw their rows of the
-    # global batch's numbers, after the rows of the workers before it (one
-    # small sum a step); worker 1 has nothing in the batch of one. The
+    # Dropout, GaussianNoise and noise over two blocks of the rows: each
+    # worker's towers draw their rows of the global batch's numbers, after the
+    # rows of the workers before it (one small sum a step, which gives the
+    # global batch's rows too); worker 1 has nothing in the batch of one. The
     # reference: one tower on the whole batches.
     expected, results = as_one_tower(tmp_path, "dropout")
     for got in results:

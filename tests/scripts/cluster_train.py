@@ -33,7 +33,8 @@ encoder whose compute_loss is over the whole batch's similarities (gathered);
 --model twoapplies_bn the same with a BatchNormalization layer (run twice a
 step: pass --batch-statistics global); --model gathering has its own steps,
 whose loss is over the whole batch's rows, gathered with towers.gather;
---model dropout draws in training (Dropout, GaussianNoise).
+--model dropout draws in training (Dropout, GaussianNoise, and noise over
+two blocks of the rows).
 """
 
 import argparse
@@ -149,6 +150,24 @@ class Clip(keras.Model):
         return label + keras.ops.mean(crossed[0] + crossed[1]) / 2
 
 
+def paired_noise(x, seeds):
+    """Noise drawn over two blocks of the rows, halves added."""
+    rows = keras.ops.shape(x)[0]
+    noise = keras.random.normal((2 * rows, x.shape[1]), seed=seeds)
+    return x + 0.1 * (noise[:rows] + noise[rows:])
+
+
+class PairedNoise(keras.layers.Layer):
+    """In training, :func:`paired_noise`."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds = keras.random.SeedGenerator(8)
+
+    def call(self, x, training=False):
+        return paired_noise(x, self.seeds) if training else x
+
+
 class TwoApplies(keras.Sequential):
     """A model's own train_step that applies twice: its first layer with the
     compiled optimizer, then, through the updated layer, its last layer with
@@ -157,7 +176,13 @@ class TwoApplies(keras.Sequential):
     penalty; its metrics updated as Keras' guide updates them. It also
     assigns an EMA of its last kernel (the same on every tower), a count of
     examples made to add up, and the batch's mean prediction made to average
-    (each shard's differs): each once, as one device would."""
+    (each shard's differs): each once, as one device would. Its inputs get
+    noise drawn over two blocks of their rows, as the fit guide's GAN noises
+    its labels over its fake and real rows."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.seeds = keras.random.SeedGenerator(8)
 
     def compile(self, **kwargs):
         super().compile(**kwargs)
@@ -170,6 +195,7 @@ class TwoApplies(keras.Sequential):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = paired_noise(x, self.seeds)
         variables = self.layers[0].trainable_variables
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
@@ -285,6 +311,7 @@ def build():
                 keras.layers.Dense(8, activation="tanh"),
                 keras.layers.Dropout(0.4, seed=5),
                 keras.layers.GaussianNoise(0.2, seed=6),
+                PairedNoise(),
                 keras.layers.Dense(width),
             ]
         )

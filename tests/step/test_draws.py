@@ -10,7 +10,7 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import draws, meetings, runner, segments
+from towers.step import draws, meetings, places, runner, segments
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 
@@ -153,13 +153,13 @@ class Workers:
 
 def test_a_global_generators_draw_per_row_in_a_cluster_is_refused_by_name():
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
-    with draws.drawing(Workers(), [model], 8), draws.rows(4, 0):
+    with draws.drawing(Workers(), [model], 8), places.rows(4, 0):
         keras.random.normal((1, 3))  # the same on every worker: one device's
         with pytest.raises(ValueError, match=r"keras.random.normal with seed=None"):
             keras.random.normal((4, 3))
         with pytest.raises(ValueError, match=r"keras.random.dropout with seed=None"):
             keras.random.dropout(np.ones((4, 3), "float32"), 0.5)
-    with draws.drawing(None, [model], 8), draws.rows(4, 0):
+    with draws.drawing(None, [model], 8), places.rows(4, 0):
         assert keras.random.normal((4, 3)).shape == (4, 3)  # one process: placed
 
 
@@ -205,8 +205,8 @@ def _uncuttable(*arguments):
 
 
 class PairedNoise(keras.layers.Layer):
-    """Noise drawn over twice the rows, its halves added: a draw whose place
-    in one device's towers cannot read in towers' own step."""
+    """Noise drawn over twice the rows, its halves added: a draw over two
+    blocks of the rows."""
 
     def __init__(self):
         super().__init__()
@@ -216,17 +216,30 @@ class PairedNoise(keras.layers.Layer):
         if not training:
             return x
         rows = keras.ops.shape(x)[0]
-        noise = keras.random.normal((2 * rows, 4), seed=self.seeds, dtype=x.dtype)
+        noise = keras.random.normal((2 * rows, 5), seed=self.seeds, dtype=x.dtype)
         return x + 0.1 * (noise[:rows] + noise[rows:])
 
 
-def test_a_draw_over_blocks_of_the_rows_in_towers_own_step_is_named(recwarn):
+def paired(normalised=False):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), PairedNoise(), keras.layers.Dense(1)])
+    layers = [keras.Input((5,)), PairedNoise(), keras.layers.Dense(4, use_bias=False)]
+    layers += [keras.layers.BatchNormalization()] if normalised else []
+    model = keras.Sequential([*layers, keras.layers.Dense(2)])
     model.compile(keras.optimizers.SGD(0.1), "mse")
-    x = np.random.default_rng(0).standard_normal((9, 4))
-    Towers(model, devices=[f"/cpu:{t}" for t in range(3)]).fit(
-        x, x[:, :1], batch_size=9, epochs=2, verbose=0
-    )
-    named = [str(w.message) for w in recwarn if "blocks of its rows" in str(w.message)]
-    assert len(named) == 1 and "draws 6 rows on a tower of 3" in named[0]
+    return model
+
+
+# Without a meeting the towers run alone (or once); with global batch
+# statistics in phases (a cut pass), and in turns where the cut is refused.
+@pytest.mark.parametrize("way", ["alone", "phases", "turns"])
+def test_a_draw_over_blocks_of_the_rows_in_towers_own_step_is_one_devices(
+    float64, monkeypatch, way
+):
+    if way == "turns":
+        monkeypatch.setattr(segments, "compute", _uncuttable)
+    model, reference, before = fit_both(lambda: paired(normalised=way != "alone"), 3)
+    for got, want, b in zip(model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
+            err_msg=want.path,
+        )  # fmt: skip

@@ -180,14 +180,15 @@ class Workers:
         tensors (a few KB: per-channel statistics): gathered, not all-reduced."""
         return self._statistics[kind].gathered_sum([value], instance)[0]
 
-    def first_row(self, examples: Any) -> tf.Tensor:
+    def first_row(self, examples: Any) -> tuple[tf.Tensor, tf.Tensor]:
         """This worker's first row in the step's global batch (its
-        ``examples`` and every other worker's, summed before it): where its
-        random draws start (``towers/step/draws.py``)."""
+        ``examples`` and every other worker's, summed before it), where its
+        random draws start, and the global batch's rows
+        (``towers/step/places.py``)."""
         size, rank = self.cluster.num_workers, self.cluster.index
         mine = tf.one_hot(rank, size, dtype=tf.float32) * tf.cast(examples, tf.float32)
-        every = self.sum_statistics(mine, 0, "draws")
-        return tf.cast(tf.reduce_sum(every[:rank]), tf.int32)
+        every = tf.cast(self.sum_statistics(mine, 0, "draws"), tf.int32)
+        return tf.reduce_sum(every[:rank]), tf.reduce_sum(every)
 
     def step(
         self,

@@ -13,27 +13,32 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.split import COMPOSITES, batch_size_of, take_rows
+from towers.split import COMPOSITES, batch_size_of, examples_of, take_rows
 
 # Input arrives on the host and is split there, whatever the compute devices are.
 HOST = "/device:CPU:0"
 
 
-def check_sizes(x: Any, y: Any, sample_weight: Any, allow_empty: bool) -> None:
-    """Refuses parts that disagree on B, and B == 0 unless ``allow_empty`` (a
-    worker's share of a small batch may be empty: it joins with zeros).
+def check_sizes(
+    x: Any, y: Any, sample_weight: Any, allow_empty: bool, apart: bool = False
+) -> None:
+    """Refuses parts that disagree on B, unless ``apart`` (a model's own step
+    reads them itself: each is split in the same shares, ``towers/split.py``),
+    and B == 0 unless ``allow_empty`` (a worker's share of a small batch may
+    be empty: it joins with zeros).
 
     >>> check_sizes(np.zeros((3, 2)), np.zeros(2), None, allow_empty=False)
     Traceback (most recent call last):
     ...
     ValueError: x and y must have the same batch size; received x with 3 ...
     """
+    parts = (("x", x), ("y", y), ("sample_weight", sample_weight))
     sizes = {
-        name: batch_size_of(part)
-        for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight))
+        name: (examples_of if apart else batch_size_of)(part)
+        for name, part in parts
         if part is not None
     }
-    if len(set(sizes.values())) > 1:
+    if len(set(sizes.values())) > 1 and not apart:
         names = " and ".join(sizes)
         counts = [f"{name} with {n}" for name, n in sizes.items()]
         raise ValueError(

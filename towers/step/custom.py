@@ -23,11 +23,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import layers_of
 from towers._keras.patches import routed_applies, routed_gradients
 from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards, batch_size_of
+from towers.split import Shards, examples_of
 from towers.step import draws, loss_kinds, xla
 from towers.step.applies import Applies
 from towers.step.assignments import Assignments
@@ -111,6 +112,7 @@ class CustomStep:
         self._across: Any = None
         self._batch: list[Any] = []  # the step's input tensors, while traced
         self._logs_found: dict[str, dict] = {}  # by hook: each number's kind
+        self._built: set[str] = set()  # the kinds whose first trace built
 
     @property
     def model(self) -> keras.Model:
@@ -134,6 +136,24 @@ class CustomStep:
             self._logs_found[hook] = found.logs
             if training:
                 self.applies.kinds = found.losses
+
+    def build(self, batch: tuple, kind: str) -> None:
+        """Creates the variables the model's own ``kind`` step makes as it
+        first runs (a layer built at its first call, as in Keras' fit's first
+        trace): the step traced once on ``batch``, never run, nothing applied,
+        on the device its variables live on. Once a kind."""
+        models = self.placement.models
+        if kind in self._built or all(x.built for m in models for x in layers_of(m)):
+            return
+        self._built.add(kind)
+        hook = "train_step" if kind == "train" else "test_step"
+        devices = self.placement.devices if len(models) > 1 else [
+            self.placement.variable_device]  # fmt: skip
+        for model, device in zip(models, devices):
+            step = getattr(model, hook)
+            with tf.device(device), routed_applies(loss_kinds.nothing):
+                traced = tf.function(step, autograph=False)
+                traced.get_concrete_function(keras.utils.pack_x_y_sample_weight(*batch))
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step: the model's ``train_step`` on every tower.
@@ -352,7 +372,7 @@ def _share(shards: Shards, t: int) -> Any:
     """Tower ``t``'s share of the step's examples, ``n_t / B``."""
     if shards.sizes is not None and isinstance(shards.size, int):
         return shards.sizes[t] / shards.normaliser  # B, or 1 when empty
-    n_t = tf.cast(batch_size_of(shards.parts[t]), tf.float64)
+    n_t = tf.cast(examples_of(shards.parts[t]), tf.float64)
     return n_t / tf.cast(shards.normaliser, tf.float64)
 
 

@@ -15,36 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from towers._keras.patches import drawn_after, routed_draws
-from towers.split import batch_size_of
+from towers.step import places
 from towers.step.state import state_variables
-
-_here = threading.local()
 
 # Keras' draws made of one stateless uniform or normal draw, which a tower
 # draws alone, moved on past the rows before its own (``drawn_after``).
 COUNTED = ("normal", "uniform", "randint")
-
-
-@contextlib.contextmanager
-def rows(size: Any, first: Any, total: Any = None) -> Iterator[None]:
-    """Within, this thread's tower draws as rows ``[first, first + size)``
-    of the batch (``size``: the shard's static rows, None if unknown;
-    ``first``: an int or a scalar tensor; ``total``: the batch's rows, where
-    known, for a draw over k times the rows: :func:`_blocks`)."""
-    before = getattr(_here, "rows", None)
-    _here.rows = (tf.compat.dimension_value(size), first, total)
-    try:
-        yield
-    finally:
-        _here.rows = before
 
 
 def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -52,23 +35,21 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
     >>> def own(shape, seed=None):  # a draw that numbers its values
     ...     return tf.reshape(tf.range(shape[0] * shape[1]), shape)
-    >>> with rows(2, 3):  # a tower of rows 3 and 4
+    >>> with places.rows(2, 3):  # a tower of rows 3 and 4
     ...     route("truncated_normal", own, ((2, 1),), {}).numpy().ravel().tolist()
     [3, 4]
     """
-    where = getattr(_here, "rows", None)
-    if where is None:
+    if not places.in_tower():
         return own(*args, **kwargs)
     if name.startswith("tf."):
         return _stateful(name, own, args, kwargs)
-    size, first, total = where
     if name == "dropout":
-        return _dropout(own, size, first, *args, **kwargs)
+        return _dropout(own, *args, **kwargs)
     if name == "categorical":
-        return _categorical(own, size, first, *args, **kwargs)
+        return _categorical(own, *args, **kwargs)
     if name == "shuffle":
         x, axis = args[0], kwargs.get("axis", args[1] if len(args) > 1 else 0)
-        if axis == 0 and _per_row(tf.TensorShape(x.shape)[:1], size):
+        if axis == 0 and places.place(tf.TensorShape(x.shape)[0], name) is not None:
             raise ValueError(
                 "keras.random.shuffle along the examples on towers shuffles "
                 "each tower's rows alone, not the batch's; received a shuffle "
@@ -85,20 +66,16 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         known = tf.get_static_value(shape)
         shape = [int(d) for d in known] if known is not None else tf.unstack(shape)
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
-    if dims:  # a row count read from a tensor's shape: as the trace knows it
-        dims[0] = _static(dims[0])
-    if dims and _blocks(dims[0], size):
-        if total is not None:
-            return _from_blocks(own, args, kwargs, dims, size, first, total)
-        _name(
-            name, f"draws {dims[0]} rows on a tower of {size}: blocks of its rows, "
-            "whose place in one device's draw towers reads in a model's own "
-            "train_step in one process only; here every tower draws the same "
-            "numbers, not one device's",
-        )  # fmt: skip
-    if not dims or not _per_row(dims[:1], size):
+    place = places.place(dims[0], name) if dims else None
+    if place is None:
         return own(*args, **kwargs)
-    _check_placed(name, own, args, kwargs)
+    if not place[3]:
+        return _unplaced(name, own, args, kwargs)
+    size, first, total, blocks = place
+    dims[0] = size
+    places.check_placed(name, own, args, kwargs)
+    if blocks > 1:
+        return _from_blocks(own, args, kwargs, dims, size, first, total, blocks)
     if name in COUNTED:  # the tower's values alone
         with drawn_after(_before(first, dims[1:])):
             return own(*args, **kwargs)
@@ -110,50 +87,50 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return _cut(own(*args, **kwargs), first, dims[0])
 
 
-# The stateful ops named already (once a model: ``(id(model), op name)``),
-# the model whose step is traced, and the ops met since the probe began
-# (``loss_kinds.probe``).
-_named: set[tuple[int, str]] = set()
-_drawing: list[int] = [0]
-stateful_met: set[str] = set()
-
-
 def _stateful(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
     """A TensorFlow stateful random op in a tower's step: each op draws from
     a seed of its own, which no tower shares with one device's op, so its
     numbers are the tower's own. Named once, never silent."""
-    stateful_met.add(name)
-    _name(
+    places.name(
         name, f"TensorFlow's stateful {name[3:]} (tf.random.normal, "
         "tf.random.uniform, ...) draws from the op's own seed: each tower draws "
-        "its own numbers, not one device's for its examples (and a model's own "
-        "train_step's losses are read as means over its examples, which towers "
-        "cannot find through such a draw). Draw with keras.random and a "
-        "keras.random.SeedGenerator for one device's numbers",
+        "its own numbers, not one device's for its examples. Draw with "
+        "keras.random and a keras.random.SeedGenerator for one device's numbers",
     )  # fmt: skip
-    return own(*args, **kwargs)
+    return _unplaced(name, own, args, kwargs)
 
 
-def _name(draw: str, why: str) -> None:
-    """Warns once a model that ``draw`` is not one device's, saying ``why``."""
-    if (_drawing[0], draw) not in _named:
-        _named.add((_drawing[0], draw))
-        warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
+# A draw's middle, by the argument it is read from (a number: itself).
+MIDDLES = {"normal": "mean", "truncated_normal": "mean", "uniform": None,
+           "randint": "minval", "tf.random_uniform": 0.5,
+           "tf.random_standard_normal": 0.0, "tf.truncated_normal": 0.0,
+           "tf.random_uniform_int": "minval", "tf.random_shuffle": "value"}  # fmt: skip
 
 
-def _blocks(rows: Any, size: Any) -> bool:
-    """Whether a draw of ``rows`` rows is ``k >= 2`` blocks of the shard's
-    ``size`` (the fit guide's label noise over its fake and real rows,
-    concatenated): one device's is k blocks of the batch's rows."""
-    known = isinstance(rows, int) and isinstance(size, int) and size > 0
-    return known and rows % size == 0 and rows > size
+def _unplaced(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
+    """A draw towers cannot place: its own numbers; while the probe runs
+    (:func:`steady`), its middle (``MIDDLES``; the value a shuffle takes)."""
+    if not places.steadied() or name not in MIDDLES:
+        return own(*args, **kwargs)
+    bound = inspect.signature(own).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given, middle = bound.arguments, MIDDLES[name]
+    if middle == "value":
+        return tf.convert_to_tensor(given["value"])
+    if middle is None:  # uniform's
+        middle = (given["minval"] + given["maxval"]) / 2
+    value = given[middle] if isinstance(middle, str) else middle
+    dtype = given.get("dtype")
+    if dtype is None and name != "tf.random_uniform_int":  # its minval's
+        dtype = keras.config.floatx()
+    if dtype is not None:
+        value = tf.cast(value, keras.backend.standardize_dtype(dtype))
+    return tf.fill(given["shape"], value)
 
 
-def _from_blocks(own, args: list, kwargs: dict, dims: list, size, first, total):
-    """One device's draw of k blocks of the batch's rows, made whole, and the
-    tower's rows of each block, in block order."""
-    _check_placed("draw", own, args, kwargs)
-    blocks = dims[0] // size
+def _from_blocks(own, args: list, kwargs: dict, dims: list, size, first, total, blocks):
+    """One device's draw of ``blocks`` blocks of the batch's rows, made
+    whole, and the tower's rows of each block, in block order."""
     whole = [blocks * total, *dims[1:]]
     if "shape" in kwargs:
         kwargs["shape"] = whole
@@ -164,50 +141,18 @@ def _from_blocks(own, args: list, kwargs: dict, dims: list, size, first, total):
     return tf.gather(own(*args, **kwargs), rows)
 
 
-def _check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
-    """Refuses a draw with a value per row from Keras' global seed generator
-    (``seed=None``) in a cluster whose model has no seed generator of its
-    own: nothing told the workers where their rows are (:func:`drawing`)."""
-    if not getattr(_here, "unplaced", False):
-        return
-    if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is None:
-        raise ValueError(
-            f"keras.random.{name} with seed=None draws from Keras' global seed "
-            "generator, whose rows towers cannot place in a cluster's global "
-            "batch; received one with a value per example in a worker's step, "
-            "in a model with no seed generator of its own. Give the layer a "
-            "keras.random.SeedGenerator and pass it as seed=. Nothing was "
-            "updated."
-        )
-
-
-def _per_row(leading: Any, size: Any) -> bool:
-    """Whether a first axis ``leading`` (a shape's first entry, in a list)
-    is as long as the tower's rows."""
-    dim = _static(leading[0])
-    return (None if isinstance(dim, tf.Tensor) else dim) == size
-
-
-def _static(dim: Any) -> Any:
-    """A shape's entry as a number where the trace knows it, else itself:
-    ``tf.shape(x)[i]`` of an ``x`` whose static shape has it, which
-    ``tf.get_static_value`` does not read through the slice."""
-    if not isinstance(dim, tf.Tensor):
-        return tf.compat.dimension_value(dim)
-    known = tf.get_static_value(dim)
-    if known is not None:
-        return int(known)
-    op = dim.op
-    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
-        return dim
-    index, source = tf.get_static_value(op.inputs[1]), op.inputs[0]
-    whole = tf.get_static_value(source)  # a shape the trace folded
-    if whole is None and source.op.type == "Shape":
-        shape = source.op.inputs[0].shape
-        whole = None if shape.rank is None else shape.as_list()
-    if whole is None or index is None or whole[int(index[0])] is None:
-        return dim
-    return int(whole[int(index[0])])
+def _single(rows: Any, draw: str) -> tuple | None:
+    """:func:`places.place` for a draw towers place by its rows alone (a mask, a
+    sample per row): blocks of them are named, not placed."""
+    place = places.place(rows, draw)
+    if place is not None and not place[3]:
+        return None
+    if place is not None and place[3] > 1:
+        places.name(draw, f"over {place[3]} blocks of a tower's rows, which towers "
+              "place for keras.random's draws alone; here every tower draws the "
+              "same numbers, not one device's")  # fmt: skip
+        return None
+    return place
 
 
 def _cut(whole: tf.Tensor, first: Any, size: Any) -> tf.Tensor:
@@ -217,15 +162,17 @@ def _cut(whole: tf.Tensor, first: Any, size: Any) -> tf.Tensor:
     return tf.slice(whole, begin, size)
 
 
-def _dropout(own, size, first, inputs, rate, noise_shape=None, seed=None):
+def _dropout(own, inputs, rate, noise_shape=None, seed=None):
     """Keras' dropout of ``inputs``, its mask the tower's rows of the batch's
     (its uniform draw moved on by the rows before the tower's)."""
     inputs = tf.convert_to_tensor(inputs)
     if noise_shape is None:
         noise_shape = [None] * inputs.shape.rank
-    if not _per_row([inputs.shape[0]], size) or noise_shape[0] == 1:
+    place = None if noise_shape[0] == 1 else _single(inputs.shape[0], "dropout")
+    if place is None:
         return own(inputs, rate, noise_shape=noise_shape, seed=seed)
-    _check_placed("dropout", own, (inputs, rate), {"seed": seed})
+    first = place[1]
+    places.check_placed("dropout", own, (inputs, rate), {"seed": seed})
     dynamic = tf.shape(inputs)
     rest = [dynamic[i] if d is None else d for i, d in enumerate(noise_shape)][1:]
     with drawn_after(_before(first, rest)):
@@ -241,59 +188,27 @@ def _before(first: Any, row: list[Any]) -> Any:
     return values
 
 
-def _categorical(own, size, first, logits, num_samples, *args, **kwargs):
+def _categorical(own, logits, num_samples, *args, **kwargs):
     """Samples of the tower's rows of logits, drawn as the batch's: its rows
     after ``first`` rows of zeros (each row's samples read its own row)."""
     logits = tf.convert_to_tensor(logits)
-    if not _per_row([logits.shape[0]], size):
+    place = _single(logits.shape[0], "categorical")
+    if place is None:
         return own(logits, num_samples, *args, **kwargs)
-    _check_placed("categorical", own, (logits, num_samples, *args), kwargs)
+    first = place[1]
+    places.check_placed("categorical", own, (logits, num_samples, *args), kwargs)
     n = tf.shape(logits)[0]
     padded = tf.pad(logits, [[tf.cast(first, tf.int32), 0], [0, 0]])
     return _cut(own(padded, num_samples, *args, **kwargs), first, n)
 
 
-def first_rows(shards: Any) -> list[Any]:
-    """Each tower's first row in the batch (in a cluster, the global batch,
-    as :func:`drawing` says): ints when known when traced, else scalar
-    tensors."""
-    sizes = shards.sizes or [batch_size_of(part) for part in shards.parts]
-    before = getattr(_here, "worker_first", 0)
-    return [sum(sizes[:t], before) for t in range(len(sizes))]
-
-
 @contextlib.contextmanager
 def drawing(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
     """Within (a step's towers traced), Keras' draws are routed to
-    :func:`route`; in a cluster, the towers' rows are placed in the global
-    batch after the workers before this one (``workers.first_row``, one small
-    sum over the workers), when the towers' ``models`` draw at all."""
+    :func:`route`, the towers' rows placed (``places.placing``)."""
     draw = any(state_variables(model) for model in models)
-    _drawing[0] = id(models[0])
-    with routed_draws(route):
-        if workers is None:
-            yield
-            return
-        if draw:
-            _here.worker_first = workers.first_row(examples)
-        _here.unplaced = not draw  # a draw from the global generator is refused
-        try:
-            yield
-        finally:
-            _here.worker_first, _here.unplaced = 0, False
-
-
-def shard_size() -> Any:
-    """The rows of this thread's tower's shard as traced (:func:`rows`;
-    None: unknown until it runs, or no tower's rows set)."""
-    where = getattr(_here, "rows", None)
-    return None if where is None else where[0]
-
-
-def size_of(x: Any) -> int | None:
-    """A shard's rows as traced (None: known when it runs)."""
-    size = batch_size_of(x)
-    return size if isinstance(size, int) else None
+    with routed_draws(route), places.placing(workers, models, examples, draw):
+        yield
 
 
 class Starts:

@@ -32,8 +32,8 @@ from towers._keras.patches import (
     routed_gradients,
 )
 from towers.combine import in_dtype
-from towers.split import take_rows
-from towers.step import draws
+from towers.split import take_rows, units_of
+from towers.step import draws, places
 from towers.step.probe import readings
 
 # "whole_sum": a sum whose terms that read no tensor of the batch still move
@@ -166,7 +166,7 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
     Raises:
       ValueError: a loss that is neither a mean nor a sum over the examples.
     """
-    size = int(tf.nest.flatten(batch[0])[0].shape[0])
+    size = units_of(batch)[0]  # a part's rows each (towers/split.py)
     if size < 2:
         return Found(None, {})
     recorder = _Recorder(model, hook)
@@ -176,7 +176,6 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
     for first in range(0, min(size - 1, 2 * PAIRS), 2):
         parts = [_rows(batch, first, first + 2)]
         parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
-        draws.stateful_met.clear()
         try:
             losses, returned = run(*parts)
         except ValueError as error:
@@ -184,16 +183,14 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
             if named is None:
                 raise
             raise named from error
-        if draws.stateful_met:  # each part's own numbers: means (draws.py)
-            return Found(["mean"] * len(losses[0]), {})
         losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
         for key in returned[0]:
             value = _less_free([variant[key].numpy() for variant in returned])
             logs.setdefault(key, _kind(model, value, None))
         if recorder.gathers:  # the whole batch's loss on every tower
             return Found(["mean"] * len(losses), {})
-        read = [
-            "sum" if rows else _kind(model, value, k)
+        read = [  # a value per row the tape sums, unless its values say else
+            _kind(model, value, k) or ("sum" if rows else None)
             for k, (rows, value) in enumerate(zip(recorder.per_row(), losses))
         ]
         kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
@@ -219,7 +216,13 @@ def misfit(model: keras.Model, hook: str, error: ValueError) -> ValueError | Non
 
 
 def _rows(batch: tuple, start: int, stop: int) -> tuple:
-    return tf.nest.map_structure(lambda leaf: take_rows(leaf, start, stop), batch)
+    """Units ``[start, stop)`` of ``batch``: so many rows of each part."""
+    units, rows = units_of(batch)
+    taken = [
+        None if n is None else take_rows(leaf, start * n // units, stop * n // units)
+        for leaf, n in zip(tf.nest.flatten(batch), rows)
+    ]
+    return tf.nest.pack_sequence_as(batch, taken)
 
 
 def _less_free(pairs: list) -> tuple[list[float], bool]:
@@ -272,16 +275,19 @@ class _Recorder:
         out, logs, together = [], [], _Together(self.model)
         _probing.recorder = self
         try:
-            with routed_gradients(self._gradient), routed_applies(_nothing):
-                with draws.drawing(None, [self.model], 2), together.patched():
+            with routed_gradients(self._gradient), routed_applies(nothing):
+                drawing = draws.drawing(None, [self.model], 2)
+                with drawing, places.steady(), together.patched():
                     self.leading = []
                     for (x, y, sw), first in zip(parts, (None, 0, 1)):
                         self._losses = []
                         self.leading.append([])
                         self._batch = tf.nest.flatten((x, y, sw), True)
                         together.replay = first is not None
-                        rows = draws.rows(2 if first is None else 1, first or 0, 2)
-                        with keras.StatelessScope(), rows:
+                        rows = places.size_of(x)  # a unit's or two's
+                        whole = 2 * rows if first is not None else rows
+                        placed = places.rows_of((x, y, sw), rows * (first or 0), whole)
+                        with keras.StatelessScope(), placed:
                             data = keras.utils.pack_x_y_sample_weight(x, y, sw)
                             returned = getattr(self.model, self.hook)(data)
                         out.append(self._losses)
@@ -309,8 +315,12 @@ class _Recorder:
 
     def per_row(self) -> list[bool]:
         """Per loss: whether it has a value per example (a first axis as
-        long as each part's examples), which the tape sums."""
-        return [firsts == (2, 1, 1) for firsts in zip(*self.leading)]
+        long as a part's rows: twice as long on the two units), which the
+        tape sums."""
+        return [
+            bool(alone) and together == 2 * alone == 2 * other
+            for together, alone, other in zip(*self.leading)
+        ]
 
     def _gradient(self, target: Any, sources: Any, own: Any) -> Any:
         loss = tf.convert_to_tensor(target)
@@ -326,7 +336,7 @@ def _with_free(value: tf.Tensor, free: tf.Tensor | None) -> tf.Tensor:
     return tf.cast(tf.stack([value, tf.cast(free, value.dtype)]), tf.float64)
 
 
-def _nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:
+def nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:
     """An apply while probing: nothing applied."""
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from towers.split import Shards, split_for_towers
-from towers.step import draws, lockstep, meetings, segments, xla
+from towers.step import draws, lockstep, meetings, places, segments, xla
 from towers.step.batches import HOST
 from towers.step.tower import TowerResult
 
@@ -155,9 +155,8 @@ class Runner:
                 return partial(on_tower, self.placement, t, partial(work, model, x))
             args = (model, x, y, sample_weight, shards.normaliser)
             if kind == "own":  # its states meet where it assigns them
-                total = shards.size if self.workers is None else None
-                first = draws.first_rows(shards)[t]
-                rows = draws.rows(draws.size_of(x), first, total)
+                first = places.first_rows(shards)[t]
+                rows = places.rows_of(shards.parts[t], first, places.batch_rows())
                 return partial(on_tower, self.placement, t, partial(work, *args), rows)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
@@ -196,12 +195,12 @@ def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
     seed states (``starts``), its draws its rows of the batch's."""
     x, y, sample_weight = shards.parts[t]
     model = placement.model_of(t)
-    first = draws.first_rows(shards)[t]
+    first, total = places.first_rows(shards)[t], places.batch_rows()
 
     def forward() -> Any:
         tower_pass = tower.forward(
             model, x, y, sample_weight, shards.normaliser, starts.of(model),
-            first=first,
+            first=first, total=total,
         )  # fmt: skip
         starts.ended(model, tower_pass.states)
         return tower_pass

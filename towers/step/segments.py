@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.split import Shards, batch_size_of
-from towers.step import cut, draws, meetings, xla
+from towers.step import cut, draws, meetings, places, xla
 from towers.step.cut import Plan
 from towers.step.tower import Tower, TowerResult
 
@@ -108,13 +108,13 @@ def compute(
     scale = tower.loss_scale()
     plans: dict[tuple, Plan] = {}
     chosen, calls = [], []
-    firsts = draws.first_rows(shards)
+    firsts, total = places.first_rows(shards), places.batch_rows()
     for t, model in zip(working, models):
         x, y, sample_weight = shards.parts[t]
         with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
             weights = xla.read_weights(model)
             first = tf.cast(firsts[t], tf.int32)
-        args = (x, y, sample_weight, first, starts.of(model), weights, scale)
+        args = (x, y, sample_weight, first, total, starts.of(model), weights, scale)
         key = (id(model), xla.signature(args))
         if key not in plans:
             work = tower_pass(tower, model, shards, divisors_of, traced)
@@ -141,16 +141,17 @@ def tower_pass(
     traced: list,
 ) -> Callable[..., tuple]:
     """A tower's pass as one function of ``(x, y, sample_weight, first,
-    states, weights, scale)``: its forward pass drawing its rows of the batch
-    (``first``: its first row), the step's divisors (:func:`_step_divisor` of
-    each of ``divisors_of``'s for its own pass), its loss share and
+    total, states, weights, scale)``: its forward pass drawing its rows of
+    the batch (``first``: its first row of ``total``), the step's divisors
+    (:func:`_step_divisor` of each of ``divisors_of``'s for its own pass),
+    its loss share and
     gradients. Returns ``(TowerResult, its last states)``; ``traced``
     collects the forward passes."""
     examples = shards.normaliser
 
-    def run(x, y, sample_weight, first, states, weights, scale) -> tuple:
+    def run(x, y, sample_weight, first, total, states, weights, scale) -> tuple:
         recorded = tower.forward(
-            model, x, y, sample_weight, examples, states, weights, first
+            model, x, y, sample_weight, examples, states, weights, first, total
         )
         size = batch_size_of(x)
         divisors = [

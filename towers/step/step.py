@@ -210,19 +210,25 @@ class Step:
         self.probe(x, y, sample_weight)
         return True
 
-    def prepare(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple:
+    def prepare(
+        self, x: Any, y: Any = None, sample_weight: Any = None, kind: str = ""
+    ) -> tuple:
         """Checks a batch, puts it on the host as tensors (``batches.py``), and
         builds a model that is not built from it (then :meth:`start`).
 
         Raises:
-          ValueError: x, y and sample_weight disagree on B, or B == 0 outside a
-            cluster (a worker's share of a small batch may be empty).
+          ValueError: x, y and sample_weight disagree on B where towers' own
+            ``kind`` step reads them (a model's own reads its data itself), or
+            B == 0 outside a cluster (a worker's share may be empty).
         """
-        check_sizes(x, y, sample_weight, allow_empty=self.workers is not None)
+        apart = own(self, kind) is not None
+        check_sizes(x, y, sample_weight, self.workers is not None, apart)
         x, y, sample_weight = on_host((x, y, sample_weight))
         model = self.placement.model
         unbuilt = not model.built or not (model.variables or built_symbolically(model))
-        if unbuilt and overrides(model, "call"):
+        if apart:  # by the model's own step as it first runs, as in Keras' fit
+            self.custom.build((x, y, sample_weight), kind)
+        elif unbuilt and overrides(model, "call"):
             # Built from the first batch, as Keras' fit builds it, whatever
             # variables it made already; one with no call() is never called.
             self.placement.build_from(first_example(x))

@@ -35,7 +35,7 @@ from towers._keras import (
     own_losses,
 )
 from towers.split import batch_size_of
-from towers.step import draws, xla
+from towers.step import places, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
@@ -157,6 +157,7 @@ class Tower:
         states: list[tf.Tensor] | None = None,
         weights: list[tf.Tensor] | None = None,
         first: Any = None,
+        total: Any = None,
     ) -> TowerPass:
         """The forward pass in training mode, recorded for :meth:`gradients`.
 
@@ -164,11 +165,12 @@ class Tower:
         start from, assigned by none of the pass (None: assigned as drawn).
         ``weights``: ``model.weights``' values read outside an XLA
         computation (None: read here). ``first``: the shard's first row, so
-        its draws are its rows of the batch's (``draws.py``).
+        its draws are its rows of the batch's, of ``total`` (``places.py``).
         """
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
-        placed = draws.rows(draws.size_of(x), first) if first is not None else None
+        size = places.size_of(x)
+        placed = None if first is None else places.rows(size, first, total)
         with (
             placed or contextlib.nullcontext(),
             weights_here(model, states, weights) as scope,

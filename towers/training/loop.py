@@ -230,7 +230,7 @@ class Trainer(ModelMetrics, abc.ABC):
         log = TrainingLog(self, log_dir, profile_steps)  # checks them first
         if not self.model.variables:
             # Build a lazily built model first, so a checkpoint's shapes can be checked.
-            self.prepare(*unpack(source.sample()))
+            self.prepare(*unpack(source.sample()), kind="train")
         # The compiled metrics too, which a checkpoint saves, from the
         # batches' shapes (nothing read), as Keras' fit builds them.
         with named_misfits(self.model, unpack(source.spec()), (x, y, sample_weight)):
@@ -334,7 +334,7 @@ class Trainer(ModelMetrics, abc.ABC):
         check_inputs(x)
         source = source_of(x, y, sample_weight, batch_size, steps)
         if not self.model.variables:
-            self.prepare(*unpack(source.sample()))
+            self.prepare(*unpack(source.sample()), kind="evaluate")
         with named_misfits(self.model, unpack(source.spec()), (x, y, sample_weight)):
             self.build_metrics(*unpack(source.spec()), training=False)
         batches = Epochs(source, steps)

@@ -97,9 +97,9 @@ class ModelMetrics:
         terms probed (a term coupling the examples gathered or named, one
         summing them taken as a sum: ``towers/step/coupled.py``)."""
         self.require_compiled(method)
-        batch = self.prepare(*batch)
+        training = method != "evaluate_step"
+        batch = self.prepare(*batch, kind="train" if training else "evaluate")
         with named_misfits(self.model, batch):
-            training = method != "evaluate_step"
             self.build_metrics(*batch, training=training)
             self.step.probe(*batch, training=training)
         return batch

@@ -17,7 +17,7 @@ from towers._keras.inputs import (
     convert_to_np_if_not_ragged,
     potentially_ragged_concat,
 )
-from towers.split import batch_size_of
+from towers.split import examples_of
 from towers.step.custom import own
 from towers.training.arguments import check_callbacks
 from towers.training.checkpoint import (
@@ -128,7 +128,7 @@ def fit_execution(
     batch index), and the checkpoint after it."""
     begin, end = steps
     batches = [unpack(batch) for batch in batches]
-    size = sum(int(batch_size_of(x)) for x, _, _ in batches)
+    size = sum(int(examples_of(x)) for x, _, _ in batches)
     run.callbacks.on_train_batch_begin(begin)
     run.log.before_step(len(batches))
     run.preemption.before_step()

@@ -1,0 +1,244 @@
+"""Where a tower's draw sits in one device's draw of the batch.
+
+A tower draws as rows ``[first, first + n_t)`` of the batch (:func:`rows`),
+of each part of its data (parts of other batch sizes are split in the same
+shares, ``towers/split.py``): :func:`place` reads a draw's row count as one
+part's rows, or k blocks of them, and names, once a model, a draw whose rows
+it cannot place. In a cluster the rows follow the workers' before
+(:func:`placing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from towers.split import examples_of
+
+_here = threading.local()
+
+
+@contextlib.contextmanager
+def rows(size: Any, first: Any, total: Any = None, others: Any = ()) -> Iterator[None]:
+    """Within, this thread's tower draws as rows ``[first, first + size)``
+    of the batch (``size``: the shard's static rows, None if unknown;
+    ``first``: an int or a scalar tensor; ``total``: the batch's rows, where
+    known, for a draw over k times the rows: :func:`place`). ``others``:
+    the shard's rows of its parts of other rows than its first (a model's
+    own step's data, split in the same shares: ``towers/split.py``)."""
+    before = getattr(_here, "rows", None)
+    _here.rows = (tf.compat.dimension_value(size), first, total, tuple(others))
+    try:
+        yield
+    finally:
+        _here.rows = before
+
+
+def rows_of(shard: Any, first: Any, total: Any = None) -> Any:
+    """:func:`rows` for a tower's shard whose first row is ``first`` (of
+    ``total`` in the batch, where known)."""
+    size = size_of(shard)
+    leaves = [leaf for leaf in tf.nest.flatten(shard) if leaf is not None]
+    counts = {size_of(leaf) for leaf in leaves} - {size, None}
+    return rows(size, first, total, sorted(counts) if size else ())
+
+
+def place(rows: Any, draw: str) -> tuple | None:
+    """Where a draw over ``rows`` rows (a shape's first entry) sits in one
+    device's: ``(size, first, total, k)`` of the shard's part whose rows it
+    draws, k >= 2 for k blocks of them (the fit guide's label noise over its
+    fake and real rows, concatenated: one device's is k blocks of the
+    batch's); k = 0 for rows towers cannot place, named once (:func:`name`).
+    None: a draw of no part's rows (every tower's alike), or a tower with
+    the whole batch."""
+    size, first, total, others = _here.rows
+    whole = isinstance(total, int) and total == size  # the whole batch: as drawn
+    if whole and not getattr(_here, "steady", False):
+        return None
+    rows = static(rows)
+    if not isinstance(rows, int):  # known when it runs: the shard's if its are
+        unknown = rows is None or isinstance(rows, tf.Tensor)
+        return (size, first, total, 1) if unknown and size is None else None
+    parts = [(size, first, total)] + [
+        (n, first * n // size, None if total is None else total * n // size)
+        for n in others
+    ]
+    sizes = [n for n, _, _ in parts]
+    ways = _ways(rows, sizes)
+    if rows in sizes:  # a part's rows, as a draw over them is: read so
+        if len(ways) > 1:
+            name(draw, f"draws {rows} rows on a tower whose data's parts have "
+                  f"{sorted(sizes)} rows: read as the part of {rows}'s rows; if "
+                  "it draws over blocks of another part's, every tower's are "
+                  "not one device's", "a part's")  # fmt: skip
+        return (*parts[sizes.index(rows)], 1)
+    if not ways:
+        return None
+    if len(ways) == 1 and sum(c > 0 for c in ways[0]) == 1:
+        part = next(p for p, c in enumerate(ways[0]) if c)
+        if parts[part][2] is not None:
+            return (*parts[part], ways[0][part])
+        why = (
+            f"draws {rows} rows on a tower of {sizes[part]}: blocks of its "
+            "rows, whose place in one device's draw needs the batch's rows, "
+            "not known here (in a cluster: a seed generator not among the "
+            "model's variables)"
+        )
+    else:
+        why = (
+            f"draws {rows} rows on a tower whose data's parts have "
+            f"{sorted(sizes)} rows: rows of more than one part, or blocks of "
+            "one read more than one way, whose place in one device's draw "
+            "towers cannot tell"
+        )
+    name(draw, f"{why}; here every tower draws the same numbers, not one device's",
+          "unplaced")  # fmt: skip
+    return (size, first, total, 0)  # named, not placed
+
+
+def _ways(rows: int, sizes: list[int]) -> list[tuple[int, ...]]:
+    """Up to two ways of making ``rows`` of whole multiples of ``sizes``
+    (how many of each), none of them all zeros.
+
+    >>> _ways(8, [8]), _ways(16, [8]), _ways(8, [8, 2]), _ways(5, [8])
+    ([(1,)], [(2,)], [(1, 0), (0, 4)], [])
+    """
+    found: list[tuple[int, ...]] = []
+    stack = [((), rows)]
+    while stack and len(found) < 2:
+        counts, left = stack.pop()
+        if len(counts) == len(sizes):
+            if left == 0 and any(counts):
+                found.append(counts)
+            continue
+        n = sizes[len(counts)]
+        stack += (
+            [(counts + (c,), left - c * n) for c in range(left // n + 1)]
+            if n
+            else [(counts + (0,), left)]
+        )
+    return found
+
+
+# The draws named already (once a model and reason: ``(id(model), draw, ...)``), and the
+# model whose step is traced.
+_named: set[tuple[int, str, str]] = set()
+_drawing: list[int] = [0]
+
+
+@contextlib.contextmanager
+def steady() -> Iterator[None]:
+    """Within (the probe, ``loss_kinds.py``), a draw towers cannot place is
+    its distribution's middle, the same for every part of the batch: how a
+    loss reads the batch is found through it."""
+    _here.steady = True
+    try:
+        yield
+    finally:
+        _here.steady = False
+
+
+def name(draw: str, why: str, reason: str = "") -> None:
+    """Warns once a model that ``draw`` is not (or may not be) one device's,
+    saying ``why`` (once for each ``reason``)."""
+    key = (_drawing[0], draw, reason)
+    if key not in _named:
+        _named.add(key)
+        warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
+
+
+def check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
+    """Refuses a draw with a value per row from Keras' global seed generator
+    (``seed=None``) in a cluster whose model has no seed generator of its
+    own: nothing told the workers where their rows are (:func:`placing`)."""
+    if not getattr(_here, "unplaced", False):
+        return
+    if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is None:
+        raise ValueError(
+            f"keras.random.{name} with seed=None draws from Keras' global seed "
+            "generator, whose rows towers cannot place in a cluster's global "
+            "batch; received one with a value per example in a worker's step, "
+            "in a model with no seed generator of its own. Give the layer a "
+            "keras.random.SeedGenerator and pass it as seed=. Nothing was "
+            "updated."
+        )
+
+
+def static(dim: Any) -> Any:
+    """A shape's entry as a number where the trace knows it, else itself:
+    ``tf.shape(x)[i]`` of an ``x`` whose static shape has it, which
+    ``tf.get_static_value`` does not read through the slice."""
+    if not isinstance(dim, tf.Tensor):
+        return tf.compat.dimension_value(dim)
+    known = tf.get_static_value(dim)
+    if known is not None:
+        return int(known)
+    op = dim.op
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
+        return dim
+    index, source = tf.get_static_value(op.inputs[1]), op.inputs[0]
+    whole = tf.get_static_value(source)  # a shape the trace folded
+    if whole is None and source.op.type == "Shape":
+        shape = source.op.inputs[0].shape
+        whole = None if shape.rank is None else shape.as_list()
+    if whole is None or index is None or whole[int(index[0])] is None:
+        return dim
+    return int(whole[int(index[0])])
+
+
+@contextlib.contextmanager
+def placing(
+    workers: Any, models: list[Any], examples: Any, draw: bool
+) -> Iterator[None]:
+    """Within, draws name ``models``, and the batch has ``examples`` rows
+    (:func:`batch_rows`); in a cluster, the towers' rows are placed in the
+    global batch after the workers before this one (``workers.first_row``,
+    one small sum over the workers) where the towers ``draw`` at all, and a
+    draw from Keras' global generator is refused where they do not
+    (:func:`check_placed`)."""
+    _drawing[0] = id(models[0])
+    _here.batch_rows = examples if workers is None else None
+    if workers is not None and draw:
+        _here.worker_first, _here.batch_rows = workers.first_row(examples)
+    _here.unplaced = workers is not None and not draw
+    try:
+        yield
+    finally:
+        _here.worker_first, _here.unplaced, _here.batch_rows = 0, False, None
+
+
+def batch_rows() -> Any:
+    """The step's batch's rows (in a cluster, the global batch's; None: not
+    known), as :func:`placing` says: what a draw over blocks of them needs."""
+    return getattr(_here, "batch_rows", None)
+
+
+def in_tower() -> bool:
+    """Whether this thread is a tower's, its rows set (:func:`rows`)."""
+    return getattr(_here, "rows", None) is not None
+
+
+def steadied() -> bool:
+    """Whether the probe runs (:func:`steady`)."""
+    return getattr(_here, "steady", False)
+
+
+def first_rows(shards: Any) -> list[Any]:
+    """Each tower's first row in the batch (in a cluster, the global batch,
+    as :func:`placing` says): ints when known when traced, else scalar
+    tensors."""
+    sizes = shards.sizes or [examples_of(part) for part in shards.parts]
+    before = getattr(_here, "worker_first", 0)
+    return [sum(sizes[:t], before) for t in range(len(sizes))]
+
+
+def size_of(x: Any) -> int | None:
+    """A shard's rows as traced (None: known when it runs)."""
+    size = examples_of(x)
+    return size if isinstance(size, int) else None
