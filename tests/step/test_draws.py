@@ -159,6 +159,9 @@ def test_a_global_generators_draw_per_row_in_a_cluster_is_refused_by_name():
             keras.random.normal((4, 3))
         with pytest.raises(ValueError, match=r"keras.random.dropout with seed=None"):
             keras.random.dropout(np.ones((4, 3), "float32"), 0.5)
+        # A generator the model does not hold: its rows not placed, named.
+        with pytest.warns(UserWarning, match=r"not among the model's variables"):
+            keras.random.normal((4, 3), seed=keras.random.SeedGenerator(1))
     with draws.drawing(None, [model], 8), places.rows(4, 0):
         assert keras.random.normal((4, 3)).shape == (4, 3)  # one process: placed
 

@@ -110,8 +110,11 @@ def _ways(rows: int, sizes: list[int]) -> list[tuple[int, ...]]:
     ([(1,)], [(2,)], [(1, 0), (0, 4)], [])
     """
     found: list[tuple[int, ...]] = []
-    stack = [((), rows)]
+    stack, budget = [((), rows)], 100_000  # past it: more than one, unknown
     while stack and len(found) < 2:
+        budget -= 1
+        if not budget:
+            return [*found, (0,) * len(sizes)][:2]
         counts, left = stack.pop()
         if len(counts) == len(sizes):
             if left == 0 and any(counts):
@@ -153,21 +156,31 @@ def name(draw: str, why: str, reason: str = "") -> None:
         warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
 
 
-def check_placed(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
-    """Refuses a draw with a value per row from Keras' global seed generator
-    (``seed=None``) in a cluster whose model has no seed generator of its
-    own: nothing told the workers where their rows are (:func:`placing`)."""
+def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
+    """In a cluster whose model has no seed generator among its variables,
+    nothing told the workers where their rows are (:func:`placing`): refuses
+    a draw with a value per row from Keras' global seed generator
+    (``seed=None``), and names one from a generator the model does not hold
+    (every worker draws the same rows)."""
     if not getattr(_here, "unplaced", False):
         return
-    if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is None:
-        raise ValueError(
-            f"keras.random.{name} with seed=None draws from Keras' global seed "
-            "generator, whose rows towers cannot place in a cluster's global "
-            "batch; received one with a value per example in a worker's step, "
-            "in a model with no seed generator of its own. Give the layer a "
-            "keras.random.SeedGenerator and pass it as seed=. Nothing was "
-            "updated."
+    if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is not None:
+        why = (
+            "a value per example from a seed generator not among the model's "
+            "variables (made outside its layers' and its own __init__): in a "
+            "cluster towers cannot place a worker's rows, and every worker "
+            "draws the same numbers, not one device's"
         )
+        name(draw, why, "cluster")
+        return
+    raise ValueError(
+        f"keras.random.{draw} with seed=None draws from Keras' global seed "
+        "generator, whose rows towers cannot place in a cluster's global "
+        "batch; received one with a value per example in a worker's step, "
+        "in a model with no seed generator of its own. Give the layer a "
+        "keras.random.SeedGenerator and pass it as seed=. Nothing was "
+        "updated."
+    )
 
 
 def static(dim: Any) -> Any:
