@@ -59,7 +59,7 @@ def place(rows: Any, draw: str) -> tuple | None:
     the whole batch."""
     size, first, total, others = _here.rows
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
-    if whole and not getattr(_here, "steady", False):
+    if whole and not steadied():
         return None
     rows = static(rows)
     if not isinstance(rows, int):  # known when it runs: the shard's if its are
@@ -108,6 +108,8 @@ def _ways(rows: int, sizes: list[int]) -> list[tuple[int, ...]]:
 
     >>> _ways(8, [8]), _ways(16, [8]), _ways(8, [8, 2]), _ways(5, [8])
     ([(1,)], [(2,)], [(1, 0), (0, 4)], [])
+    >>> _ways(10**6 + 1, [2, 4, 6])  # past the budget: told apart as unknown
+    [(0, 0, 0)]
     """
     found: list[tuple[int, ...]] = []
     stack, budget = [((), rows)], 100_000  # past it: more than one, unknown
