@@ -151,6 +151,15 @@ def compute_loss(
     )
 
 
+def call_model(model: keras.Model, x: Any, training: bool) -> Any:
+    """``model(x)`` as Keras' steps call it: with ``training`` only when its
+    ``call()`` takes one (``Layer._call_has_training_arg``); else its layers
+    take theirs from the call context (BatchNormalization infers)."""
+    if model._call_has_training_arg:
+        return model(x, training=training)
+    return model(x)
+
+
 def own_losses(layer: keras.layers.Layer) -> list[Any]:
     """The ``add_loss`` terms ``layer`` itself added in its last call (its
     sublayers' not included, nor weight regularisers)."""
@@ -182,7 +191,13 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     """
     if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
         return {}
-    return dict(model._compile_config.config)
+    arguments = dict(model._compile_config.config)
+    kept = model._compile_loss
+    if arguments.get("loss") is None and kept is not None:
+        # Compiled again without a loss: Keras keeps the one compiled before.
+        arguments["loss"] = kept._user_loss
+        arguments["loss_weights"] = kept._user_loss_weights
+    return arguments
 
 
 def built_symbolically(model: Any) -> bool:

@@ -329,3 +329,28 @@ def routed_calls(objects: list[Any], name: str, route: Callable) -> Iterator[Non
 
     with Patch(lambda: [(obj, name, routed(obj)) for obj in objects]).applied():
         yield
+
+
+def keras_trainer_method(name: str) -> tuple[type, Any]:
+    """The class of Keras whose ``name`` (``fit``, ``evaluate``, ``predict``)
+    a model's ``super().name`` reaches, and that method."""
+    own = getattr(keras.Model, name)
+    owner = next(c for c in keras.Model.__mro__ if vars(c).get(name) is own)
+    return owner, own
+
+
+@contextlib.contextmanager
+def super_reaching(model: Any, name: str, call: Callable[..., Any]) -> Iterator[None]:
+    """Within, Keras' own ``name`` (``fit``, ``evaluate``, ``predict``) called
+    on ``model`` (a ``super().name(...)`` in its override) is ``call``; on any
+    other model, Keras' own still."""
+    owner, own = keras_trainer_method(name)
+
+    @functools.wraps(own)
+    def reaching(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is model:
+            return call(*args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    with Patch(lambda: [(owner, name, reaching)]).applied():
+        yield

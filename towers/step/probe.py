@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import compute_loss, layers_of, own_losses
+from towers._keras import call_model, compute_loss, layers_of, own_losses
 from towers.split import batch_size_of, split_sizes, take_rows
 from towers.step.gathered import concat_rows
 
@@ -197,7 +197,7 @@ def _term_values(
     # variable through the scope.
     mapping = [(v, v.value) for v in model.variables]
     with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
-        y_pred = model(x, training=False)
+        y_pred = call_model(model, x, False)
         for layer in layers_of(model):
             terms = own_losses(layer)
             for i, term in enumerate(terms):
@@ -238,5 +238,5 @@ def shares_of_terms(
 def _training_terms(model: keras.Model, x: Any) -> float:
     mapping = [(v, v.value) for v in model.variables]
     with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
-        model(x, training=True)
+        call_model(model, x, True)
         return sum(_number(t) for layer in layers_of(model) for t in own_losses(layer))

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from towers._keras import (
     ReadScope,
+    call_model,
     compute_loss,
     layers_of,
     own_losses,
@@ -245,7 +246,7 @@ class Tower:
 
         def predict(x: Any, weights: Any) -> TowerPass:
             with weights_here(model, weights=weights) as scope:
-                outputs = model(x, training=False)
+                outputs = call_model(model, x, False)
                 return TowerPass([], None, outputs, []).keep_state(scope)
 
         return self._run(model, predict, x)
@@ -260,7 +261,7 @@ class Tower:
     def _pass(
         self, model, x, y, sample_weight, examples, training: bool, scope=None
     ) -> TowerPass:
-        y_pred = model(x, training=training)
+        y_pred = call_model(model, x, training)
         terms, extra = [], None
         if self.own_loss and self.coupled.gathered:
             # The whole batch's loss, this tower's term of it (gathered.py).

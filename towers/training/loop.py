@@ -33,6 +33,7 @@ from towers.training.epochs import Epochs, limited
 from towers.training.fits import check_form, check_validation, named_misfits
 from towers.training.inputs import source_of, split_validation, unpack
 from towers.training.model_metrics import ModelMetrics
+from towers.training.overrides import through_override
 from towers.training.preemption import Preemption
 from towers.training.progress import History
 from towers.training.recompile import follow_compile
@@ -83,6 +84,7 @@ class Trainer(ModelMetrics, abc.ABC):
     def apply_accumulated(self) -> None:
         """Applies a partly filled accumulation window."""
 
+    @through_override
     def fit(
         self,
         x: Any = None,
@@ -289,6 +291,7 @@ class Trainer(ModelMetrics, abc.ABC):
             callback_list.on_train_end(logs)
         return history
 
+    @through_override
     def evaluate(
         self,
         x: Any = None,
@@ -345,6 +348,7 @@ class Trainer(ModelMetrics, abc.ABC):
             return logs
         return metrics_in_order(self.model, logs)
 
+    @through_override
     def predict(
         self,
         x: Any,
