@@ -150,11 +150,16 @@ def _examples(sizes: list[Any]) -> Any:
     return tf.add_n([tf.cast(n, tf.int64) for n in sizes])
 
 
-def assign(settled: list[Settled], changes: list | None = None) -> None:
+def assign(
+    settled: list[Settled], changes: list | None = None, trainable: bool | None = None
+) -> None:
     """Assigns each variable its value: this process's (``changes`` None), or
     ``before`` plus the cluster's summed ``changes`` (``[change, towers]`` per
-    variable, as :func:`exchanged` sends them)."""
+    variable, as :func:`exchanged` sends them); ``trainable`` True or False:
+    only the variables that are (or are not), None: all."""
     for i, item in enumerate(settled):
+        if trainable is not None and bool(item.variable.trainable) != trainable:
+            continue
         value = item.value
         if changes is not None:
             change, towers = changes[2 * i], changes[2 * i + 1]
@@ -203,11 +208,12 @@ def _none_warning(path: str) -> str:
     return (
         f"towers: the variable {path!r} is assigned in the forward pass and "
         "has aggregation='none', so of the towers' assignments the first "
-        "tower's is kept: it moves once a step, as on one device. Create "
-        "it with aggregation='sum' to add up the towers' changes (a count of "
+        "tower's is kept: one device's value where every tower assigns the "
+        "same (a value of the variables alone), not where it reads the "
+        "batch (the first-step check names that). Create it with "
+        "aggregation='sum' to add up the towers' changes (a count of "
         "examples), 'mean' to weigh them by their examples, or "
-        "'only_first_replica' to keep the "
-        "first tower's without this warning."
+        "'only_first_replica' to keep the first tower's without this warning."
     )
 
 

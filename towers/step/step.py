@@ -29,6 +29,7 @@ from towers.step.batches import HOST, check_sizes, check_targets, first_example,
 from towers.step.batchnorm import MovingStatistics
 from towers.step.custom import overrides, own
 from towers.step.gathered import concat_rows
+from towers.step.grad_rules import as_one_devices
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
 from towers.step.runner import Runner
@@ -81,7 +82,7 @@ class Step:
         towers = self.compute(shards)
         settled = self._settle_state(towers, shards)
         loss = self.sum_losses(towers)
-        grads = self.combine([r.grads for r in towers])
+        grads = self.combine([r.grads for r in towers], (x, y, sample_weight))
         examples, weight = shards.size, self._weight(towers, shards)
         outputs = self._output_losses([r.output_losses for r in towers])
         self._update_metrics(x, y, sample_weight, towers)
@@ -98,9 +99,11 @@ class Step:
         with tf.control_dependencies([loss]):
             variables = [r.variables for r in towers]
             moments = [r.moments for r in towers]
-            finite = self.apply(
-                grads, variables, moments, weight, lambda: assign(settled, changes)
-            )
+            # A trainable variable its forward pass assigned (a masked or
+            # normalised kernel) takes the gradient after, as on one device.
+            assign(settled, changes, trainable=True)
+            rest = lambda: assign(settled, changes, trainable=False)  # noqa: E731
+            finite = self.apply(grads, variables, moments, weight, rest)
         logs = {**self._track(loss, outputs, examples), "loss": loss}
         out = {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
         if self.workers is not None:
@@ -255,12 +258,18 @@ class Step:
         with tf.device(self.device), tf.name_scope("combine"):
             return tf.add_n([r.loss for r in towers])
 
-    def combine(self, tower_grads: list[list[Any]]) -> list[Any]:
+    def combine(self, tower_grads: list[list[Any]], batch: Any = None) -> list[Any]:
         """``tower_grads[t][v]`` combined by the placement (none to combine
-        for a model without trainable variables)."""
+        for a model without trainable variables); a shared model's slices of
+        rows apart from ``batch`` and its values in place of gradients as one
+        device's (``grad_rules.py``)."""
+        copies = len(self.placement.models) > 1
         if not tower_grads[0]:
-            copies = len(self.placement.models) > 1
             return [[] for _ in tower_grads] if copies else []
+        if batch is not None and not copies:
+            with tf.device(self.device), tf.name_scope("combine"):
+                variables = self.placement.model.trainable_variables
+                tower_grads = as_one_devices(tower_grads, variables, batch)
         return self.placement.combine(tower_grads)
 
     def apply(

@@ -1,0 +1,115 @@
+"""The towers' gradients as one device's, where adding them up is not: two
+kinds, set right before the placement's combine.
+
+**Slices of rows apart from the batch.** An ``Embedding`` looked up on the
+batch's tokens has, on one device, one slice of its gradient per token:
+the towers' slices concatenated in tower order are the same slices
+(``combine.py``). A lookup whose rows do not come
+from the batch (keras.io's ViT and transformers embed positions with
+``Embedding(num_patches)(ops.arange(num_patches))``) has, on one device,
+one slice per row, summed over the whole batch before the lookup's
+backward; every tower then has a slice for the same rows, and
+concatenating them is not one device's gradient: Keras' Adam squares each
+slice (``sum_t g_t**2`` where one device has ``(sum_t g_t)**2``).
+
+So a variable whose every tower's slices index rows that read none of the
+batch's values (the indices' graph reaches no tensor of the batch, shapes
+apart) is combined as one device's: the towers' values summed over the
+same rows, in tower order.
+
+**A value in place of a gradient.** A variable with
+``overwrite_with_gradient`` (float8 training's scales and amax histories,
+``Dense.quantize("float8")``) gets its new value as its "gradient", which
+Keras' optimizer assigns. Each tower's is its shard's: the scale from the
+history all towers share, the history with its shard's largest magnitude
+first. One device's is the towers' elementwise maximum, the rule Keras'
+own optimizer combines such values by over accumulated steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import tensorflow as tf
+
+# Ops that read a tensor's shape, not its values: a position lookup takes
+# its length from the batch's shape.
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+def reads_batch(indices: tf.Tensor, batch: list[tf.Tensor]) -> bool:
+    """Whether ``indices`` read any value of the tensors of ``batch`` in
+    their graph, through the functions it calls (a tower's pass); an eager
+    tensor reads it by assumption.
+
+    >>> found = []
+    >>> @tf.function
+    ... def rows(x):
+    ...     positions = tf.range(tf.shape(x)[1])  # the length: a shape
+    ...     tokens = tf.cast(x[:, 0], "int32")  # the batch's values
+    ...     found.extend([reads_batch(positions, [x]), reads_batch(tokens, [x])])
+    ...     return positions
+    >>> _ = rows(tf.zeros((2, 3)))
+    >>> found
+    [False, True]
+    """
+    if not hasattr(indices, "graph") or tf.executing_eagerly():
+        return True
+    targets = {t.ref() for t in batch if hasattr(t, "ref")}
+    stack: list[tuple] = [(indices, ())]  # (tensor, the calls it is inside)
+    seen = set()
+    while stack:
+        tensor, calls = stack.pop()
+        if not calls and tensor.ref() in targets:
+            return True
+        op = tensor.op
+        key = (calls, op.name)
+        if op.type in SHAPE_OPS or key in seen:
+            continue
+        seen.add(key)
+        if op.type in CALLS:  # into the function, from the output read
+            body = tensor.graph._get_function(op.get_attr("f").name).graph
+            stack.append((body.outputs[tensor.value_index], (*calls, op)))
+        elif op.type == "Placeholder" and calls:  # out, to the argument
+            call = calls[-1]
+            body = call.graph._get_function(call.get_attr("f").name).graph
+            where = [i for i, t in enumerate(body.inputs) if t is tensor]
+            stack.extend((call.inputs[i], calls[:-1]) for i in where)
+        else:
+            stack.extend((t, calls) for t in op.inputs)
+    return False
+
+
+def as_one_devices(
+    tower_grads: list[list[Any]], variables: list[Any], batch: Any
+) -> list[list[Any]]:
+    """``tower_grads[t][v]`` (of ``variables[v]``) with each kind of the
+    module docstring as one device has it: tower 0 holds it, the others
+    None (which the combine passes by)."""
+    tensors = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
+    out = [list(grads) for grads in tower_grads]
+    for v, variable in enumerate(variables):
+        grads = [grads[v] for grads in tower_grads]
+        if len(grads) < 2:
+            continue
+        if getattr(variable, "overwrite_with_gradient", False):
+            present = [g for g in grads if g is not None]
+            if present:
+                out[0][v] = functools.reduce(tf.maximum, present)
+                for t in range(1, len(out)):
+                    out[t][v] = None
+            continue
+        if not all(isinstance(g, tf.IndexedSlices) for g in grads):
+            continue
+        shapes = {tuple(g.indices.shape) for g in grads}
+        if len(shapes) > 1 or None in next(iter(shapes)):
+            continue
+        if any(reads_batch(g.indices, tensors) for g in grads):
+            continue
+        values = tf.add_n([tf.cast(g.values, grads[0].values.dtype) for g in grads])
+        out[0][v] = tf.IndexedSlices(values, grads[0].indices, grads[0].dense_shape)
+        for t in range(1, len(out)):
+            out[t][v] = None
+    return out
