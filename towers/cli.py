@@ -45,7 +45,10 @@ partitioned per device. The report lists every variable (name, shape, bytes,
 device), each tower's forward and backward ops counted by device, where the
 combine and the apply ran, and the tensors that crossed devices with their
 bytes. --png draws it: devices as columns, the step's stages as rows, the data
-path as arrows. Python: towers.Towers(...).explain(x, y).
+path as arrows. --check then runs the same step against the model's own
+train_step on one device, on the same batch from the same variables, and
+prints every variable's relative difference (each put back after). Python:
+towers.Towers(...).explain(x, y) and .check(x, y).
 """
 
 
@@ -168,6 +171,12 @@ def _add_explain(commands) -> None:
         help="compile each tower's forward and backward pass with XLA, and list "
         "the XLA computations",
     )
+    explain.add_argument(
+        "--check",
+        action="store_true",
+        help="also run the step against Keras' own train_step on one device and "
+        "print every variable's relative difference (nothing is kept)",
+    )
     explain.add_argument("--png", metavar="FILE", help="draw the step to FILE (PNG)")
     explain.add_argument(
         "--json", metavar="FILE", help="write the report's data to FILE (JSON)"
@@ -253,6 +262,7 @@ def run_explain(args: argparse.Namespace) -> int:
         png=args.png,
         json_path=args.json,
         jit_compile=args.jit_compile,
+        check=args.check,
     )
 
 

@@ -137,9 +137,11 @@ def explain(
     png: str | None = None,
     json_path: str | None = None,
     jit_compile: bool = False,
+    check: bool = False,
 ) -> int:
     """``towers explain``: the report of one step of the demo's CNN on digits
-    (with ``jit_compile``, each tower's pass as one XLA computation)."""
+    (with ``jit_compile``, each tower's pass as one XLA computation; with
+    ``check``, every variable's step against one device's, ``Towers.check``)."""
     devices = tower_devices(num_towers)  # before TensorFlow initialises
     import json
 
@@ -161,6 +163,9 @@ def explain(
     )
     report = engine.explain(x_train[:batch], y_train[:batch])
     print(report)
+    if check:
+        print("\nthe step against the model's own train_step on one device:")
+        print(engine.check(x_train[:batch], y_train[:batch]))
     if png:
         report.save_png(png)
         print(f"\ndiagram: {png}")

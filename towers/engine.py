@@ -11,12 +11,13 @@ import tensorflow as tf
 
 from towers.cluster.cluster import Cluster
 from towers.devices import canonical_device, resolve_devices
-from towers.explain.run import Explanation, explain
+from towers.explain.run import Explaining
 from towers.parts import PlacementName, join_cluster, make_step
 from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.xla import JitCompile
+from towers.training.check import FirstStepCheck
 from towers.training.compiled import Compiled
 from towers.training.compiling import FROM_COMPILE
 from towers.training.fits import named_misfits
@@ -24,7 +25,7 @@ from towers.training.loop import Trainer
 from towers.training.recompile import remember_compile
 
 
-class Towers(Trainer):
+class Towers(Trainer, FirstStepCheck, Explaining):
     """Data-parallel training with one tower per device and shared variables.
 
     Args:
@@ -60,6 +61,8 @@ class Towers(Trainer):
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
         fastest steps) or a ``"call"`` of its own: quicker to a first step with
         many towers, slower after (step/segments.py, docs/sync-cost.md).
+      check_first_step: before the first update, refuse by name what moves
+        unlike one device's step on the batch (``training/check.py``); or not.
 
     Attributes:
       model, optimizer, metrics: the Keras model, optimizer (tower 0's), metrics.
@@ -104,6 +107,7 @@ class Towers(Trainer):
         coupled_losses: Literal["exact", "per_tower", "refuse"] = "exact",
         steps_per_execution: int | None = None,
         tower_functions: Literal["inline", "call"] = "inline",
+        check_first_step: bool = True,
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
@@ -125,6 +129,7 @@ class Towers(Trainer):
         self.moving_statistics = self.step.moving_statistics
         self.model, self.optimizer = self.placement.model, self.placement.optimizer
         self._compiled = Compiled(self.step)
+        self.unchecked = check_first_step  # the first step still to check
         remember_compile(self, locals())  # what a later compile changes
         if self.model.built and self.model.variables:
             self.step.start()  # else the first batch builds the model first
@@ -175,7 +180,8 @@ class Towers(Trainer):
         Raises:
           ValueError: x, y and sample_weight disagree on B, B == 0, the batch
             does not fit the model (``towers/training/fits.py``), or a term
-            couples the examples (``step/probe.py``); nothing is updated.
+            couples the examples (``step/probe.py``), or the first step moves
+            unlike one device's (``training/check.py``); nothing is updated.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 
@@ -200,7 +206,11 @@ class Towers(Trainer):
         """
         prepared = [self._training_batch("train_step", *b) for b in batches]
         with named_misfits(self.model, prepared[0]):
-            return self._compiled.train_on(prepared, self._call)["logs"]
+            return self.run_checked(prepared)["logs"]  # the first: check.py
+
+    def run_steps(self, prepared: list[tuple]) -> dict:
+        """Trains on ``prepared`` batches, unchecked (``Compiled.train_on``)."""
+        return self._compiled.train_on(prepared, self._call)
 
     def evaluate_step(
         self, x: Any, y: Any = None, sample_weight: Any = None
@@ -255,21 +265,6 @@ class Towers(Trainer):
         batch = self.step.prepare(x, y, sample_weight, kind)
         self.model = self.placement.model  # a balanced placement builds anew
         return batch
-
-    def explain(self, x: Any, y: Any) -> Explanation:
-        """Where one step on ``(x, y)`` put every variable and op, as TensorFlow
-        placed them (``towers/explain/run.py``); the step runs, then every variable
-        it touched is put back. In a cluster every worker must call it.
-
-        >>> eng = make_engine()
-        >>> report = eng.explain(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4"))
-        >>> report.sizes, report.ran_on("apply"), report.ran_on("tower 1 backward")
-        ([3, 2], ['/device:CPU:0'], ['/device:CPU:1'])
-        >>> int(eng.optimizer.iterations.numpy())  # explaining did not train
-        0
-        """
-        self._training_batch("explain", x, y)
-        return explain(self, x, y)
 
     def training_state(self) -> dict[str, Any]:
         """What a checkpoint saves: model, optimizer, and the update's state.

@@ -44,7 +44,7 @@ def dense():
 
 
 def assert_same_fit(engine, model, x, y, **options):
-    options = dict(batch_size=8, epochs=2, verbose=0, shuffle=False, **options)
+    options = {**dict(batch_size=8, epochs=2, verbose=0, shuffle=False), **options}
     got, want = engine.fit(x, y, **options), model.fit(x, y, **options)
     assert sorted(got.history) == sorted(want.history)
     for name in want.history:

@@ -39,11 +39,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src.backend import compute_output_spec, get_keras_mask
+from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 from keras.src.trainers.compile_utils import (
     CompileLoss,
     CompileMetrics,
@@ -95,8 +98,13 @@ class ReadScope(keras.StatelessScope):
         self.assigned: dict[int, Any] = {}
 
     def add_update(self, update: tuple) -> None:
-        super().add_update(update)
         variable, value = update
+        read = self.state_mapping.get(id(variable))
+        if getattr(variable, "trainable", False) and read is not None:
+            # One device's gradient reaches an assigned variable as if read
+            # anew after the assignment, not through what it was assigned.
+            value = _read_anew(read, value)
+        super().add_update((variable, value))
         if id(variable) in self._passed:
             variable._direct_assign(value)
         elif id(variable) not in self._held:
@@ -114,6 +122,16 @@ class ReadScope(keras.StatelessScope):
             self.state_mapping.clear()
             self.state_mapping.update(mapping)
             self.assigned = assigned
+
+
+@tf.custom_gradient
+def _read_anew(read: Any, value: Any) -> Any:
+    """``value``, whose gradient goes to ``read`` whole (and none to ``value``)."""
+
+    def gradient(upstream: Any) -> tuple:
+        return upstream, tf.zeros_like(value)
+
+    return tf.identity(value), gradient
 
 
 def loss_ids_kept(models: list[Any]) -> Callable[[], None]:
@@ -286,3 +304,10 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
     """The variables a built optimizer applies to when ``apply`` is given
     none (Keras keeps them privately)."""
     return list(optimizer._trainable_variables)
+
+
+def global_seed_state() -> Any:
+    """The state of Keras' global ``SeedGenerator`` (what a draw with
+    ``seed=None`` takes), or None while there is none."""
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    return None if generator is None else generator.state

@@ -6,7 +6,14 @@ would find Keras' and TensorFlow's caches warm), from the engine's construction
 (or ``compile``) to the first loss read back:
 
 - ``keras``: Keras' own ``fit`` on one device, one step (the reference);
-- ``tower`` and ``global``: towers with that ``batch_statistics``;
+- ``tower`` and ``global``: towers with that ``batch_statistics`` (``tower``
+  is not one device's, so its first step is not checked against one
+  device's: ``towers/training/check.py``);
+- ``unchecked``: ``global`` with ``check_first_step=False``: the check's cost
+  is ``global``'s time less this;
+- ``own`` and ``own_unchecked``: the model inside a model whose own
+  ``train_step`` is the fit guide's (tape, ``compute_loss``, one apply),
+  checked and not;
 - ``tower_call``: towers with tower statistics and
   ``tower_functions="call"`` (each tower's pass a call of its own, not
   inlined into one graph of T copies for TensorFlow to optimise);
@@ -46,7 +53,8 @@ from typing import Any
 from towers.bench.timing import ratio, round_order
 
 CONTENDERS = (
-    "keras", "tower", "tower_call", "global", "xla", "xla_cached", "mirrored", "floor"
+    "keras", "tower", "tower_call", "global", "unchecked", "own", "own_unchecked",
+    "xla", "xla_cached", "mirrored", "floor",
 )  # fmt: skip
 # keras.applications models at 32x32 (their smallest input), random weights.
 MODELS = {"MobileNetV2": {"alpha": 0.35}, "ResNet50": {}}
@@ -121,17 +129,38 @@ def first_step(model: str, towers: int, contender: str) -> float:
             net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     else:
+        own = contender.startswith("own")
         engine = towers_lib.Towers(
-            net,
+            _guides_step(net) if own else net,
             loss,
             keras.optimizers.SGD(0.01),
             devices=devices,
-            batch_statistics="global" if contender == "global" else "tower",
+            batch_statistics="tower" if "tower" in contender else "global",
             tower_functions="call" if contender == "tower_call" else "inline",
             jit_compile=contender.startswith("xla"),
+            check_first_step=not contender.endswith("unchecked"),
         )
         float(engine.train_step(x, y)["loss"])
     return time.perf_counter() - started
+
+
+def _guides_step(net: Any) -> Any:
+    """``net`` inside a model whose ``train_step`` is the fit guide's."""
+    import keras
+    import tensorflow as tf
+
+    class GuidesStep(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return self.compute_metrics(x, y, y_pred)
+
+    inputs = keras.Input(net.input_shape[1:])
+    return GuidesStep(inputs, net(inputs))
 
 
 def _floor_pass(net: Any, loss: Any, devices: list[str]) -> Any:

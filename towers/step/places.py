@@ -158,6 +158,11 @@ def name(draw: str, why: str, reason: str = "") -> None:
         warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
 
 
+def named_for(model: Any) -> list[str]:
+    """The draws named (:func:`name`) while ``model``'s step was traced."""
+    return sorted({draw for owner, draw, _ in _named if owner == id(model)})
+
+
 def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
     """In a cluster whose model has no seed generator among its variables,
     nothing told the workers where their rows are (:func:`placing`): refuses

@@ -23,7 +23,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import call_model, compute_loss, layers_of, own_losses
+from towers._keras import (
+    built_symbolically,
+    call_model,
+    compute_loss,
+    layers_of,
+    own_losses,
+)
 from towers.split import batch_size_of, split_sizes, take_rows
 from towers.step.gathered import concat_rows
 
@@ -32,6 +38,11 @@ from towers.step.gathered import concat_rows
 # rounding between a batch of 1 and of 2 (TF32 matmuls on a GPU included),
 # far below what a contrastive term or a sum shows.
 PROBE_RTOL = 1e-3
+# Where a step already differs from one device's, the layer whose outputs
+# couple the examples is looked for closer: a tenth of the probe's (an
+# embedding's small random values couple a dot product over the batch by
+# 1e-3), still far above float32's rounding between batches of 1 and 2.
+COUPLING_RTOL = 1e-4
 PROBE_ATOL = 1e-7
 
 
@@ -120,14 +131,14 @@ def probe_terms(
     return found
 
 
-def _rows_match(both: Any, one: Any, other: Any) -> bool:
+def _rows_match(both: Any, one: Any, other: Any, rtol: float = PROBE_RTOL) -> bool:
     """Whether the outputs on two examples together are the outputs on each
-    alone, row by row."""
+    alone, row by row, within ``rtol``."""
     for b, o, t in zip(*(tf.nest.flatten(n) for n in (both, one, other))):
         b, apart = _dense(b), _dense(concat_rows([o, t]))
         scale = max(float(np.abs(apart).max(initial=0.0)), 1.0)
         if b.shape != apart.shape or not np.allclose(
-            b, apart, rtol=PROBE_RTOL, atol=PROBE_RTOL * scale
+            b, apart, rtol=rtol, atol=rtol * scale
         ):
             return False
     return True
@@ -240,3 +251,50 @@ def _training_terms(model: keras.Model, x: Any) -> float:
     with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
         call_model(model, x, True)
         return sum(_number(t) for layer in layers_of(model) for t in own_losses(layer))
+
+
+def coupling_layer(model: keras.Model, x: Any, device: str) -> str | None:
+    """Where ``model``'s forward pass couples the examples of ``x`` (its
+    outputs on the first two together are not its outputs on each alone,
+    in inference mode, nothing assigned): the first layer whose outputs do
+    so where the model is a graph of layers, else the model; None where
+    they do not (or ``x`` has fewer than two examples).
+
+    >>> inputs = keras.Input((2,))
+    >>> centred = keras.layers.Lambda(lambda v: v - keras.ops.mean(v, 0), name="centre")
+    >>> model = keras.Model(inputs, keras.layers.Dense(1)(centred(inputs)))
+    >>> coupling_layer(model, np.arange(6.0).reshape(3, 2), "/CPU:0")
+    'centre'
+    """
+    if batch_size_of(x) < 2:
+        return None
+    layers = [layer for layer in getattr(model, "layers", []) if _has_output(layer)]
+    if built_symbolically(model) and layers:
+        inner = keras.Model(model.inputs, [layer.output for layer in layers])
+        outputs = _outputs_apart(inner, x, device)
+        for layer, (both, one, other) in zip(layers, zip(*outputs)):
+            if not _rows_match(both, one, other, COUPLING_RTOL):
+                return layer.name
+    both, one, other = _outputs_apart(model, x, device)
+    coupled = not _rows_match(both, one, other, COUPLING_RTOL)
+    return type(model).__name__ if coupled else None
+
+
+def _has_output(layer: keras.layers.Layer) -> bool:
+    try:
+        output = layer.output
+    except (AttributeError, ValueError):
+        return False
+    return not isinstance(layer, keras.layers.InputLayer) and output is not None
+
+
+def _outputs_apart(model: keras.Model, x: Any, device: str) -> tuple:
+    """``model``'s outputs on examples 0-1 together, on 0 and on 1."""
+    mapping = [(v, v.value) for v in model.variables]
+    found = []
+    with tf.device(device):
+        for start, stop in ((0, 2), (0, 1), (1, 2)):
+            rows = _examples((x, None, None), start, stop)[0]
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+                found.append(call_model(model, rows, False))
+    return tuple(found)

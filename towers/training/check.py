@@ -1,0 +1,385 @@
+"""Checked, not assumed: towers' step against Keras' own on one device.
+
+Every rule that makes the towers exact (draws, BatchNormalization, a
+coupled loss, a custom step's applies...) was found by someone trying a
+model; the next model may need one nobody wrote. So before the first update
+of a fit, and on any batch a user gives (``Towers.check``), the engine runs
+the model's own ``train_step`` (Keras' unless the model overrides it) on the
+whole batch on the variable device, from the same variables, optimizer
+state, metrics and seed states, and then puts every one of them back; then
+towers' step runs, and what each changed is compared, variable by variable:
+
+    Δ_towers = after_towers - before          Δ_keras = after_keras - before
+    relative(v) = max|Δ_towers - Δ_keras| / max|Δ_keras|
+
+A variable differs when ``max|Δ_towers - Δ_keras|`` exceeds the rounding
+of its dtype (:data:`RTOL`, by the compute dtype) times ``max|Δ_keras|``,
+plus a few ulps of the values themselves. Rounding alone never raises it:
+an element whose gradient one device computes at the noise of its sums
+(below :data:`NOISE` times the largest gradient; an attention key's bias,
+a bias before BatchNormalization) takes a step of noise under Adam, and is
+left out. Integer state (seeds, step counts) must be equal.
+
+Where the check cannot compare it says so once and steps on: TensorFlow's
+stateful random ops (each run draws anew), a cluster (the other workers'
+shards), options that are per tower on purpose, ``accumulate_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from towers._keras import layers_of
+from towers.step.places import named_for
+from towers.step.probe import coupling_layer
+from towers.training.check_state import (
+    Kept,
+    Watched,
+    engine_state,
+    watched,
+    with_slots,
+)
+from towers.training.one_device import OneDevice
+
+# How far one device's change and towers' may be apart, relative to the
+# change, by the dtype the model computes in: float32 sums in another order
+# differ by ~1e-7 relative per add, a first Adam step turns that into up to
+# ~1e-4 near its epsilon; 16-bit compute differs at its significand
+# (tests/tolerances.py's mixed precision: 2e-3 float16, 2e-2 bfloat16). The
+# silent mismatches the check exists for were 6 % and more.
+# float8 training quantizes each upstream gradient to 2 bits of significand,
+# where one ulp of float32 apart can round an element a quarter away.
+RTOL = {
+    "float64": 1e-7, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2,
+    "float8": 5e-2,
+}  # fmt: skip
+# An element whose one-device gradient is below NOISE * eps(dtype) times the
+# largest gradient of the step is rounding's: its sign is noise (left out).
+NOISE = 1e3
+# ... but at most this share of the largest gradient (16-bit sums).
+MAX_NOISE = 1e-2
+# Ulps of a value's own magnitude a change may differ by (rounding of b + Δ).
+ULPS = 16
+
+
+@dataclasses.dataclass
+class Difference:
+    """One variable's change under towers against one device's.
+
+    Attributes:
+      path: the variable's path (``dense/kernel``); ``whose``: its layer,
+        metric or optimizer (``layer dense``).
+      relative: ``max|Δ_towers - Δ_keras| / max|Δ_keras|`` over the elements
+        compared (0.0 where both left it alone).
+      differs: beyond rounding (see the module docstring).
+      noise: how many elements were left out, their one-device gradient at
+        the noise of its sums.
+    """
+
+    path: str
+    whose: str
+    relative: float
+    differs: bool
+    noise: int = 0
+
+    @property
+    def reported(self) -> bool:
+        return self.whose.startswith("metric ")
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Every compared variable's :class:`Difference`; ``skipped``: why the
+    check could not compare, or None."""
+
+    differences: list[Difference]
+    skipped: str | None = None
+
+    @property
+    def differs(self) -> list[Difference]:
+        """The variables that moved differently (what refuses a first step)."""
+        return [d for d in self.differences if d.differs and not d.reported]
+
+    @property
+    def reports_differ(self) -> list[Difference]:
+        """The metrics whose results differ (what fit reports, warned of)."""
+        return [d for d in self.differences if d.differs and d.reported]
+
+    def __str__(self) -> str:
+        if self.skipped:
+            return f"not compared: {self.skipped}"
+        width = max([len(d.path) for d in self.differences] + [8])
+        lines = [f"{'variable':<{width}}  relative difference (towers vs one device)"]
+        for d in self.differences:
+            mark = "  DIFFERS" if d.differs else ""
+            if d.noise:
+                mark += f"  ({d.noise} elements at rounding's noise left out)"
+            lines.append(f"{d.path:<{width}}  {d.relative:.3g}{mark}")
+        return "\n".join(lines)
+
+    def refusal(self, coupling: str | None = None) -> str:
+        """The error naming each variable that differs, its layer and by how
+        much; ``coupling``: the layer whose outputs couple the examples."""
+        named = "; ".join(
+            f"{d.path} ({d.whose}) {d.relative:.3g} relative" for d in self.differs[:5]
+        )
+        more = len(self.differs) - 5
+        named += f"; and {more} more" if more > 0 else ""
+        why = (
+            f" Its forward pass couples the batch's examples from layer "
+            f"{coupling!r} on (its outputs on two examples together are not its "
+            "outputs on each alone), where the towers cannot meet. Pass "
+            "coupled_losses='per_tower' to take each tower's on its own shard "
+            "(as MirroredStrategy does: the update then differs from one "
+            "device's; warned), or train on one device."
+            if coupling
+            else " Towers.check(x, y) prints every variable; a rule towers lacks "
+            "is a bug to report. check_first_step=False trains anyway."
+        )
+        return (
+            "towers' first step is not one device's on this model: checked "
+            "against the model's own train_step on the whole batch on one "
+            f"device, these variables moved differently: {named}. Nothing was "
+            f"updated.{why}"
+        )
+
+
+def compare(
+    entries: list[Watched],
+    before: list[np.ndarray],
+    towers_after: list[np.ndarray],
+    keras_after: list[np.ndarray],
+    grads: dict[int, np.ndarray],
+    compute_dtype: str,
+) -> list[Difference]:
+    """Each entry's :class:`Difference`, by the module docstring's rule.
+
+    >>> kernel = Watched("dense/kernel", "layer dense", None, key=1)
+    >>> before, keras_after = [np.zeros(2)], [np.array([1.0, 2.0])]
+    >>> [d.relative for d in compare([kernel], before, [np.array([1.0, 2.0])],
+    ...                             keras_after, {}, "float64")]
+    [0.0]
+    >>> d = compare([kernel], before, [np.ones(2)], keras_after, {}, "float64")
+    >>> d[0].path, d[0].relative, d[0].differs  # 1 apart where one device moved 2
+    ('dense/kernel', 0.5, True)
+    """
+    rtol = RTOL.get(compute_dtype, RTOL["float32"])
+    # Gradients add up in 16 bits at worst (float8 layers' in float32).
+    floor = min(NOISE * _eps(compute_dtype.replace("float8", "float32")), MAX_NOISE)
+    largest = max([float(g.max(initial=0.0)) for g in grads.values()] + [0.0])
+    differences = []
+    for entry, b, t, k in zip(entries, before, towers_after, keras_after):
+        path, whose = entry.path, entry.whose
+        if not np.issubdtype(b.dtype, np.floating):
+            same = np.array_equal(t, k)
+            differences.append(Difference(path, whose, 0.0 if same else 1.0, not same))
+            continue
+        value_eps = _eps(str(b.dtype))
+        b, t, k = (np.asarray(a, np.float64) for a in (b, t, k))
+        keep = np.ones(b.shape, bool)
+        grad = grads.get(entry.key)
+        if grad is not None and grad.size == b.size:  # rounding's elements left out
+            keep = grad.reshape(b.shape) >= floor * largest
+        off = np.abs(t - k)[keep]
+        change = np.abs(k - b)[keep].max(initial=0.0)
+        ulps = ULPS * value_eps * np.maximum(np.abs(b), np.abs(k))[keep]
+        worst = float(off.max(initial=0.0))
+        relative = worst / change if change > 0 else (0.0 if worst == 0 else np.inf)
+        differs = bool(np.any(off > rtol * change + ulps))
+        noise = int(keep.size - keep.sum())
+        differences.append(Difference(path, whose, float(relative), differs, noise))
+    return differences
+
+
+def _compute_dtype(model: keras.Model) -> str:
+    """The least precise dtype ``model``'s layers compute in ("float8" for a
+    layer quantized to it)."""
+    found = set()
+    for layer in layers_of(model):
+        policy = layer.dtype_policy
+        found.add(
+            "float8"
+            if getattr(policy, "quantization_mode", None) == "float8"
+            else policy.compute_dtype
+        )
+    order = ["float8", "bfloat16", "float16", "float32", "float64"]
+    return next((d for d in order if d in found), "float32")
+
+
+def _eps(dtype: str) -> float:
+    if dtype == "float8":
+        return 2.0**-2
+    return 2.0**-7 if dtype == "bfloat16" else float(np.finfo(dtype).eps)
+
+
+def not_compared(engine: Any) -> str | None:
+    """Why ``engine``'s step is not one device's to compare with, or None."""
+    step, options = engine.step, []
+    if engine.cluster is not None:
+        return "in a cluster, the other workers' shards are not in this process"
+    if step.placement.name == "independent":
+        options.append("placement='independent' (no combine: the zero-sync floor)")
+    if step.update.accumulate_steps > 1 or (
+        step.custom is not None and step.custom.applies.accumulate_steps > 1
+    ):
+        options.append("accumulate_steps > 1 (applied after several batches)")
+    moving = step.moving_statistics
+    if moving.layers and not all(moving.whole_batch(x) for x in moving.layers):
+        options.append("batch_statistics='tower'")
+    if moving.layers and moving.policy != "batch":
+        options.append(f"moving_statistics={moving.policy!r}")
+    if step.tower.coupled.policy == "per_tower":
+        options.append("coupled_losses='per_tower'")
+    if getattr(engine.reducer, "wire_dtype", None) is not None:
+        options.append(f"reducer={engine.reducer.name!r} (16 bits on the wire)")
+    if options:
+        return "options chosen per tower, not one device's: " + ", ".join(options)
+    return None
+
+
+class FirstStepCheck:
+    """For an engine (``Towers``): its first training step checked against
+    one device's (:func:`checked`), and :meth:`check` on any batch. The
+    engine runs its steps in ``run_steps(prepared batches)`` and says in
+    ``unchecked`` whether its first step is still to check."""
+
+    unchecked = True
+
+    def run_checked(self, batches: list[tuple]) -> dict:
+        """``run_steps(batches)``, the first time checked (``keep``)."""
+        if not self.unchecked:
+            return self.run_steps(batches)
+        out, comparison = checked(self, batches, lambda: self.run_steps(batches))
+        self.unchecked = False
+        if comparison.skipped:
+            warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
+        return out
+
+    def check(self, x: Any, y: Any = None, sample_weight: Any = None) -> Comparison:
+        """Compares towers' step on one batch with the model's own
+        ``train_step`` on one device: every variable's relative difference;
+        nothing is kept, every variable is put back. ``print`` it for a table.
+
+        >>> eng = make_engine()
+        >>> x, y = np.ones((5, 3), "f4"), np.zeros((5, 1), "f4")
+        >>> comparison = eng.check(x, y)
+        >>> [d.path.rsplit("/")[-1] for d in comparison.differences]
+        ['kernel', 'bias', 'iteration', 'learning_rate', 'loss']
+        >>> comparison.differs  # none beyond rounding
+        []
+        >>> int(eng.optimizer.iterations), eng.steps_done  # nothing kept
+        (0, 0)
+        """
+        batch = [self._training_batch("check", x, y, sample_weight)]
+        run = lambda: self.run_steps(batch)  # noqa: E731
+        return checked(self, batch, run, keep=False)[1]
+
+
+def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = True):
+    """Runs towers' ``run()`` (its step on ``batches``) checked against the
+    model's own ``train_step`` on one device. Returns ``(run's output, the
+    Comparison)``; ``keep`` False: every variable put back after, as before.
+
+    Raises:
+      ValueError: ``keep`` and a variable differs: named, everything put back.
+    """
+    why, reference = not_compared(engine), None
+    if why is None:
+        reference, why = _reference(engine, batches)
+    if why is not None:
+        out = run() if keep else _kept_run(engine, run)
+        return out, Comparison([], skipped=why)
+    placement = engine.placement
+    entries = watched(placement.model, placement.optimizers[:1])
+    kept = Kept(engine_state(engine))
+    before = [e.read() for e in entries]
+    try:
+        _, grads = reference.run()
+    except Exception as error:  # noqa: BLE001 - towers' step says its own
+        kept.restore()
+        out = run() if keep else _kept_run(engine, run)
+        return out, Comparison([], skipped=_not_run(error))
+    grads = with_slots(grads, entries, placement.model.trainable_variables)
+    keras_after = [e.read() for e in entries]
+    kept.restore()
+    out = run()
+    unplaced = named_for(placement.model)
+    if unplaced:  # towers said so already: its numbers are not one device's
+        if not keep:
+            kept.restore()
+        why = f"towers named draws it cannot make one device's: {unplaced}"
+        return out, Comparison([], skipped=why)
+    # What a layer assigns by a declared aggregation follows it, as under
+    # tf.distribute (state.py): the user's choice, not one device's.
+    declared = {p for p, rule in engine.step.assigned.items() if rule != "none"}
+    entries, before, keras_after = _without(declared, entries, before, keras_after)
+    towers_after = [e.read() for e in entries]
+    dtype = _compute_dtype(engine.model)
+    comparison = Comparison(
+        compare(entries, before, towers_after, keras_after, grads, dtype)
+    )
+    if not keep or comparison.differs:
+        kept.restore()
+    if keep and comparison.differs:
+        raise ValueError(comparison.refusal(_coupling(engine, batches[0][0])))
+    if keep and comparison.reports_differ:
+        named = ", ".join(
+            f"{d.path} {d.relative:.3g} relative" for d in comparison.reports_differ
+        )
+        warnings.warn(
+            "towers' first step trained as one device does, but what it reports "
+            f"differs from the model's own train_step on one device: {named}; "
+            "Towers.check(x, y) prints every value",
+            stacklevel=4,
+        )
+    return out, comparison
+
+
+def _reference(engine: Any, batches: list) -> tuple:
+    """The one-device step (``one_device.py``), traced, or why there is none
+    to compare with: stateful draws, or it does not trace (towers' own step
+    then says what is wrong in its words)."""
+    try:
+        reference = OneDevice(engine.model, batches, engine.variable_device)
+    except Exception as error:  # noqa: BLE001 - towers' step says its own
+        return None, _not_run(error)
+    if reference.draws:
+        why = f"the step draws with TensorFlow's stateful {reference.draws}: "
+        return None, why + "each run draws anew"
+    return reference, None
+
+
+def _not_run(error: Exception) -> str:
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return (
+        "the model's own train_step did not run on one device "
+        f"({type(error).__name__}: {first})"
+    )
+
+
+def _coupling(engine: Any, x: Any) -> str | None:
+    """The layer whose outputs couple ``x``'s examples, if that explains a
+    difference (``probe.coupling_layer``)."""
+    try:
+        return coupling_layer(engine.model, x, engine.variable_device)
+    except Exception:  # noqa: BLE001 - it only explains; the refusal stands
+        return None
+
+
+def _without(paths: set, entries: list, *values: list) -> tuple:
+    chosen = [i for i, e in enumerate(entries) if e.path not in paths]
+    return tuple([column[i] for i in chosen] for column in (entries, *values))
+
+
+def _kept_run(engine: Any, run: Callable[[], Any]) -> Any:
+    kept = Kept(engine_state(engine))
+    try:
+        return run()
+    finally:
+        kept.restore()

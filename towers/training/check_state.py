@@ -1,0 +1,131 @@
+"""What the first-step check compares and puts back (``check.py``): every
+variable a step may change, each model copy's, optimizer's and update's, and
+of them the compared ones, with their owners and gradients' keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers._keras import global_seed_state, leaf_metrics
+
+
+class Kept:
+    """The values of ``variables`` now; :meth:`restore` puts them back."""
+
+    def __init__(self, variables: list[Any]):
+        self.variables = variables
+        self.values = [np.array(v.numpy()) for v in variables]
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self.values):
+            variable.assign(value)
+
+
+@dataclasses.dataclass
+class Watched:
+    """One compared quantity: a variable's value or a metric's result.
+
+    Attributes:
+      path, whose: its name and its layer, metric or optimizer.
+      read: its value now, as NumPy.
+      key: ``id`` of the variable (its gradient's key), 0 for a metric.
+    """
+
+    path: str
+    whose: str
+    read: Callable[[], np.ndarray]
+    key: int = 0
+
+
+def watched(model: keras.Model, optimizers: list[Any]) -> list[Watched]:
+    """What one device's step changes, compared: ``model``'s variables (seed
+    states included), its optimizers' (a custom step's own too), Keras'
+    global seed generator's, and the results of its metrics (what fit
+    reports; their variables may count apart)."""
+    found: dict[int, Watched] = {}
+    own = [o for o in vars(model).values() if isinstance(o, keras.optimizers.Optimizer)]
+    owned = [(v, "layer " + v.path.rsplit("/", 1)[0]) for v in model.variables]
+    for optimizer in [*optimizers, *own]:
+        owned += [(v, f"optimizer {optimizer.name}") for v in optimizer.variables]
+    seed = global_seed_state()
+    owned += [(seed, "Keras' global seed generator")] * (seed is not None)
+    for v, whose in owned:
+        found.setdefault(id(v), Watched(v.path, whose, _reader(v), id(v)))
+    entries = list(found.values())
+    for metric in leaf_metrics(model):
+        entries.append(Watched(metric.name, f"metric {metric.name}", _reader(metric)))
+    return entries
+
+
+def _reader(thing: Any) -> Callable[[], np.ndarray]:
+    if isinstance(thing, keras.metrics.Metric):
+        return lambda: np.concatenate(
+            [
+                np.ravel(np.asarray(r, np.float64))
+                for r in tf.nest.flatten(thing.result())
+            ]
+        )
+    return lambda: np.array(thing.numpy())
+
+
+def state_of(model: keras.Model, optimizers: list[Any]) -> list[Any]:
+    """Every variable of ``model``, its metrics and its optimizers (a custom
+    step's own too), and Keras' global seed generator's."""
+    own = [o for o in vars(model).values() if isinstance(o, keras.optimizers.Optimizer)]
+    found = [*model.variables, *[v for m in model.metrics for v in m.variables]]
+    found += [v for o in [*optimizers, *own] for v in o.variables]
+    seed = global_seed_state()
+    return [*found, *[seed] * (seed is not None)]
+
+
+def engine_state(engine: Any) -> list[Any]:
+    """Every variable towers' step may change: each copy's
+    (:func:`state_of`), the updates' counters and accumulators."""
+    found: dict[int, Any] = {}
+    for model, optimizer in zip(engine.placement.models, engine.placement.optimizers):
+        for v in state_of(model, [optimizer]):
+            found.setdefault(id(v), v)
+    for holder in _updates(engine.step):
+        for value in list(vars(holder).values()):
+            for v in _variables_in(value):
+                found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def _updates(step: Any) -> list[Any]:
+    updates = [step.update]
+    if step.custom is not None:
+        updates.extend(step.custom.applies.updates.values())
+    accumulators = [getattr(u, "accumulator", None) for u in updates]
+    return [*updates, *[a for a in accumulators if a is not None]]
+
+
+def _variables_in(value: Any) -> list[Any]:
+    if isinstance(value, (tf.Variable, keras.Variable)):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _variables_in(item)]
+    return []
+
+
+def with_slots(grads: dict, entries: list[Watched], trainable: list) -> dict:
+    """``grads`` with each optimizer slot (Keras names one after its
+    variable's path: ``dense_bias_momentum``) keyed to its variable's: a
+    slot holds what the gradient's noise put there too."""
+    grads = dict(grads)
+    by_name = {v.path.replace("/", "_"): v for v in trainable if id(v) in grads}
+    for entry in entries:
+        name = entry.path.rsplit("/", 1)[-1]
+        owner = max(
+            (k for k in by_name if name.startswith(k + "_")), key=len, default=None
+        )
+        if entry.key and owner is not None:
+            grads.setdefault(entry.key, grads[id(by_name[owner])])
+    return grads
