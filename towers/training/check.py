@@ -18,11 +18,16 @@ plus a few ulps of the values themselves. Rounding alone never raises it:
 an element whose gradient one device computes at the noise of its sums
 (below :data:`NOISE` times the largest gradient; an attention key's bias,
 a bias before BatchNormalization) takes a step of noise under Adam, and is
-left out. Integer state (seeds, step counts) must be equal.
+left out (so are the optimizer slots that hold it). Integer state (seeds,
+step counts) must be equal. A metric's result that differs is warned of:
+the weights trained as one device's, what fit reports does not. A variable
+a layer assigns by a declared aggregation follows it (``state.py``).
 
 Where the check cannot compare it says so once and steps on: TensorFlow's
-stateful random ops (each run draws anew), a cluster (the other workers'
-shards), options that are per tower on purpose, ``accumulate_steps``.
+stateful random ops (each run draws anew), a draw towers named, a cluster
+(the other workers' shards), options that are per tower on purpose,
+``accumulate_steps``, a model whose own step does not run on one device
+(towers' step then says what is wrong).
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ from towers.training.one_device import OneDevice
 # differ by ~1e-7 relative per add, a first Adam step turns that into up to
 # ~1e-4 near its epsilon; 16-bit compute differs at its significand
 # (tests/tolerances.py's mixed precision: 2e-3 float16, 2e-2 bfloat16). The
-# silent mismatches the check exists for were 6 % and more.
-# float8 training quantizes each upstream gradient to 2 bits of significand,
-# where one ulp of float32 apart can round an element a quarter away.
+# silent mismatches the check exists for were 6 % and more. float8 training
+# quantizes each upstream gradient to 2 bits of significand, where one ulp of
+# float32 apart can round an element a quarter away.
 RTOL = {
     "float64": 1e-7, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2,
     "float8": 5e-2,
@@ -64,6 +69,13 @@ RTOL = {
 NOISE = 1e3
 # ... but at most this share of the largest gradient (16-bit sums).
 MAX_NOISE = 1e-2
+# An absolute floor, as a share of the largest change of its kind (the
+# model's weights', the optimizer's, the metrics'): a change that is 0 on one
+# device (a moving mean of centred values, a bias before BatchNormalization)
+# is rounding of that size there (tests/tolerances.py: float64 measured
+# 1.3e-12 of it on ResNet50, 4e-9 on MobileNetV2).
+ATOL = {"float64": 1e-8, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2,
+        "float8": 5e-2}  # fmt: skip
 # Ulps of a value's own magnitude a change may differ by (rounding of b + Δ).
 ULPS = 16
 
@@ -173,28 +185,47 @@ def compare(
     # Gradients add up in 16 bits at worst (float8 layers' in float32).
     floor = min(NOISE * _eps(compute_dtype.replace("float8", "float32")), MAX_NOISE)
     largest = max([float(g.max(initial=0.0)) for g in grads.values()] + [0.0])
+    floats = [np.issubdtype(b.dtype, np.floating) for b in before]
+    keeps = [
+        _kept(grads.get(e.key), b, floor * largest) if is_float else None
+        for e, b, is_float in zip(entries, before, floats)
+    ]
+    # The largest change of each kind (layers', optimizers', metrics'): a
+    # change of ATOL of it is rounding of its size wherever it lands.
+    scale: dict[str, float] = {}
+    for e, b, k, keep in zip(entries, before, keras_after, keeps):
+        if keep is not None:
+            kind = e.whose.split()[0]
+            change = np.abs(np.asarray(k, np.float64) - b)[keep].max(initial=0.0)
+            scale[kind] = max(scale.get(kind, 0.0), float(change))
+    atol = ATOL.get(compute_dtype, ATOL["float32"])
     differences = []
-    for entry, b, t, k in zip(entries, before, towers_after, keras_after):
+    for entry, b, t, k, keep in zip(entries, before, towers_after, keras_after, keeps):
         path, whose = entry.path, entry.whose
-        if not np.issubdtype(b.dtype, np.floating):
+        if keep is None:  # integers: seeds, counts
             same = np.array_equal(t, k)
             differences.append(Difference(path, whose, 0.0 if same else 1.0, not same))
             continue
         value_eps = _eps(str(b.dtype))
         b, t, k = (np.asarray(a, np.float64) for a in (b, t, k))
-        keep = np.ones(b.shape, bool)
-        grad = grads.get(entry.key)
-        if grad is not None and grad.size == b.size:  # rounding's elements left out
-            keep = grad.reshape(b.shape) >= floor * largest
         off = np.abs(t - k)[keep]
         change = np.abs(k - b)[keep].max(initial=0.0)
         ulps = ULPS * value_eps * np.maximum(np.abs(b), np.abs(k))[keep]
+        bound = rtol * change + ulps + atol * scale[whose.split()[0]]
         worst = float(off.max(initial=0.0))
         relative = worst / change if change > 0 else (0.0 if worst == 0 else np.inf)
-        differs = bool(np.any(off > rtol * change + ulps))
         noise = int(keep.size - keep.sum())
+        differs = bool(np.any(off > bound))
         differences.append(Difference(path, whose, float(relative), differs, noise))
     return differences
+
+
+def _kept(grad: Any, before: np.ndarray, floor: float) -> np.ndarray:
+    """The elements compared: all but those whose one-device gradient is
+    below ``floor`` (rounding's)."""
+    if grad is None or grad.size != before.size:
+        return np.ones(before.shape, bool)
+    return grad.reshape(before.shape) >= floor
 
 
 def _compute_dtype(model: keras.Model) -> str:
@@ -223,12 +254,14 @@ def not_compared(engine: Any) -> str | None:
     step, options = engine.step, []
     if engine.cluster is not None:
         return "in a cluster, the other workers' shards are not in this process"
-    if step.placement.name == "independent":
-        options.append("placement='independent' (no combine: the zero-sync floor)")
     if step.update.accumulate_steps > 1 or (
         step.custom is not None and step.custom.applies.accumulate_steps > 1
     ):
-        options.append("accumulate_steps > 1 (applied after several batches)")
+        return "accumulate_steps > 1: the first step applies nothing yet"
+    if len(engine.devices) == 1:
+        return None  # one tower: every other option is one device's
+    if step.placement.name == "independent":
+        options.append("placement='independent' (no combine: the zero-sync floor)")
     moving = step.moving_statistics
     if moving.layers and not all(moving.whole_batch(x) for x in moving.layers):
         options.append("batch_statistics='tower'")
@@ -346,7 +379,8 @@ def _reference(engine: Any, batches: list) -> tuple:
     to compare with: stateful draws, or it does not trace (towers' own step
     then says what is wrong in its words)."""
     try:
-        reference = OneDevice(engine.model, batches, engine.variable_device)
+        jit = engine.step.tower.jit.enabled
+        reference = OneDevice(engine.model, batches, engine.variable_device, jit)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
         return None, _not_run(error)
     if reference.draws:

@@ -28,7 +28,9 @@ STATEFUL_DRAWS = frozenset(
 
 class OneDevice:
     """The model's own ``train_step`` on each of ``batches`` (``(x, y,
-    sample_weight)``), in order, in one ``tf.function`` on ``device``:
+    sample_weight)``), in order, in one ``tf.function`` on ``device`` (with
+    XLA if ``jit``, as Keras' fit compiles it where the towers' passes do:
+    XLA draws other random numbers than TensorFlow's kernels):
     traced when made (an optimizer a custom step builds at its first apply
     is built then, as towers' step would build it), run by :meth:`run`.
 
@@ -37,7 +39,9 @@ class OneDevice:
         run would draw anew: nothing to compare), by type.
     """
 
-    def __init__(self, model: keras.Model, batches: list[tuple], device: str):
+    def __init__(
+        self, model: keras.Model, batches: list[tuple], device: str, jit: bool = False
+    ):
         self._applied: dict[int, Any] = {}  # id(variable) -> its |gradient|
         self._data = [keras.utils.pack_x_y_sample_weight(*b) for b in batches]
         self._graph, self._depth = None, 0
@@ -49,7 +53,7 @@ class OneDevice:
             return logs, self._applied
 
         with tf.device(device):
-            function = tf.function(steps, autograph=False)
+            function = tf.function(steps, autograph=False, jit_compile=jit)
             self._concrete = function.get_concrete_function(self._data)
         self._function = function
         self.draws = sorted(_stateful_draws(self._concrete.graph))
