@@ -146,7 +146,7 @@ def test_a_step_it_cannot_compare_is_said_once_and_trains():
         warnings.simplefilter("always")
         engine.fit(x, y, batch_size=4, epochs=2, verbose=0)
     said = [w for w in caught if "first step was not compared" in str(w.message)]
-    assert len(said) == 1 and "RandomStandardNormal" in str(said[0].message)
+    assert len(said) == 1 and "standard_normal" in str(said[0].message)
     assert engine.steps_done == 4
 
 

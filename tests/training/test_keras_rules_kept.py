@@ -110,3 +110,28 @@ def test_a_models_own_evaluate_and_predict_run_and_their_super_reaches_towers():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert mine.calls == ["evaluate", "predict"]
     assert steps == ["evaluate_step"] * 3 + ["predict_step"] * 3
+
+
+class ScalesItsInputs(keras.Model):
+    """A model whose own ``fit`` changes its data before ``super().fit``."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(1)
+        self.calls = 0
+
+    def call(self, x):
+        return self.out(x)
+
+    def fit(self, x=None, y=None, **kwargs):
+        self.calls += 1
+        return super().fit(x * 2.0, y, **kwargs)
+
+
+def test_a_models_own_fit_runs_and_trains_as_keras_fit():
+    x, y = regression()
+    mine, model = twins(
+        ScalesItsInputs, lambda: dict(optimizer="sgd", loss="mse"), x[:1]
+    )
+    assert_same_fit(Towers(mine, devices=devices(3)), model, x, y)
+    assert mine.calls == 1 and model.calls == 1

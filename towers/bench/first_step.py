@@ -129,9 +129,11 @@ def first_step(model: str, towers: int, contender: str) -> float:
             net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     else:
-        own = contender.startswith("own")
+        if contender.startswith("own"):  # compiled, as its step reads it
+            net = _guides_step(net)
+            net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
         engine = towers_lib.Towers(
-            _guides_step(net) if own else net,
+            net,
             loss,
             keras.optimizers.SGD(0.01),
             devices=devices,

@@ -47,6 +47,7 @@ from towers.training.check_state import (
     Kept,
     Watched,
     engine_state,
+    own_optimizers,
     watched,
     with_slots,
 )
@@ -379,8 +380,10 @@ def _reference(engine: Any, batches: list) -> tuple:
     to compare with: stateful draws, or it does not trace (towers' own step
     then says what is wrong in its words)."""
     try:
-        jit = engine.step.tower.jit.enabled
-        reference = OneDevice(engine.model, batches, engine.variable_device, jit)
+        jit, model = engine.step.tower.jit.enabled, engine.model
+        optimizers = [*engine.placement.optimizers[:1], *own_optimizers(model)]
+        unbuilt = not all(o.built for o in optimizers)
+        reference = OneDevice(model, batches, engine.variable_device, jit, unbuilt)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
         return None, _not_run(error)
     if reference.draws:

@@ -50,7 +50,7 @@ def watched(model: keras.Model, optimizers: list[Any]) -> list[Watched]:
     global seed generator's, and the results of its metrics (what fit
     reports; their variables may count apart)."""
     found: dict[int, Watched] = {}
-    own = [o for o in vars(model).values() if isinstance(o, keras.optimizers.Optimizer)]
+    own = own_optimizers(model)
     owned = [(v, "layer " + v.path.rsplit("/", 1)[0]) for v in model.variables]
     for optimizer in [*optimizers, *own]:
         owned += [(v, f"optimizer {optimizer.name}") for v in optimizer.variables]
@@ -75,10 +75,18 @@ def _reader(thing: Any) -> Callable[[], np.ndarray]:
     return lambda: np.array(thing.numpy())
 
 
+def own_optimizers(model: keras.Model) -> list[Any]:
+    """The optimizers ``model`` holds as attributes (a GAN's two, its
+    compiled one)."""
+    return [
+        o for o in vars(model).values() if isinstance(o, keras.optimizers.Optimizer)
+    ]
+
+
 def state_of(model: keras.Model, optimizers: list[Any]) -> list[Any]:
     """Every variable of ``model``, its metrics and its optimizers (a custom
     step's own too), and Keras' global seed generator's."""
-    own = [o for o in vars(model).values() if isinstance(o, keras.optimizers.Optimizer)]
+    own = own_optimizers(model)
     found = [*model.variables, *[v for m in model.metrics for v in m.variables]]
     found += [v for o in [*optimizers, *own] for v in o.variables]
     seed = global_seed_state()
