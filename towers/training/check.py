@@ -10,11 +10,12 @@ state, metrics and seed states, and then puts every one of them back; then
 towers' step runs, and what each changed is compared, variable by variable:
 
     Δ_towers = after_towers - before          Δ_keras = after_keras - before
-    relative(v) = max|Δ_towers - Δ_keras| / max|Δ_keras|
+    relative(v) = ||Δ_towers - Δ_keras|| / ||Δ_keras||
 
-A variable differs when ``max|Δ_towers - Δ_keras|`` exceeds the rounding
-of its dtype (:data:`RTOL`, by the compute dtype) times ``max|Δ_keras|``,
-plus a few ulps of the values themselves. Rounding alone never raises it:
+A variable differs when what is left of ``|Δ_towers - Δ_keras|`` past each
+element's rounding (a few ulps of its value, and a share of the largest
+change of its kind) has a norm over :data:`RTOL` (by the compute dtype)
+times ``||Δ_keras||``. Rounding alone never raises it:
 an element whose gradient one device computes at the noise of its sums
 (below :data:`NOISE` times the largest gradient; an attention key's bias,
 a bias before BatchNormalization) takes a step of noise under Adam, and is
@@ -88,7 +89,7 @@ class Difference:
     Attributes:
       path: the variable's path (``dense/kernel``); ``whose``: its layer,
         metric or optimizer (``layer dense``).
-      relative: ``max|Δ_towers - Δ_keras| / max|Δ_keras|`` over the elements
+      relative: ``||Δ_towers - Δ_keras|| / ||Δ_keras||`` over the elements
         compared (0.0 where both left it alone).
       differs: beyond rounding (see the module docstring).
       noise: how many elements were left out, their one-device gradient at
@@ -179,8 +180,8 @@ def compare(
     ...                             keras_after, {}, "float64")]
     [0.0]
     >>> d = compare([kernel], before, [np.ones(2)], keras_after, {}, "float64")
-    >>> d[0].path, d[0].relative, d[0].differs  # 1 apart where one device moved 2
-    ('dense/kernel', 0.5, True)
+    >>> d[0].path, round(d[0].relative, 3), d[0].differs  # moved [1, 1], not [1, 2]
+    ('dense/kernel', 0.447, True)
     """
     rtol = RTOL.get(compute_dtype, RTOL["float32"])
     # Gradients add up in 16 bits at worst (float8 layers' in float32).
@@ -212,11 +213,15 @@ def compare(
         off = np.abs(t - k)[keep]
         change = np.abs(k - b)[keep].max(initial=0.0)
         ulps = ULPS * value_eps * np.maximum(np.abs(b), np.abs(k))[keep]
-        bound = rtol * change + ulps + atol * scale[whose.split()[0]]
-        worst = float(off.max(initial=0.0))
-        relative = worst / change if change > 0 else (0.0 if worst == 0 else np.inf)
+        # Past each element's rounding, the rest as a norm against the
+        # change's: a systematic difference shows, one noisy element of a
+        # deep float32 network (a depthwise kernel's, 1e-3) does not.
+        excess = np.maximum(off - ulps - atol * scale[whose.split()[0]], 0.0)
+        norm = float(np.linalg.norm(np.abs(k - b)[keep]))
+        worst = float(np.linalg.norm(off))
+        relative = worst / norm if norm > 0 else (0.0 if worst == 0 else np.inf)
         noise = int(keep.size - keep.sum())
-        differs = bool(np.any(off > bound))
+        differs = bool(np.linalg.norm(excess) > rtol * norm)
         differences.append(Difference(path, whose, float(relative), differs, noise))
     return differences
 
@@ -334,7 +339,7 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
     kept = Kept(engine_state(engine))
     before = [e.read() for e in entries]
     try:
-        _, grads = reference.run()
+        grads = _run_reference(engine, batches, reference, kept)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
         kept.restore()
         out = run() if keep else _kept_run(engine, run)
@@ -390,6 +395,21 @@ def _reference(engine: Any, batches: list) -> tuple:
         why = f"the step draws with TensorFlow's stateful {reference.draws}: "
         return None, why + "each run draws anew"
     return reference, None
+
+
+def _run_reference(engine: Any, batches: list, reference: Any, kept: Kept) -> dict:
+    """The reference's gradients; an eager one that fails (a layer's own
+    gradient that only a trace takes: float8's) is traced and run again."""
+    try:
+        return reference.run()[1]
+    except Exception:  # noqa: BLE001 - traced next; its error is the one said
+        if reference.traced:
+            raise
+        kept.restore()
+        jit = engine.step.tower.jit.enabled
+        device = engine.variable_device
+        traced = OneDevice(engine.model, batches, device, jit, unbuilt=True)
+        return traced.run()[1]
 
 
 def _not_run(error: Exception) -> str:

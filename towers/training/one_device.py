@@ -61,8 +61,8 @@ class OneDevice:
                 logs = [model.train_step(d) for d in data][-1]
             return logs, self._applied
 
-        self._function, self.draws = steps, []
-        if jit or unbuilt:
+        self._function, self.draws, self.traced = steps, [], jit or unbuilt
+        if self.traced:
             with tf.device(device):
                 self._function = tf.function(steps, autograph=False, jit_compile=jit)
                 graph = self._function.get_concrete_function(self._data).graph
