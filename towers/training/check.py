@@ -133,7 +133,8 @@ class Comparison:
         for d in self.differences:
             mark = "  DIFFERS" if d.differs else ""
             if d.noise:
-                mark += f"  ({d.noise} elements at rounding's noise left out)"
+                left = "elements of a gradient at rounding's size left out"
+                mark += f"  ({d.noise} {left})"
             lines.append(f"{d.path:<{width}}  {d.relative:.3g}{mark}")
         return "\n".join(lines)
 
