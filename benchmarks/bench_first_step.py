@@ -52,9 +52,7 @@ def _target(model: str, towers: int, contender: str) -> float | None:
 
 @pytest.mark.parametrize("model, towers", CASES)
 def test_first_step(benchmark, model, towers):
-    contenders = [
-        c for c in CONTENDERS if towers > 1 or c != "mirrored"
-    ]
+    contenders = [c for c in CONTENDERS if towers > 1 or c != "mirrored"]
     times = measure(model, towers, contenders, ROUNDS)
     SECONDS[model, towers] = times
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)  # measured above

@@ -206,9 +206,9 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         """
         prepared = [self._training_batch("train_step", *b) for b in batches]
         with named_misfits(self.model, prepared[0]):
-            return self.run_checked(prepared)["logs"]  # the first: check.py
+            return self._run_checked(prepared)["logs"]  # the first: check.py
 
-    def run_steps(self, prepared: list[tuple]) -> dict:
+    def _run_steps(self, prepared: list[tuple]) -> dict:
         """Trains on ``prepared`` batches, unchecked (``Compiled.train_on``)."""
         return self._compiled.train_on(prepared, self._call)
 

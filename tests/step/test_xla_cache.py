@@ -23,8 +23,9 @@ keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="relu"),
                           keras.layers.Dense(3)])
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# Not checked against one device: the check's own XLA step would be counted.
 engine = towers.Towers(model, loss, keras.optimizers.SGD(0.1), devices=devices,
-                       jit_compile=True)
+                       jit_compile=True, check_first_step=False)
 rng = np.random.default_rng(1)
 x = rng.standard_normal((batch, 6)).astype("float32")
 y = rng.integers(0, 3, batch)

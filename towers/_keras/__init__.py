@@ -35,6 +35,7 @@ under a distribution strategy (``Trainer._symbolic_build``), in its order.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -304,6 +305,21 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
     """The variables a built optimizer applies to when ``apply`` is given
     none (Keras keeps them privately)."""
     return list(optimizer._trainable_variables)
+
+
+@contextlib.contextmanager
+def global_seed_kept() -> Iterator[None]:
+    """Within, Keras' global seed generator may be made and drawn from
+    (``seed=None``); after, it is as before: absent if it was, and Python's
+    ``random``, which seeds a new one, where it was."""
+    existed = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    python_random = random.getstate()
+    try:
+        yield
+    finally:
+        if existed is None:
+            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
+        random.setstate(python_random)
 
 
 def global_seed_state() -> Any:

@@ -1,9 +1,8 @@
 """Checked, not assumed: towers' step against Keras' own on one device.
 
-Every rule that makes the towers exact (draws, BatchNormalization, a
-coupled loss, a custom step's applies...) was found by someone trying a
-model; the next model may need one nobody wrote. So before the first update
-of a fit, and on any batch a user gives (``Towers.check``), the engine runs
+Every rule that makes the towers exact was found by someone trying a model;
+the next may need one nobody wrote. So before the first update of a fit,
+and on any batch a user gives (``Towers.check``), the engine runs
 the model's own ``train_step`` (Keras' unless the model overrides it) on the
 whole batch on the variable device, from the same variables, optimizer
 state, metrics and seed states, and then puts every one of them back; then
@@ -38,16 +37,18 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import numpy as np
 
-from towers._keras import layers_of
+from towers._keras import global_seed_kept
 from towers.step.places import named_for
 from towers.step.probe import coupling_layer
 from towers.training.check_state import (
     Kept,
     Watched,
+    compute_dtype,
     engine_state,
+    kept_run,
+    not_compared,
     own_optimizers,
     watched,
     with_slots,
@@ -235,67 +236,25 @@ def _kept(grad: Any, before: np.ndarray, floor: float) -> np.ndarray:
     return grad.reshape(before.shape) >= floor
 
 
-def _compute_dtype(model: keras.Model) -> str:
-    """The least precise dtype ``model``'s layers compute in ("float8" for a
-    layer quantized to it)."""
-    found = set()
-    for layer in layers_of(model):
-        policy = layer.dtype_policy
-        found.add(
-            "float8"
-            if getattr(policy, "quantization_mode", None) == "float8"
-            else policy.compute_dtype
-        )
-    order = ["float8", "bfloat16", "float16", "float32", "float64"]
-    return next((d for d in order if d in found), "float32")
-
-
 def _eps(dtype: str) -> float:
     if dtype == "float8":
         return 2.0**-2
     return 2.0**-7 if dtype == "bfloat16" else float(np.finfo(dtype).eps)
 
 
-def not_compared(engine: Any) -> str | None:
-    """Why ``engine``'s step is not one device's to compare with, or None."""
-    step, options = engine.step, []
-    if engine.cluster is not None:
-        return "in a cluster, the other workers' shards are not in this process"
-    if step.update.accumulate_steps > 1 or (
-        step.custom is not None and step.custom.applies.accumulate_steps > 1
-    ):
-        return "accumulate_steps > 1: the first step applies nothing yet"
-    if len(engine.devices) == 1:
-        return None  # one tower: every other option is one device's
-    if step.placement.name == "independent":
-        options.append("placement='independent' (no combine: the zero-sync floor)")
-    moving = step.moving_statistics
-    if moving.layers and not all(moving.whole_batch(x) for x in moving.layers):
-        options.append("batch_statistics='tower'")
-    if moving.layers and moving.policy != "batch":
-        options.append(f"moving_statistics={moving.policy!r}")
-    if step.tower.coupled.policy == "per_tower":
-        options.append("coupled_losses='per_tower'")
-    if getattr(engine.reducer, "wire_dtype", None) is not None:
-        options.append(f"reducer={engine.reducer.name!r} (16 bits on the wire)")
-    if options:
-        return "options chosen per tower, not one device's: " + ", ".join(options)
-    return None
-
-
 class FirstStepCheck:
     """For an engine (``Towers``): its first training step checked against
     one device's (:func:`checked`), and :meth:`check` on any batch. The
-    engine runs its steps in ``run_steps(prepared batches)`` and says in
+    engine runs its steps in ``_run_steps(prepared batches)`` and says in
     ``unchecked`` whether its first step is still to check."""
 
     unchecked = True
 
-    def run_checked(self, batches: list[tuple]) -> dict:
-        """``run_steps(batches)``, the first time checked (``keep``)."""
+    def _run_checked(self, batches: list[tuple]) -> dict:
+        """``_run_steps(batches)``, the first time checked (``keep``)."""
         if not self.unchecked:
-            return self.run_steps(batches)
-        out, comparison = checked(self, batches, lambda: self.run_steps(batches))
+            return self._run_steps(batches)
+        out, comparison = checked(self, batches, lambda: self._run_steps(batches))
         self.unchecked = False
         if comparison.skipped:
             warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
@@ -317,7 +276,7 @@ class FirstStepCheck:
         (0, 0)
         """
         batch = [self._training_batch("check", x, y, sample_weight)]
-        run = lambda: self.run_steps(batch)  # noqa: E731
+        run = lambda: self._run_steps(batch)  # noqa: E731
         return checked(self, batch, run, keep=False)[1]
 
 
@@ -333,17 +292,18 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
     if why is None:
         reference, why = _reference(engine, batches)
     if why is not None:
-        out = run() if keep else _kept_run(engine, run)
+        out = run() if keep else kept_run(engine, run)
         return out, Comparison([], skipped=why)
     placement = engine.placement
     entries = watched(placement.model, placement.optimizers[:1])
     kept = Kept(engine_state(engine))
     before = [e.read() for e in entries]
     try:
-        grads = _run_reference(engine, batches, reference, kept)
+        with global_seed_kept():
+            grads = _run_reference(engine, batches, reference, kept)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
         kept.restore()
-        out = run() if keep else _kept_run(engine, run)
+        out = run() if keep else kept_run(engine, run)
         return out, Comparison([], skipped=_not_run(error))
     grads = with_slots(grads, entries, placement.model.trainable_variables)
     keras_after = [e.read() for e in entries]
@@ -360,7 +320,7 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
     declared = {p for p, rule in engine.step.assigned.items() if rule != "none"}
     entries, before, keras_after = _without(declared, entries, before, keras_after)
     towers_after = [e.read() for e in entries]
-    dtype = _compute_dtype(engine.model)
+    dtype = compute_dtype(engine.model)
     comparison = Comparison(
         compare(entries, before, towers_after, keras_after, grads, dtype)
     )
@@ -433,11 +393,3 @@ def _coupling(engine: Any, x: Any) -> str | None:
 def _without(paths: set, entries: list, *values: list) -> tuple:
     chosen = [i for i, e in enumerate(entries) if e.path not in paths]
     return tuple([column[i] for i in chosen] for column in (entries, *values))
-
-
-def _kept_run(engine: Any, run: Callable[[], Any]) -> Any:
-    kept = Kept(engine_state(engine))
-    try:
-        return run()
-    finally:
-        kept.restore()

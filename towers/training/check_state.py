@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import global_seed_state, leaf_metrics
+from towers._keras import global_seed_state, layers_of, leaf_metrics
 
 
 class Kept:
@@ -137,3 +137,54 @@ def with_slots(grads: dict, entries: list[Watched], trainable: list) -> dict:
         if entry.key and owner is not None:
             grads.setdefault(entry.key, grads[id(by_name[owner])])
     return grads
+
+
+def not_compared(engine: Any) -> str | None:
+    """Why ``engine``'s step is not one device's to compare with, or None."""
+    step, options = engine.step, []
+    if engine.cluster is not None:
+        return "in a cluster, the other workers' shards are not in this process"
+    if step.update.accumulate_steps > 1 or (
+        step.custom is not None and step.custom.applies.accumulate_steps > 1
+    ):
+        return "accumulate_steps > 1: the first step applies nothing yet"
+    if len(engine.devices) == 1:
+        return None  # one tower: every other option is one device's
+    if step.placement.name == "independent":
+        options.append("placement='independent' (no combine: the zero-sync floor)")
+    moving = step.moving_statistics
+    if moving.layers and not all(moving.whole_batch(x) for x in moving.layers):
+        options.append("batch_statistics='tower'")
+    if moving.layers and moving.policy != "batch":
+        options.append(f"moving_statistics={moving.policy!r}")
+    if step.tower.coupled.policy == "per_tower":
+        options.append("coupled_losses='per_tower'")
+    if getattr(engine.reducer, "wire_dtype", None) is not None:
+        options.append(f"reducer={engine.reducer.name!r} (16 bits on the wire)")
+    if options:
+        return "options chosen per tower, not one device's: " + ", ".join(options)
+    return None
+
+
+def compute_dtype(model: keras.Model) -> str:
+    """The least precise dtype ``model``'s layers compute in ("float8" for a
+    layer quantized to it)."""
+    found = set()
+    for layer in layers_of(model):
+        policy = layer.dtype_policy
+        found.add(
+            "float8"
+            if getattr(policy, "quantization_mode", None) == "float8"
+            else policy.compute_dtype
+        )
+    order = ["float8", "bfloat16", "float16", "float32", "float64"]
+    return next((d for d in order if d in found), "float32")
+
+
+def kept_run(engine: Any, run: Callable[[], Any]) -> Any:
+    """``run()``, every variable of :func:`engine_state` put back after."""
+    kept = Kept(engine_state(engine))
+    try:
+        return run()
+    finally:
+        kept.restore()
