@@ -20,6 +20,12 @@ scope, assigned once by its aggregation (``step/state.py``).
 ``_trainable_variables`` tell a frozen layer's variables from moving
 statistics (slots for a later unfreeze).
 
+Keras' rules a model relies on: ``call()`` called with ``training`` only
+where it takes one (``Layer._call_has_training_arg``), a compile without a
+loss keeping the ``CompileLoss`` made before (``_user_loss``). The global
+seed generator (``global_state``'s), which the first-step check puts back
+as it was (``training/check.py``).
+
 Input as Keras' fit takes it: ``towers/_keras/inputs.py``.
 
 What towers replaces while the towers are traced (BatchNormalization's

@@ -20,7 +20,10 @@ replaced, and why:
   in as a mean's, however the loss reads the batch;
 - Keras' random draws (``step/draws.py``), and TensorFlow's stateless
   uniform and normal draws under them: a tower draws its rows of the
-  batch's numbers.
+  batch's numbers;
+- Keras' own ``fit``, ``evaluate`` and ``predict`` while a model's override
+  of one runs (``training/overrides.py``): its ``super()`` call reaches
+  towers'.
 """
 
 from __future__ import annotations
