@@ -143,14 +143,136 @@ def test_a_step_calling_the_compiled_loss_on_images_alone_trains_as_keras(num_to
     assert_trains_as_keras_fit(denoiser, num_towers, images)
 
 
-def test_a_step_shaped_by_a_fixed_batch_size_is_refused_by_name():
+@pytest.mark.parametrize("num_towers", [2, 3])
+def test_noise_over_a_fixed_batch_size_that_is_the_batchs_is_one_devices(num_towers):
+    # On 2 towers each has 4 of the 8 rows (8 is also 2 blocks of 4), on 3
+    # the last has 2 (4 blocks): a draw given the batch's rows as a number
+    # is one device's draw, each tower taking its rows.
+    images = np.random.default_rng(1).standard_normal((24, 3))
+    assert_trains_as_keras_fit(lambda: denoiser(fixed_batch=8), num_towers, images)
+
+
+def test_a_fixed_batch_size_other_than_the_batchs_is_refused_by_name():
     model = denoiser(fixed_batch=8)
     before = [v.numpy() for v in model.variables]
     images = np.random.default_rng(1).standard_normal((24, 3))
     with pytest.raises(ValueError, match="Denoiser.train_step.*fixed batch size"):
-        Towers(model, devices=devices(3)).fit(images, batch_size=8, verbose=0)
+        Towers(model, devices=devices(3)).fit(images, batch_size=6, verbose=0)
     for v, b in zip(model.variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+def sinusoidal_embedding(x):
+    frequencies = keras.ops.exp(keras.ops.linspace(0.0, 3.0, 2))
+    angles = keras.ops.cast(2.0 * np.pi * frequencies, x.dtype) * x
+    return keras.ops.concatenate([keras.ops.sin(angles), keras.ops.cos(angles)], -1)
+
+
+class DDIM(keras.Model):
+    """keras.io's DDIM (examples/generative/ddim.py) as written, its U-Net a
+    residual block: images normalised by an adapted layer, noise and
+    diffusion times drawn from Keras' global seed generator over the fixed
+    ``batch_size``, a cosine schedule, the compiled loss on the noise, the
+    image loss as a metric, an EMA copy of the network assigned after the
+    update."""
+
+    batch_size, size = 6, 4
+
+    def __init__(self):
+        super().__init__()
+        self.normalizer = keras.layers.Normalization()
+        self.network = self.residual_network()
+        self.ema_network = keras.models.clone_model(self.network)
+        self.noise_loss_tracker = keras.metrics.Mean(name="n_loss")
+        self.image_loss_tracker = keras.metrics.Mean(name="i_loss")
+
+    def residual_network(self):
+        images = keras.Input((self.size, self.size, 3))
+        variances = keras.Input((1, 1, 1))
+        embedding = keras.layers.Lambda(sinusoidal_embedding)(variances)
+        embedding = keras.layers.UpSampling2D(self.size)(embedding)
+        x = keras.layers.Conv2D(4, 1)(images)
+        x = keras.layers.Concatenate()([x, embedding])
+        residual = keras.layers.Conv2D(4, 1)(x)
+        x = keras.layers.BatchNormalization(center=False, scale=False)(x)
+        x = keras.layers.Conv2D(4, 3, padding="same", activation="swish")(x)
+        x = keras.layers.Add()([x, residual])
+        outputs = keras.layers.Conv2D(3, 1, kernel_initializer="zeros")(x)
+        return keras.Model([images, variances], outputs)
+
+    @property
+    def metrics(self):
+        return [self.noise_loss_tracker, self.image_loss_tracker]
+
+    def diffusion_schedule(self, diffusion_times):
+        start = keras.ops.cast(keras.ops.arccos(0.95), diffusion_times.dtype)
+        end = keras.ops.cast(keras.ops.arccos(0.02), diffusion_times.dtype)
+        angles = start + diffusion_times * (end - start)
+        return keras.ops.sin(angles), keras.ops.cos(angles)
+
+    def denoise(self, noisy_images, noise_rates, signal_rates, training):
+        network = self.network if training else self.ema_network
+        pred_noises = network([noisy_images, noise_rates**2], training=training)
+        pred_images = (noisy_images - noise_rates * pred_noises) / signal_rates
+        return pred_noises, pred_images
+
+    def train_step(self, images):
+        images = self.normalizer(images, training=True)
+        noises = keras.random.normal(
+            shape=(self.batch_size, self.size, self.size, 3), dtype=images.dtype
+        )
+        diffusion_times = keras.random.uniform(
+            shape=(self.batch_size, 1, 1, 1), minval=0.0, maxval=1.0,
+            dtype=images.dtype,
+        )  # fmt: skip
+        noise_rates, signal_rates = self.diffusion_schedule(diffusion_times)
+        noisy_images = signal_rates * images + noise_rates * noises
+        with tf.GradientTape() as tape:
+            pred_noises, pred_images = self.denoise(
+                noisy_images, noise_rates, signal_rates, training=True
+            )
+            noise_loss = self.loss(noises, pred_noises)
+            image_loss = self.loss(images, pred_images)
+        gradients = tape.gradient(noise_loss, self.network.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.network.trainable_weights))
+        self.noise_loss_tracker.update_state(noise_loss)
+        self.image_loss_tracker.update_state(image_loss)
+        for weight, ema_weight in zip(self.network.weights, self.ema_network.weights):
+            ema_weight.assign(0.9 * ema_weight + 0.1 * weight)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def ddim(images):
+    keras.utils.set_random_seed(3)
+    model = DDIM()
+    model.normalizer.adapt(images)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(learning_rate=0.01, weight_decay=1e-4),
+        loss=keras.losses.mean_absolute_error,
+    )
+    model.network([np.zeros((1, 4, 4, 3)), np.zeros((1, 1, 1, 1))])
+    return model
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_keras_ios_ddim_as_written_trains_as_keras_fit(num_towers):
+    images = np.random.default_rng(2).uniform(size=(18, 4, 4, 3))
+    dataset = tf.data.Dataset.from_tensor_slices(images).batch(6, drop_remainder=True)
+    engine = Towers(ddim(images), devices=devices(num_towers))
+    reference = ddim(images)
+    before = [v.numpy() for v in reference.variables]
+    keras.utils.set_random_seed(4)  # Keras' global seed generator made anew
+    history = engine.fit(dataset, epochs=2, verbose=0)
+    keras.utils.set_random_seed(4)
+    expected = reference.fit(dataset, epochs=2, verbose=0)
+    for got, want, b in zip(engine.model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=FLOAT64_RTOL,
+            atol=FLOAT64_ATOL, err_msg=want.path,
+        )  # fmt: skip
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=FLOAT64_RTOL)
 
 
 class NoisyLabelsGAN(GAN):

@@ -24,7 +24,8 @@ Keras' rules a model relies on: ``call()`` called with ``training`` only
 where it takes one (``Layer._call_has_training_arg``), a compile without a
 loss keeping the ``CompileLoss`` made before (``_user_loss``). The global
 seed generator (``global_state``'s), which the first-step check puts back
-as it was (``training/check.py``).
+as it was (``training/check.py``), and which Keras keeps per thread: the
+towers' threads share the caller's (:class:`GlobalSeed`).
 
 Input as Keras' fit takes it: ``towers/_keras/inputs.py``.
 
@@ -53,7 +54,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR, SeedGenerator
 from keras.src.trainers.compile_utils import (
     CompileLoss,
     CompileMetrics,
@@ -333,3 +334,48 @@ def global_seed_state() -> Any:
     ``seed=None`` takes), or None while there is none."""
     generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
     return None if generator is None else generator.state
+
+
+class GlobalSeed:
+    """Keras' global seed generator (a ``seed=None`` draw's) for the threads
+    that trace one step's towers. Keras keeps it per thread (``global_state``
+    is a ``threading.local``): a tower's thread would make its own, from
+    another seed. Each tower's is the caller's; where the caller has none,
+    the first tower to draw makes it, on ``device``, eagerly, from Python's
+    ``random`` as Keras' own trace would (one device makes it in its first
+    trace too), and the caller keeps it after (:meth:`kept`)."""
+
+    def __init__(self, device: str | None = None):
+        self.device = device
+        self.generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[None]:
+        """Within (a tower's thread), ``seed=None`` draws take the caller's."""
+        shared = self.generator or _Made(self)
+        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, shared)
+        try:
+            yield
+        finally:
+            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
+
+    def made(self) -> Any:
+        if self.generator is None:
+            with tf.init_scope(), tf.device(self.device):
+                self.generator = SeedGenerator()
+        return self.generator
+
+    def kept(self) -> None:
+        """The caller's from now on (in the caller's thread, after)."""
+        if self.generator is not None:
+            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, self.generator)
+
+
+class _Made:
+    """Keras' global seed generator, made at its first use."""
+
+    def __init__(self, seed: GlobalSeed):
+        self._seed = seed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._seed.made(), name)

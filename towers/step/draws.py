@@ -5,8 +5,9 @@ with a value per row of the tower's shard gives the tower its rows of the
 batch's draw, ``[first, first + n_t)``: a uniform or normal draw (Keras'
 ``normal``, ``uniform``, ``randint``, Dropout's mask) by moving its Philox
 counter on past the rows before (``towers/_keras``'s ``drawn_after``); the
-others drawn up to the tower's last row and cut. A draw of any other shape is
-every tower's alike. The states then move once. Keras' random functions are
+others drawn up to the tower's last row and cut. A draw over the whole
+batch's rows, a number (a fixed ``batch_size``), is too. A draw of any other
+shape is every tower's alike. The states then move once. Keras' random functions are
 routed here while a step is traced. A shuffle along the examples is refused
 by name; in a cluster a worker's rows follow the workers' before it.
 """
@@ -62,29 +63,38 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     # normal, uniform, truncated_normal, randint, gamma, binomial, beta
     args, kwargs = list(args), dict(kwargs)
     shape = kwargs["shape"] if "shape" in kwargs else args[0]
-    if tf.is_tensor(shape):  # tf.shape(x): its values as far as they are known
+    shaped = tf.is_tensor(shape)  # read from a tensor's shape, not a number
+    if shaped:  # tf.shape(x): its values as far as they are known
         known = tf.get_static_value(shape)
         shape = [int(d) for d in known] if known is not None else tf.unstack(shape)
     dims = list(shape) if isinstance(shape, (list, tuple)) else None
-    place = places.place(dims[0], name) if dims else None
+    shaped = shaped or bool(dims) and tf.is_tensor(dims[0])
+    place = places.place(dims[0], name, shaped) if dims else None
     if place is None:
         return own(*args, **kwargs)
     if not place[3]:
         return _unplaced(name, own, args, kwargs)
     size, first, total, blocks = place
-    dims[0] = size
     places.check_placed(name, own, args, kwargs)
     if blocks > 1:
+        dims[0] = size
         return _from_blocks(own, args, kwargs, dims, size, first, total, blocks)
+    if size is not None and places.static(dims[0]) != size:  # the batch's rows
+        dims[0] = size
+        _shape(args, kwargs, dims)
     if name in COUNTED:  # the tower's values alone
         with drawn_after(_before(first, dims[1:])):
             return own(*args, **kwargs)
-    whole = [first + dims[0], *dims[1:]]
-    if "shape" in kwargs:
-        kwargs["shape"] = whole
-    else:
-        args[0] = whole
+    _shape(args, kwargs, [first + dims[0], *dims[1:]])
     return _cut(own(*args, **kwargs), first, dims[0])
+
+
+def _shape(args: list, kwargs: dict, shape: list) -> None:
+    """Sets a draw's shape argument to ``shape``."""
+    if "shape" in kwargs:
+        kwargs["shape"] = shape
+    else:
+        args[0] = shape
 
 
 def _stateful(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
@@ -131,11 +141,7 @@ def _unplaced(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
 def _from_blocks(own, args: list, kwargs: dict, dims: list, size, first, total, blocks):
     """One device's draw of ``blocks`` blocks of the batch's rows, made
     whole, and the tower's rows of each block, in block order."""
-    whole = [blocks * total, *dims[1:]]
-    if "shape" in kwargs:
-        kwargs["shape"] = whole
-    else:
-        args[0] = whole
+    _shape(args, kwargs, [blocks * total, *dims[1:]])
     starts = tf.range(blocks) * total + tf.cast(first, tf.int32)
     rows = tf.reshape(starts[:, None] + tf.range(size)[None, :], [-1])
     return tf.gather(own(*args, **kwargs), rows)

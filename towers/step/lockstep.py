@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
-from towers._keras import loss_ids_kept
+from towers._keras import GlobalSeed, loss_ids_kept
 from towers.combine import in_dtype
 from towers.step.meetings import Seat, seated
 
@@ -66,8 +66,10 @@ class Rendezvous:
         timeout: float = TRACE_TIMEOUT_SECONDS,
         across: Across | None = None,
         keep: Callable[[], Callable[[], None]] | None = None,
+        device: str | None = None,
     ):
         self.size = size
+        self.device = device  # where the towers' shared objects are made
         # keep(): what a tower's thread keeps of shared Python state while the
         # others take their turns; it returns the call that puts it back.
         self.keep = keep
@@ -151,7 +153,10 @@ class Rendezvous:
 def meeting(size: int, placement: Any, across: Across | None) -> Rendezvous:
     """The rendezvous of ``size`` towers of ``placement`` (``across``: the
     step's handle on the other workers, or None)."""
-    return Rendezvous(size, across=across, keep=kept(placement.models))
+    return Rendezvous(
+        size, across=across, keep=kept(placement.models),
+        device=placement.variable_device,
+    )  # fmt: skip
 
 
 def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
@@ -188,11 +193,12 @@ def in_lockstep(
     graph = tf.compat.v1.get_default_graph()
     results: list[Any] = [None] * len(works)
     errors: list[BaseException] = []
+    seed = GlobalSeed(meet.device)  # Keras keeps it per thread
 
     def trace(rank: int, work: Callable[[], T]) -> None:
         try:
             weight = None if weights is None else weights[rank]
-            with seated(Seat(meet, rank, weight, own)):
+            with seated(Seat(meet, rank, weight, own)), seed.in_thread():
                 meet.start(rank)
                 with graph.as_default():
                     results[rank] = work()
@@ -210,6 +216,7 @@ def in_lockstep(
         thread.start()
     for thread in threads:
         thread.join()
+    seed.kept()
     first = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
     if first or errors:
         raise (first or errors)[0]

@@ -169,7 +169,7 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
     size = units_of(batch)[0]  # a part's rows each (towers/split.py)
     if size < 2:
         return Found(None, {})
-    recorder = _Recorder(model, hook)
+    recorder = _Recorder(model, hook, places.size_of(batch[0]))
     run = tf.function(recorder.run, autograph=False)
     kinds: list[Any] = []
     logs: dict[str, Any] = {}
@@ -264,8 +264,9 @@ class _Recorder:
     each alone), nothing applied or kept; per part, each loss it takes the
     gradient of and each number it returns, less their batch-free terms."""
 
-    def __init__(self, model: keras.Model, hook: str):
+    def __init__(self, model: keras.Model, hook: str, rows: int | None):
         self.model, self.hook = model, hook
+        self.rows = rows  # the batch's: a draw over them is over a part's
         self.leading: list[list[Any]] = []  # per part, each loss's first axis
         self.gathers = False  # the step called towers.gather
         self._losses: list[tf.Tensor] | None = None
@@ -286,7 +287,9 @@ class _Recorder:
                         together.replay = first is not None
                         rows = places.size_of(x)  # a unit's or two's
                         whole = 2 * rows if first is not None else rows
-                        placed = places.rows_of((x, y, sw), rows * (first or 0), whole)
+                        placed = places.rows_of(
+                            (x, y, sw), rows * (first or 0), whole, self.rows
+                        )
                         with keras.StatelessScope(), placed:
                             data = keras.utils.pack_x_y_sample_weight(x, y, sw)
                             returned = getattr(self.model, self.hook)(data)

@@ -25,39 +25,56 @@ _here = threading.local()
 
 
 @contextlib.contextmanager
-def rows(size: Any, first: Any, total: Any = None, others: Any = ()) -> Iterator[None]:
+def rows(
+    size: Any, first: Any, total: Any = None, others: Any = (), batch: Any = None
+) -> Iterator[None]:
     """Within, this thread's tower draws as rows ``[first, first + size)``
     of the batch (``size``: the shard's static rows, None if unknown;
     ``first``: an int or a scalar tensor; ``total``: the batch's rows, where
     known, for a draw over k times the rows: :func:`place`). ``others``:
     the shard's rows of its parts of other rows than its first (a model's
-    own step's data, split in the same shares: ``towers/split.py``)."""
+    own step's data, split in the same shares: ``towers/split.py``).
+    ``batch``: the rows of the batch the step is written for, if not
+    ``total`` (the probe's parts of the first batch): a draw over them is
+    the shard's rows of one device's draw."""
     before = getattr(_here, "rows", None)
-    _here.rows = (tf.compat.dimension_value(size), first, total, tuple(others))
+    batch = total if batch is None else batch
+    size = tf.compat.dimension_value(size)
+    _here.rows = (size, first, total, tuple(others), batch)
     try:
         yield
     finally:
         _here.rows = before
 
 
-def rows_of(shard: Any, first: Any, total: Any = None) -> Any:
+def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any:
     """:func:`rows` for a tower's shard whose first row is ``first`` (of
-    ``total`` in the batch, where known)."""
+    ``total`` in the batch, where known; ``batch``: as :func:`rows`)."""
     size = size_of(shard)
     leaves = [leaf for leaf in tf.nest.flatten(shard) if leaf is not None]
     counts = {size_of(leaf) for leaf in leaves} - {size, None}
-    return rows(size, first, total, sorted(counts) if size else ())
+    return rows(size, first, total, sorted(counts) if size else (), batch)
 
 
-def place(rows: Any, draw: str) -> tuple | None:
+def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     """Where a draw over ``rows`` rows (a shape's first entry) sits in one
     device's: ``(size, first, total, k)`` of the shard's part whose rows it
     draws, k >= 2 for k blocks of them (the fit guide's label noise over its
     fake and real rows, concatenated: one device's is k blocks of the
     batch's); k = 0 for rows towers cannot place, named once (:func:`name`).
     None: a draw of no part's rows (every tower's alike), or a tower with
-    the whole batch."""
-    size, first, total, others = _here.rows
+    the whole batch.
+
+    A draw over exactly the whole batch's rows given as a number, not read
+    from a tensor's shape (``shaped``; keras.io's DDIM draws its noise over
+    a fixed ``batch_size``), is one device's draw: the shard's rows of it,
+    whatever multiple of the shard's rows it also is.
+
+    >>> with rows(4, 8, total=16):  # a tower of rows 8-11 of 16
+    ...     place(16, "normal", shaped=False), place(16, "normal")
+    ((4, 8, 16, 1), (4, 8, 16, 4))
+    """
+    size, first, total, others, batch = _here.rows
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
     if whole and not steadied():
         return None
@@ -65,6 +82,8 @@ def place(rows: Any, draw: str) -> tuple | None:
     if not isinstance(rows, int):  # known when it runs: the shard's if its are
         unknown = rows is None or isinstance(rows, tf.Tensor)
         return (size, first, total, 1) if unknown and size is None else None
+    if not shaped and isinstance(batch, int) and rows == batch != size:
+        return (size, first, total, 1)
     parts = [(size, first, total)] + [
         (n, first * n // size, None if total is None else total * n // size)
         for n in others
