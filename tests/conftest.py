@@ -48,7 +48,8 @@ def float64():
 # The tests `make test-slow` runs and `make test` leaves to it (CI runs both):
 # each starts real processes (a cluster's workers, a run killed and resumed,
 # the bench CLI), builds real models or compiles with XLA, for 10-140 s each
-# on two cores. By module, or by test.
+# on two cores; or runs at three towers a case the fast tier runs at two. By
+# module, or by test.
 SLOW = {
     "tests/cluster/test_cluster_jobs.py": "a cluster of worker processes each",
     "tests/training/test_resume.py": "runs killed and resumed in processes",
@@ -65,6 +66,32 @@ SLOW = {
     "or_run_without_xla": "recurrent layers' XLA compilations",
     "tests/training/test_loop.py::test_sigkill_mid_epoch_then_resume_equals_an_"
     "uninterrupted_run": "a run killed and resumed in processes",
+    "tests/step/test_xla_cache.py": "XLA compilations counted across towers",
+    "tests/step/test_gathered_loss.py::test_auto_xla_runs_a_gathered_loss_without_"
+    "it_saying_so": "a gathered loss's XLA compilations",
+    **{
+        f"tests/bench/test_workers.py::{name}": "a 2-worker bench job in processes"
+        for name in (
+            "test_the_job_measures_towers_and_its_exchange",
+            "test_the_cpu_floor_is_every_workers_cpu_over_the_cores",
+            "test_mwms_trains_the_same_model_in_the_same_processes",
+        )
+    },
+    # Three towers of a case whose two towers stay in the fast tier.
+    **{
+        f"tests/step/{case}[{param}]": "three towers of a case run at two"
+        for case, params in {
+            "test_cut.py::test_a_recurrent_model_trains_as_keras_fit": (
+                "3-once",
+                "3-phases",
+            ),
+            "test_gathered_loss.py::test_a_clip_loss_trains_to_keras_fit_on_the_"
+            "whole_batch": ("3",),
+            "test_gathered_loss.py::test_a_coupled_loss_in_the_models_own_step_"
+            "trains_as_keras_fit": ("3",),
+        }.items()
+        for param in params
+    },
 }
 
 
