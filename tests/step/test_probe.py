@@ -10,6 +10,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
@@ -213,3 +214,51 @@ def test_the_probe_calls_a_model_only_where_a_term_may_be_added(
     build.compile(keras.optimizers.SGD(0.1), "mse")
     Towers(build, devices=devices(2)).fit(x, y, batch_size=EXAMPLES, verbose=0)
     assert bool(called) is probed
+
+
+class DeepNormalised(keras.Model):
+    """Twenty Dense, BatchNormalization, ReLU6 blocks in float32 (a deep
+    network's depth: MobileNetV2 has 52 such layers), with the fit guide's
+    own train_step: the own step's probe runs it on two examples and each
+    alone."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def deep_normalised():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = inputs
+    for _ in range(20):
+        h = keras.layers.Dense(16, use_bias=False)(h)
+        h = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization()(h))
+    outputs = keras.layers.Dense(3, activation="softmax")(h)
+    model = DeepNormalised(inputs, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_deep_float32_networks_own_step_is_found_a_mean_and_trains_as_keras_fit():
+    # Two examples' own moments amplify float32's rounding between a batch
+    # of one and of two, block after block, past any tolerance: the probe
+    # read such a loss as neither a mean nor a sum and refused it.
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype("float32")
+    y = np.arange(16) % 3
+    engine, reference = Towers(deep_normalised(), devices=devices(2)), deep_normalised()
+    before = reference.get_weights()
+    got = engine.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    want = reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    # Each variable's update by its norm: float32's rounding, not a loss
+    # read as a sum (twice the step on 2 towers).
+    for a, b, w, v in zip(
+        engine.model.get_weights(), reference.get_weights(), before, reference.weights
+    ):
+        apart = np.linalg.norm((a - w) - (b - w)) / np.linalg.norm(b - w)
+        assert apart < 1e-3, v.path
