@@ -39,7 +39,9 @@ def sgd_mse():
     return dict(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 
 
-def test_a_coupling_no_rule_covers_is_refused_by_name_before_any_update():
+def test_a_coupling_no_rule_covers_is_refused_by_name_before_any_update(float64):
+    # 5-8 % apart: in float64, where the check refuses past rounding's 1e-7;
+    # float32's rounding reaches 6.7 % on MobileNetV2 (check.py's RTOL).
     x, y = regression()
     model = twins(centring, sgd_mse)[0]
     before = [v.numpy() for v in model.variables]
