@@ -190,14 +190,26 @@ def test_evaluate_before_any_training_is_keras_evaluate(build):
     np.testing.assert_allclose(got, want, rtol=EQUIVALENCE_RTOL)
 
 
+class InKerasTests(keras.layers.Layer):
+    """A sum over the examples added by a layer as Keras' own trainer_test.py
+    writes one: its module is inside Keras' package, its class not Keras'."""
+
+    __module__ = "keras.src.trainers.trainer_test"
+
+    def call(self, inputs):
+        self.add_loss(keras.ops.sum(inputs))
+        return inputs
+
+
 @pytest.mark.parametrize(
     "layer, probed",
     [
         (lambda: keras.layers.Dense(4), False),
         (lambda: keras.layers.Dense(4, activity_regularizer="l2"), True),
         (lambda: MeanPenalty(), True),  # not Keras' own: it may add_loss
+        (lambda: InKerasTests(), True),
     ],
-    ids=["keras", "activity", "own-layer"],
+    ids=["keras", "activity", "own-layer", "keras-tests-layer"],
 )
 def test_the_probe_calls_a_model_only_where_a_term_may_be_added(
     monkeypatch, layer, probed
