@@ -48,7 +48,7 @@ def float64():
 # The tests `make test-slow` runs and `make test` leaves to it (CI runs both):
 # each starts real processes (a cluster's workers, a run killed and resumed,
 # the bench CLI), builds real models or compiles with XLA, for 10-140 s each
-# on two cores; or runs at three towers a case the fast tier runs at two. By
+# on two cores; or runs at more towers a case the fast tier runs at two. By
 # module, or by test.
 SLOW = {
     "tests/cluster/test_cluster_jobs.py": "a cluster of worker processes each",
@@ -77,9 +77,9 @@ SLOW = {
             "test_mwms_trains_the_same_model_in_the_same_processes",
         )
     },
-    # Three towers of a case whose two towers stay in the fast tier.
+    # More towers of a case whose two towers stay in the fast tier.
     **{
-        f"tests/step/{case}[{param}]": "three towers of a case run at two"
+        f"tests/step/{case}[{param}]": "more towers of a case run at two"
         for case, params in {
             "test_cut.py::test_a_recurrent_model_trains_as_keras_fit": (
                 "3-once",
@@ -89,6 +89,17 @@ SLOW = {
             "whole_batch": ("3",),
             "test_gathered_loss.py::test_a_coupled_loss_in_the_models_own_step_"
             "trains_as_keras_fit": ("3",),
+            "test_custom_steps_batchnorm.py::test_a_gan_with_batchnorm_trains_as_"
+            "keras_fit_with_global_statistics": ("3",),
+            "test_custom_steps_draws.py::test_keras_ios_ddim_as_written_trains_as_"
+            "keras_fit": ("4",),
+            "test_custom_steps_copies.py::test_a_gan_trains_replicated_as_keras_fit": (
+                "3",
+            ),
+            "test_custom_steps.py::test_a_gan_with_two_optimizers_trains_as_keras_"
+            "fit": ("3",),
+            "test_gather.py::test_a_contrastive_loss_in_the_step_trains_as_keras_fit_"
+            "when_gathered": ("3-activity",),
         }.items()
         for param in params
     },
