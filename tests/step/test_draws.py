@@ -3,6 +3,8 @@ tower starts from the step's seed states and draws its rows of the whole
 batch's numbers, and the states move once. Against Keras' own fit on one
 device, float64, uneven shards, every way the runner runs the towers."""
 
+import random
+
 import keras
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import draws, meetings, places, runner, segments
+from towers.step import draws, meetings, places, probe, runner, segments
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 
@@ -246,3 +248,58 @@ def test_a_draw_over_blocks_of_the_rows_in_towers_own_step_is_one_devices(
             got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
             err_msg=want.path,
         )  # fmt: skip
+
+
+class Chosen(keras.layers.Layer):
+    """Chooses its operation with Python's ``random`` while it is traced, as
+    Keras' AugMix chooses each chain's: one trace, one choice for the batch."""
+
+    def call(self, x, training=False):
+        scales = [2.0, -3.0, 0.5, 5.0, -0.25, 1.5, -1.0, 4.0]
+        return x * random.choice(scales)
+
+
+def chosen():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    x = Chosen()(keras.layers.Dense(4, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_layers_python_random_choice_while_traced_is_one_devices(
+    float64, jit_compile
+):
+    # Uneven shards (8 rows on 3 towers) trace each shape apart: every
+    # tower's trace must see the Python random state one device's trace
+    # sees, and leave it where that trace does.
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((24, 5)), rng.standard_normal((24, 2))
+    reference, model = chosen(), chosen()
+    engine = Towers(model, devices=devices(3), jit_compile=jit_compile)
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                      jit_compile=jit_compile)  # fmt: skip
+    before = [v.numpy() for v in reference.variables]
+    random.seed(5)
+    reference.fit(x, y, **FIT)
+    keras_after = random.random()
+    random.seed(5)
+    engine.fit(x, y, **FIT)
+    assert random.random() == keras_after
+    for got, want, b in zip(model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
+            err_msg=want.path,
+        )  # fmt: skip
+
+
+def test_a_python_random_choice_is_no_coupling_of_the_examples():
+    # A refusal blames a coupling only where outputs read other rows: each
+    # call's Python random choice must be the same for the probe's calls.
+    x = np.random.default_rng(0).standard_normal((4, 5)).astype("float32")
+    model = chosen()
+    state = random.getstate()
+    assert probe.coupling_layer(model, x, "/CPU:0") is None
+    assert random.getstate() == state  # and nothing drawn

@@ -21,6 +21,9 @@ replaced, and why:
 - Keras' random draws (``step/draws.py``), and TensorFlow's stateless
   uniform and normal draws under them: a tower draws its rows of the
   batch's numbers;
+- Python's ``random`` functions (``random.choice``: AugMix picks each
+  chain's operations so while it is traced; ``step/places.py``): each
+  tower's trace draws what one device's trace would;
 - Keras' own ``fit``, ``evaluate`` and ``predict`` while a model's override
   of one runs (``training/overrides.py``): its ``super()`` call reaches
   towers'.
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import random
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -304,6 +309,29 @@ def _skipping(own: Callable) -> Callable:
         return tf.reshape(kept, tf.cast(shape, tf.int64))
 
     return op
+
+
+@contextlib.contextmanager
+def python_random_from(current: Callable[[], random.Random | None]) -> Iterator[None]:
+    """Within, Python's ``random`` functions (``random.choice``, ...) draw from
+    ``current()`` where it gives a generator, else from Python's own."""
+
+    def routed(name: str, own: Callable) -> Callable:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            chosen = current()
+            return (own if chosen is None else getattr(chosen, name))(*args, **kwargs)
+
+        return draw
+
+    def replacements() -> list[Replacement]:
+        return [
+            (random, name, routed(name, own))
+            for name, own in vars(random).items()
+            if inspect.ismethod(own) and isinstance(own.__self__, random.Random)
+        ]
+
+    with Patch(replacements).applied():
+        yield
 
 
 @contextlib.contextmanager

@@ -5,13 +5,15 @@ of each part of its data (parts of other batch sizes are split in the same
 shares, ``towers/split.py``): :func:`place` reads a draw's row count as one
 part's rows, or k blocks of them, and names, once a model, a draw whose rows
 it cannot place. In a cluster the rows follow the workers' before
-(:func:`placing`).
+(:func:`placing`). A tower's trace draws from Python's ``random`` as one
+device's trace would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import random
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -19,9 +21,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers._keras.patches import python_random_from
 from towers.split import examples_of
 
 _here = threading.local()
+# Python's random while a step's towers are traced (:func:`placing`): the
+# state one device's trace starts from, and where the first tower's left it.
+_python: list[Any] = [None, None]
 
 
 @contextlib.contextmanager
@@ -41,10 +47,16 @@ def rows(
     batch = total if batch is None else batch
     size = tf.compat.dimension_value(size)
     _here.rows = (size, first, total, tuple(others), batch)
+    if before is None and _python[0] is not None:  # a tower's trace begins
+        _here.python = random.Random()
+        _here.python.setstate(_python[0])
     try:
         yield
     finally:
         _here.rows = before
+        if before is None and _python[0] is not None:
+            _python[1] = _python[1] or _here.python.getstate()
+            _here.python = None
 
 
 def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any:
@@ -240,16 +252,23 @@ def placing(
     global batch after the workers before this one (``workers.first_row``,
     one small sum over the workers) where the towers ``draw`` at all, and a
     draw from Keras' global generator is refused where they do not
-    (:func:`check_placed`)."""
+    (:func:`check_placed`). Python's ``random`` (a layer's choices while it
+    is traced: AugMix's chain) gives each tower's trace (:func:`rows`) what
+    one device's trace would draw, and is left as the first tower's left it."""
     _drawing[0] = id(models[0])
     _here.batch_rows = examples if workers is None else None
     if workers is not None and draw:
         _here.worker_first, _here.batch_rows = workers.first_row(examples)
     _here.unplaced = workers is not None and not draw
+    outer, _python[:] = list(_python), [random.getstate(), None]
     try:
-        yield
+        with python_random_from(lambda: getattr(_here, "python", None)):
+            yield
+        if _python[1] is not None:
+            random.setstate(_python[1])
     finally:
         _here.worker_first, _here.unplaced, _here.batch_rows = 0, False, None
+        _python[:] = outer
 
 
 def batch_rows() -> Any:

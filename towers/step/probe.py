@@ -17,6 +17,7 @@ mixture-of-experts blocks) are known by their class instead.
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import keras
@@ -294,9 +295,13 @@ def _outputs_apart(model: keras.Model, x: Any, device: str) -> tuple:
     """``model``'s outputs on examples 0-1 together, on 0 and on 1."""
     mapping = [(v, v.value) for v in model.variables]
     found = []
+    # A call's Python random choices (AugMix's chain) the same for each.
+    python_random = random.getstate()
     with tf.device(device):
         for start, stop in ((0, 2), (0, 1), (1, 2)):
+            random.setstate(python_random)
             rows = _examples((x, None, None), start, stop)[0]
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
                 found.append(call_model(model, rows, False))
+    random.setstate(python_random)
     return tuple(found)

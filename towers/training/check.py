@@ -294,7 +294,8 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
     """
     why, reference = not_compared(engine), None
     if why is None:
-        reference, why = _reference(engine, batches)
+        with global_seed_kept():  # its trace's Python random draws, towers' too
+            reference, why = _reference(engine, batches)
     if why is not None:
         out = run() if keep else kept_run(engine, run)
         return out, Comparison([], skipped=why)
