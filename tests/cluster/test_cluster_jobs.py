@@ -262,6 +262,19 @@ def test_random_draws_in_a_cluster_are_one_devices(tmp_path):
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
 
 
+def test_a_global_generators_draw_in_a_models_own_step_is_refused_in_a_cluster(
+    tmp_path,
+):
+    # Its own train_step, run in each tower's thread, draws a value per
+    # example with seed=None from a model holding no seed generator: no
+    # worker can place its rows, so every worker would draw the same. The
+    # towers' threads must see the step's cluster as the caller does.
+    job = launch(tmp_path / "job", "--model", "unseeded", "--timeout", "20")
+    output = job.stdout + job.stderr
+    assert job.returncode != 0, output[-3000:]
+    assert "keras.random.normal with seed=None draws from Keras' global" in output
+
+
 def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):
     # keras_hub's Mixtral block adds a load-balancing loss, a product of two
     # means over the whole batch: its token counts and router probabilities are

@@ -34,7 +34,9 @@ encoder whose compute_loss is over the whole batch's similarities (gathered);
 step: pass --batch-statistics global); --model gathering has its own steps,
 whose loss is over the whole batch's rows, gathered with towers.gather;
 --model dropout draws in training (Dropout, GaussianNoise, and noise over
-two blocks of the rows).
+two blocks of the rows). --model unseeded has its own train_step, which
+noises its inputs from Keras' global seed generator (``seed=None``) and
+holds no generator of its own: refused by name in a cluster.
 """
 
 import argparse
@@ -168,6 +170,20 @@ class PairedNoise(keras.layers.Layer):
         return paired_noise(x, self.seeds) if training else x
 
 
+class Unseeded(keras.Sequential):
+    """Its own train_step noises its inputs with ``seed=None``: a value per
+    example from Keras' global seed generator, which no worker can place."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = x + 0.1 * keras.random.normal(keras.ops.shape(x))
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True), sample_weight)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
 class TwoApplies(keras.Sequential):
     """A model's own train_step that applies twice: its first layer with the
     compiled optimizer, then, through the updated layer, its last layer with
@@ -279,6 +295,10 @@ def build():
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
         )
         return model
+    if args.model == "unseeded":
+        model = Unseeded([keras.Input((6,)), keras.layers.Dense(width)])
+        model.compile(loss=classify, optimizer=optimizers[args.optimizer]())
+        return model
     if args.model == "clip":
         inputs = keras.Input((6,))
         encoded = [
@@ -345,6 +365,7 @@ optimizers = {
 }
 own = args.model in (
     "clip",
+    "unseeded",
     "twoapplies",
     "twoapplies_bn",
     "gathering",

@@ -12,6 +12,7 @@ device's trace would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import random
 import threading
@@ -24,10 +25,26 @@ import tensorflow as tf
 from towers._keras.patches import python_random_from
 from towers.split import examples_of
 
-_here = threading.local()
-# Python's random while a step's towers are traced (:func:`placing`): the
-# state one device's trace starts from, and where the first tower's left it.
-_python: list[Any] = [None, None]
+_here = threading.local()  # the tower's: its rows, its Python random
+
+
+@dataclasses.dataclass
+class _Step:
+    """What :func:`placing` (and :func:`steady`) say of the step traced, in
+    the caller's thread, for every tower's thread to read. ``python``: the
+    Python random state one device's trace starts from, ``python_end``:
+    where the first tower's trace left it."""
+
+    model: int = 0
+    batch_rows: Any = None
+    worker_first: Any = 0
+    unplaced: bool = False
+    steady: bool = False
+    python: Any = None
+    python_end: Any = None
+
+
+_step = _Step()
 
 
 @contextlib.contextmanager
@@ -47,15 +64,16 @@ def rows(
     batch = total if batch is None else batch
     size = tf.compat.dimension_value(size)
     _here.rows = (size, first, total, tuple(others), batch)
-    if before is None and _python[0] is not None:  # a tower's trace begins
+    starts = before is None and _step.python is not None  # a tower's trace
+    if starts:
         _here.python = random.Random()
-        _here.python.setstate(_python[0])
+        _here.python.setstate(_step.python)
     try:
         yield
     finally:
         _here.rows = before
-        if before is None and _python[0] is not None:
-            _python[1] = _python[1] or _here.python.getstate()
+        if starts:
+            _step.python_end = _step.python_end or _here.python.getstate()
             _here.python = None
 
 
@@ -162,10 +180,8 @@ def _ways(rows: int, sizes: list[int]) -> list[tuple[int, ...]]:
     return found
 
 
-# The draws named already (once a model and reason: ``(id(model), draw, ...)``), and the
-# model whose step is traced.
+# The draws named already (once a model and reason: ``(id(model), draw, ...)``).
 _named: set[tuple[int, str, str]] = set()
-_drawing: list[int] = [0]
 
 
 @contextlib.contextmanager
@@ -173,17 +189,17 @@ def steady() -> Iterator[None]:
     """Within (the probe, ``loss_kinds.py``), a draw towers cannot place is
     its distribution's middle, the same for every part of the batch: how a
     loss reads the batch is found through it."""
-    _here.steady = True
+    _step.steady = True
     try:
         yield
     finally:
-        _here.steady = False
+        _step.steady = False
 
 
 def name(draw: str, why: str, reason: str = "") -> None:
     """Warns once a model that ``draw`` is not (or may not be) one device's,
     saying ``why`` (once for each ``reason``)."""
-    key = (_drawing[0], draw, reason)
+    key = (_step.model, draw, reason)
     if key not in _named:
         _named.add(key)
         warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
@@ -200,7 +216,7 @@ def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
     a draw with a value per row from Keras' global seed generator
     (``seed=None``), and names one from a generator the model does not hold
     (every worker draws the same rows)."""
-    if not getattr(_here, "unplaced", False):
+    if not _step.unplaced:
         return
     if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is not None:
         why = (
@@ -255,26 +271,27 @@ def placing(
     (:func:`check_placed`). Python's ``random`` (a layer's choices while it
     is traced: AugMix's chain) gives each tower's trace (:func:`rows`) what
     one device's trace would draw, and is left as the first tower's left it."""
-    _drawing[0] = id(models[0])
-    _here.batch_rows = examples if workers is None else None
+    global _step
+    outer = _step
+    _step = step = _Step(id(models[0]), steady=outer.steady)
+    step.batch_rows = examples if workers is None else None
     if workers is not None and draw:
-        _here.worker_first, _here.batch_rows = workers.first_row(examples)
-    _here.unplaced = workers is not None and not draw
-    outer, _python[:] = list(_python), [random.getstate(), None]
+        step.worker_first, step.batch_rows = workers.first_row(examples)
+    step.unplaced = workers is not None and not draw
+    step.python = random.getstate()
     try:
         with python_random_from(lambda: getattr(_here, "python", None)):
             yield
-        if _python[1] is not None:
-            random.setstate(_python[1])
+        if step.python_end is not None:
+            random.setstate(step.python_end)
     finally:
-        _here.worker_first, _here.unplaced, _here.batch_rows = 0, False, None
-        _python[:] = outer
+        _step = outer
 
 
 def batch_rows() -> Any:
     """The step's batch's rows (in a cluster, the global batch's; None: not
     known), as :func:`placing` says: what a draw over blocks of them needs."""
-    return getattr(_here, "batch_rows", None)
+    return _step.batch_rows
 
 
 def in_tower() -> bool:
@@ -284,7 +301,7 @@ def in_tower() -> bool:
 
 def steadied() -> bool:
     """Whether the probe runs (:func:`steady`)."""
-    return getattr(_here, "steady", False)
+    return _step.steady
 
 
 def first_rows(shards: Any) -> list[Any]:
@@ -292,7 +309,7 @@ def first_rows(shards: Any) -> list[Any]:
     as :func:`placing` says): ints when known when traced, else scalar
     tensors."""
     sizes = shards.sizes or [examples_of(part) for part in shards.parts]
-    before = getattr(_here, "worker_first", 0)
+    before = _step.worker_first
     return [sum(sizes[:t], before) for t in range(len(sizes))]
 
 

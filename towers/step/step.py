@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import built_symbolically, global_seed_kept, trainable_capable
+from towers._keras import built_symbolically, trainable_capable
 from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
@@ -181,14 +181,12 @@ class Step:
         """Before the first training step (or evaluation, ``training`` False):
         the model's loss terms that are not a mean over the examples gathered,
         refused by name or warned of (``towers/step/coupled.py``); a no-op
-        after. Calls one device's fit does not make: Python's and Keras'
-        global random states are left as they were."""
+        after."""
         coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
         batch, own = (x, y, sample_weight), self.tower.own_loss
-        with global_seed_kept():
-            coupled.probe(model, batch, own, self.device, jit.strict, training)
-            if self.custom is not None:
-                self.custom.probe(batch, training)
+        coupled.probe(model, batch, own, self.device, jit.strict, training)
+        if self.custom is not None:
+            self.custom.probe(batch, training)
 
     def build_metrics(self, x, y=None, sample_weight=None, training=True) -> None:
         """Before a first training (or evaluation) step: its targets checked
@@ -199,8 +197,7 @@ class Step:
             check_targets(self.tower.loss, y)
         elif y is None:  # built by the step as it calls them, as in Keras' fit
             return
-        with global_seed_kept():  # a symbolic call one device's fit skips
-            self.metrics.build(x, y, sample_weight)
+        self.metrics.build(x, y, sample_weight)
 
     def whole_batch_loss(self, x: Any, y: Any, sample_weight: Any = None) -> bool:
         """After a loss gave one value for the batch while the step was traced

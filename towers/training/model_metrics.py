@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from towers._keras import loss_tracker, pythonify_logs
+from towers._keras import global_seed_kept, loss_tracker, pythonify_logs
 from towers.step.custom_copies import build_copies
 from towers.training.compiling import require_compiled
 from towers.training.fits import named_misfits
@@ -87,9 +87,10 @@ class ModelMetrics:
         >>> eng.model.metrics_names
         ['loss', 'compile_metrics']
         """
-        self.step.build_metrics(x, y, sample_weight, training)
-        if self.step.custom is not None:  # a copy per tower: each copy's too
-            build_copies(self.placement, x, y, sample_weight)
+        with global_seed_kept():  # symbolic calls one device's fit does not make
+            self.step.build_metrics(x, y, sample_weight, training)
+            if self.step.custom is not None:  # a copy per tower: each copy's too
+                build_copies(self.placement, x, y, sample_weight)
 
     def _training_batch(self, method: str, *batch: Any) -> tuple:
         """A training or evaluation batch, prepared (``prepare``), with the
@@ -101,5 +102,6 @@ class ModelMetrics:
         batch = self.prepare(*batch, kind="train" if training else "evaluate")
         with named_misfits(self.model, batch):
             self.build_metrics(*batch, training=training)
-            self.step.probe(*batch, training=training)
+            with global_seed_kept():  # calls one device's fit does not make
+                self.step.probe(*batch, training=training)
         return batch
