@@ -139,3 +139,9 @@ def test_bench_touches_no_private_name_of_the_engine():
         for p in (PACKAGE / "bench").glob("*.py")
     }
     assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def test_the_current_tower_is_the_packages_one_thread_local():
+    # What a tower's thread holds is one object (towers/_keras/current.py).
+    found = [module_name(p) for p in MODULES if "threading.local()" in p.read_text()]
+    assert found == ["towers._keras.current"]

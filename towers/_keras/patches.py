@@ -45,6 +45,8 @@ from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.python.ops import gen_random_ops, gen_stateless_random_ops_v2
 
+from towers._keras.current import setting, this_tower
+
 Replacement = tuple[Any, str, Any]  # (owner, attribute name, new value)
 _ABSENT = object()  # the owner had no attribute of its own: delete on restore
 
@@ -121,9 +123,6 @@ def batch_norm_replacements(layer: Any, moments: Callable) -> list[Replacement]:
     return [*replacements, *[(v, "assign", _kept_in_call(layer, v)) for v in moving]]
 
 
-_calling = threading.local()
-
-
 def tracked_calls(layers: list[Any]) -> list[Replacement]:
     """Each of ``layers``' ``call`` marks this thread as within it
     (:func:`calling`)."""
@@ -132,12 +131,8 @@ def tracked_calls(layers: list[Any]) -> list[Replacement]:
         own = layer.call
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            within = getattr(_calling, "layers", ())
-            _calling.layers = (*within, layer)
-            try:
+            with setting(calling=(*this_tower().calling, layer)):
                 return own(*args, **kwargs)
-            finally:
-                _calling.layers = within
 
         return call
 
@@ -146,7 +141,7 @@ def tracked_calls(layers: list[Any]) -> list[Replacement]:
 
 def calling(layer: Any) -> bool:
     """Whether this thread is within ``layer``'s call (:func:`tracked_calls`)."""
-    return any(x is layer for x in getattr(_calling, "layers", ()))
+    return any(x is layer for x in this_tower().calling)
 
 
 def own_moments(layer: Any) -> Callable:
@@ -270,7 +265,6 @@ STATEFUL = ("random_standard_normal", "random_uniform", "random_uniform_int",
 _V2 = gen_stateless_random_ops_v2
 _COUNTED = ("stateless_random_uniform_v2", "stateless_random_normal_v2",
             "stateless_random_uniform_int_v2")  # fmt: skip
-_skip = threading.local()
 
 
 @contextlib.contextmanager
@@ -280,11 +274,8 @@ def drawn_after(values: Any) -> Iterator[None]:
     first ``values`` of the same draw made longer: a tower's rows of the
     batch's numbers, drawn alone (``step/draws.py``). Only while
     :func:`routed_draws` is entered."""
-    _skip.values = values
-    try:
+    with setting(skip=values):
         yield
-    finally:
-        _skip.values = None
 
 
 def _skipping(own: Callable) -> Callable:
@@ -292,10 +283,11 @@ def _skipping(own: Callable) -> Callable:
     :func:`drawn_after` says."""
 
     def op(shape: Any, key: Any, counter: Any, alg: Any, **kwargs: Any) -> Any:
-        values = getattr(_skip, "values", None)
+        tower = this_tower()
+        values = tower.skip
         if values is None:
             return own(shape=shape, key=key, counter=counter, alg=alg, **kwargs)
-        _skip.values = None  # one draw
+        tower.skip = None  # one draw
         dtype = tf.as_dtype(kwargs.get("dtype") or kwargs["minval"].dtype)
         per_step = 2 if dtype.size == 8 else 4
         values = tf.cast(values, tf.int64)

@@ -18,7 +18,6 @@ training mode is a meeting where the first tower moves them at once
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -26,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from towers._keras import patches
+from towers._keras.current import setting, this_tower
 from towers.step import meetings
 
 MovingStatisticsPolicy = Literal["batch", "tower0", "mean"]
@@ -71,7 +71,6 @@ class MovingStatistics:
                 )
         self.policy, self.statistics = policy, statistics
         self._model = model
-        self._local = threading.local()  # the recording tower's moments
         self._patch = patches.Patch(
             lambda: [
                 replacement
@@ -130,12 +129,9 @@ class MovingStatistics:
     def _patched(self, record: Any) -> Iterator[None]:
         """Within, this thread's tower records its moments in ``record`` (a
         dict), or moves the statistics at once on ``record`` (a device)."""
-        with self._patch.applied():  # towers in lockstep record at one time
-            self._local.moments = record
-            try:
-                yield
-            finally:
-                self._local.moments = None
+        recording = {**this_tower().moments, id(self): record}
+        with self._patch.applied(), setting(moments=recording):
+            yield  # (towers in lockstep record at one time)
 
     def _recorded_moments(self, layer, index: int) -> Callable:
         """``layer``'s moments, recorded into the recording tower's dict (or
@@ -143,7 +139,7 @@ class MovingStatistics:
         moments_fn = patches.own_moments(layer)
 
         def recorded_moments(inputs, mask):
-            moments = self._local.moments
+            moments = this_tower().moments.get(id(self))
             kept = None if mask is None else _kept(inputs, mask)
             # A masked layer divides by its count plus ε (Keras' _moments).
             self._epsilons[index] = 0.0 if kept is None else keras.config.epsilon()

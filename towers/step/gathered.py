@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
 
 from towers._keras import ReadScope, compute_loss
+from towers._keras.current import setting, this_tower
 from towers._keras.patches import routed_calls
 from towers.combine import in_dtype
 from towers.split import batch_size_of
@@ -82,11 +82,10 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
     Raises:
       ValueError: with a copy per tower.
     """
-    inside = threading.local()  # the loss's own calls pass through
 
     def route(model: Any, own: Any, args: tuple, kwargs: dict) -> Any:
         here = meetings.current()
-        if not here.own or getattr(inside, "on", False):
+        if not here.own or this_tower().in_loss:  # its own calls pass through
             return own(*args, **kwargs)
         if len(models) > 1:
             raise ValueError(
@@ -98,13 +97,10 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
         call.apply_defaults()
         given = call.arguments
         batch = tuple(given.get(k) for k in ("x", "y", "y_pred", "sample_weight"))
-        inside.on = True
-        try:
+        with setting(in_loss=True):
             term = gathered_loss(
                 model, batch, here.weight, _Quiet(), given.get("training", True)
             )
-        finally:
-            inside.on = False
         return tf.math.divide_no_nan(term, in_dtype(here.weight, term.dtype))
 
     with routed_calls(models, "compute_loss", route):

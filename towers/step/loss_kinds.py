@@ -17,13 +17,13 @@ refused by name before any update, unless the step gathers the batch.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Literal
 
 import keras
 import tensorflow as tf
 
 from towers._keras import layers_of
+from towers._keras.current import setting, this_tower
 from towers._keras.patches import (
     Patch,
     batch_norm_replacements,
@@ -42,8 +42,6 @@ Kind = Literal["mean", "sum", "whole_sum"]
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4
-
-_probing = threading.local()
 
 
 def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
@@ -142,7 +140,7 @@ def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:
 def gathered() -> None:
     """Marks the step being probed as one that gathers the batch's rows
     (``towers.gather``): its loss is the whole batch's on every tower."""
-    recorder = getattr(_probing, "recorder", None)
+    recorder = this_tower().recorder
     if recorder is not None:
         recorder.gathers = True
 
@@ -274,8 +272,7 @@ class _Recorder:
 
     def run(self, *parts: tuple) -> tuple[list[list[tf.Tensor]], list[dict]]:
         out, logs, steady = [], [], _Steady(self.model)
-        _probing.recorder = self
-        try:
+        with setting(recorder=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
                 drawing = draws.drawing(None, [self.model], 2)
                 with drawing, places.steady(), steady.patched():
@@ -294,8 +291,6 @@ class _Recorder:
                             returned = getattr(self.model, self.hook)(data)
                         out.append(self._losses)
                         logs.append(self._numbers(returned))
-        finally:
-            _probing.recorder = None
         keys = set.intersection(*(set(numbers) for numbers in logs))
         return out, [
             {k: v for k, v in numbers.items() if k in keys} for numbers in logs

@@ -14,16 +14,15 @@ TensorFlow's collective runtime.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import tensorflow as tf
 
+from towers._keras.current import setting, this_tower
 from towers.combine import in_dtype
 
 T = TypeVar("T")
-_context = threading.local()
 
 
 class Unserved(Exception):
@@ -127,19 +126,15 @@ def current() -> Any:
     """Where this thread's tower meets the others: a :class:`Seat` in
     lockstep, a recording of its sums while traced to be cut
     (``towers/step/cut.py``), else :data:`ALONE`."""
-    return getattr(_context, "meeting", None) or ALONE
+    return this_tower().seat or ALONE
 
 
 @contextlib.contextmanager
 def seated(meeting: Any) -> Iterator[None]:
     """Within, :func:`current` is ``meeting`` on this thread (None: outside
     any, as while the first tower runs what it acts on for all)."""
-    before = getattr(_context, "meeting", None)
-    _context.meeting = meeting
-    try:
+    with setting(seat=meeting):
         yield
-    finally:
-        _context.meeting = before
 
 
 def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:

@@ -15,17 +15,15 @@ import contextlib
 import dataclasses
 import inspect
 import random
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
 
+from towers._keras.current import setting, this_tower
 from towers._keras.patches import python_random_from
 from towers.split import examples_of
-
-_here = threading.local()  # the tower's: its rows, its Python random
 
 
 @dataclasses.dataclass
@@ -60,21 +58,17 @@ def rows(
     ``batch``: the rows of the batch the step is written for, if not
     ``total`` (the probe's parts of the first batch): a draw over them is
     the shard's rows of one device's draw."""
-    before = getattr(_here, "rows", None)
+    tower = this_tower()
     batch = total if batch is None else batch
     size = tf.compat.dimension_value(size)
-    _here.rows = (size, first, total, tuple(others), batch)
-    starts = before is None and _step.python is not None  # a tower's trace
-    if starts:
-        _here.python = random.Random()
-        _here.python.setstate(_step.python)
-    try:
+    python = tower.python
+    if tower.rows is None and _step.python is not None:  # a tower's trace
+        python = random.Random()
+        python.setstate(_step.python)
+    with setting(rows=(size, first, total, tuple(others), batch), python=python):
         yield
-    finally:
-        _here.rows = before
-        if starts:
-            _step.python_end = _step.python_end or _here.python.getstate()
-            _here.python = None
+    if python is not tower.python:
+        _step.python_end = _step.python_end or python.getstate()
 
 
 def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any:
@@ -104,7 +98,7 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     ...     place(16, "normal", shaped=False), place(16, "normal")
     ((4, 8, 16, 1), (4, 8, 16, 4))
     """
-    size, first, total, others, batch = _here.rows
+    size, first, total, others, batch = this_tower().rows
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
     if whole and not steadied():
         return None
@@ -280,7 +274,7 @@ def placing(
     step.unplaced = workers is not None and not draw
     step.python = random.getstate()
     try:
-        with python_random_from(lambda: getattr(_here, "python", None)):
+        with python_random_from(lambda: this_tower().python):
             yield
         if step.python_end is not None:
             random.setstate(step.python_end)
@@ -296,7 +290,7 @@ def batch_rows() -> Any:
 
 def in_tower() -> bool:
     """Whether this thread is a tower's, its rows set (:func:`rows`)."""
-    return getattr(_here, "rows", None) is not None
+    return this_tower().rows is not None
 
 
 def steadied() -> bool:
