@@ -198,10 +198,10 @@ class Assignments:
             before = tf.convert_to_tensor(variable)
             shares = [share for *_, share in handed]
             change, weight = aggregate(rule, before, values, shares)
-            change = self._over_workers(change, by_examples=rule == "mean")
+            change = over_workers(self.across, change, rule == "mean")
             if rule == "mean":
                 weight = in_dtype(weight, before.dtype)
-                change = change / self._over_workers(weight, by_examples=True)
+                change = change / over_workers(self.across, weight)
             return before + change
         raise ValueError(
             f"the model's own step assigns the variable {variable.path!r} a value "
@@ -211,9 +211,6 @@ class Assignments:
             "with aggregation='sum' (the towers' changes add up) or 'mean' "
             "(weighted by their shares). Nothing was updated."
         )
-
-    def _over_workers(self, value: tf.Tensor, by_examples: bool) -> tf.Tensor:
-        return over_workers(self.across, value, by_examples)
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
         here = current()

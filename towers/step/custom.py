@@ -202,11 +202,8 @@ class CustomStep:
         if before is not None:  # every worker's changes, summed
             with tf.device(self.placement.variable_device):
                 deltas = before.deltas()
-                before.set([self._over_workers(d, False) for d in deltas])
+                before.set([over_workers(self._across, d, False) for d in deltas])
         return self._read_logs(logs, shards, self._logs_found.get(hook, {}))
-
-    def _over_workers(self, value: Any, by_examples: bool = True) -> tf.Tensor:
-        return over_workers(self._across, value, by_examples)
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
         """``model.<hook>(data)`` on every working tower's shard, run by the
@@ -320,7 +317,7 @@ class CustomStep:
                 part = tf.convert_to_tensor(self.applies.as_mean(part))
                 parts.append(part * in_dtype(share, part.dtype))
             total = tf.add_n(parts)
-            return total if self.workers is None else self._over_workers(total)
+            return over_workers(self._across, total)
 
         return {key: read(key, [log[key] for log in logs]) for key in logs[-1]}
 

@@ -151,12 +151,12 @@ def gathered_rows(seat: Any, parts: tuple) -> Rows:
     local = [concat_rows([h[i] for h in handed]) for i in range(len(parts))]
     whole, offset, scale = local, 0, 1.0
     if seat.worker is not None:
-        whole, offset, scale = _over_workers(seat, local)
+        whole, offset, scale = _cluster_rows(seat, local)
     rows = [batch_size_of(h[0]) for h in handed[: seat.rank]]
     return Rows(whole, offset + sum(rows), scale, handed[0])
 
 
-def _over_workers(seat: Any, local: list[Any]) -> tuple:
+def _cluster_rows(seat: Any, local: list[Any]) -> tuple:
     """The cluster's batch from every worker's ``local`` one (in worker
     order: each worker's rows put at its offset in zeros, the workers' summed),
     this worker's offset, and B / B_w (0 for a worker without examples)."""
