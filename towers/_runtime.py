@@ -1,6 +1,6 @@
 """The non-public parts of TensorFlow towers uses, in one place.
 
-Seven jobs have no public call: starting the collective runtime in this process
+Eight jobs have no public call: starting the collective runtime in this process
 (``start``), aborting its pending collectives when a peer is lost
 (``abort_collectives``, as MultiWorkerMirroredStrategy's health check does),
 reading the graphs TensorFlow actually placed on devices (``placed_graphs``,
@@ -17,6 +17,9 @@ into a graph of its own that never runs (``pass_graph``, for the cut). And one
 attribute of a function the runtime reads with no public name: ``_noinline``
 (``NO_INLINE``), which keeps a tower's traced pass a call of its own instead
 of inlining it into the step's graph (``Towers(tower_functions="call")``).
+And a loop's carried value whose structure its body's trace decides
+(``lazy_optional``, ``fix_spec``: the ``steps_per_execution`` loop of any
+step, towers' or a model's own, ``towers/training/executions.py``).
 
 Starting TensorFlow's collective runtime:
 
@@ -240,3 +243,17 @@ def pass_graph(name: str, xla: bool) -> Iterator[tf.Graph]:
         finally:
             if context is not None:
                 context.Exit()
+
+
+def lazy_optional() -> tf.experimental.Optional:
+    """An empty ``tf.experimental.Optional`` to carry through a
+    ``tf.while_loop`` what its body returns, whose structure is known only
+    once the body is traced; :func:`fix_spec` gives it that structure then
+    (``_element_spec``, as Keras' own loop of ``steps_per_execution`` steps
+    does: ``keras/src/backend/tensorflow/trainer.py``)."""
+    return tf.experimental.Optional.empty(None)
+
+
+def fix_spec(empty: tf.experimental.Optional, like: tf.experimental.Optional) -> None:
+    """Gives ``empty`` (:func:`lazy_optional`) the element spec of ``like``."""
+    empty._element_spec = like.element_spec

@@ -227,3 +227,36 @@ def test_the_optimizer_is_built_on_every_variable_given_as_keras_builds_it():
     mine, theirs = engine.model.optimizer.variables, reference.optimizer.variables
     assert [v.shape for v in mine] == [v.shape for v in theirs]
     assert len(mine) == 2 + 2 * 4  # iterations, learning rate; m and v of 4
+
+
+def executing(k):
+    """The guide's model compiled to run ``k`` steps an execution."""
+    model = guide_model()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+        steps_per_execution=k,
+    )  # fmt: skip
+    return model
+
+
+@pytest.mark.parametrize("num_towers", [1, 3])
+def test_steps_per_execution_runs_an_own_step_in_the_graphs_loop(num_towers):
+    # Batches of 7, 7, 7, 3 by executions of 4: two calls of the loop each
+    # (three batches of 7, one of 3), as Keras' fit with the same
+    # steps_per_execution runs them.
+    x, y = regression(24)
+    engine = Towers(executing(4), devices=devices(num_towers))
+    calls = []
+    run = engine._compiled.run
+    engine._compiled.run = lambda kind, *a: calls.append(kind) or run(kind, *a)
+    reference = executing(4)
+    before = [v.numpy() for v in reference.variables]
+
+    history = engine.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **FIT)
+
+    assert calls == ["train_steps"] * 4
+    assert engine.trace_count == 2  # the loop, once per shape of batch
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-10)

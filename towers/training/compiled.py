@@ -52,7 +52,7 @@ class Compiled:
             self._retired = self.train_traces
             self._train = traced(self._steps("train").train)
             self._trainable = trainable
-            self._train_steps = traced(looped(self.step.train, self.step.results))
+            self._train_steps = traced(looped(self._steps("train").train))
             self._loops = any_count(self._train_steps)
         return self._train
 
@@ -115,13 +115,7 @@ class Compiled:
           FloatingPointError: with ``on_nonfinite="raise"``, a combined
             gradient was not finite; the steps after it did not run.
         """
-        one_by_one = own(self.step, "train") is not None  # the model's own
         for run in runs(batches):
-            if one_by_one:
-                for batch in run:
-                    out = self.run("train", call, *batch)
-                    self._finish(out)
-                continue
             if len(batches) == 1 or not stackable(run[0]):
                 out = self.run("train", call, *run[0])
             else:

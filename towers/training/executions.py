@@ -19,54 +19,43 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers import _runtime
 from towers.split import COMPOSITES
 from towers.step.batches import HOST
 
 
-def looped(train: Callable[..., dict], results: Callable[[], dict]) -> Callable:
+def looped(train: Callable[..., dict]) -> Callable:
     """A function of a stacked run of batches that calls ``train`` (the
-    step's ``Step.train``) on each, in a loop in the graph. It returns what
-    ``train`` returns for the last batch run, its ``"logs"`` being the
-    metrics' running values (``results()``) with that batch's loss.
+    step's ``Step.train``, or a model's own step's) on each, in a loop in the
+    graph. It returns what ``train`` returns for the last batch run (its
+    logs: the metrics' running values and that batch's, as Keras' loop
+    returns its last step's), with the workers' stop asked by any step.
     """
 
     def steps(x: Any, y: Any, sample_weight: Any) -> dict[str, Any]:
         stacked = (x, y, sample_weight)
         count = tf.shape(tf.nest.flatten(x)[0])[0]
-        checks = {"finite": None, "stop": None}
+        last = _runtime.lazy_optional()  # what train returns: known when traced
 
-        def one(i, loss, finite, stop):
+        def one(i, outputs, finite, stop):
             batch = tf.nest.map_structure(
                 lambda a: None if a is None else tf.gather(a, i), stacked
             )
             out = train(*batch)
-            checks["finite"] = "finite" in out
-            checks["stop"] = "stop" in out
-            finite = out.get("finite", finite)
+            outputs = tf.experimental.Optional.from_value(out)
+            _runtime.fix_spec(last, outputs)
+            finite = tf.reduce_all(out.get("finite", True))
             stop = tf.maximum(stop, tf.cast(out.get("stop", 0.0), tf.float32))
-            return i + 1, tf.cast(out["logs"]["loss"], tf.float32), finite, stop
+            return i + 1, outputs, finite, stop
 
-        def going(i, loss, finite, stop):
-            return tf.logical_and(i < count, tf.reduce_all(finite))
+        def going(i, outputs, finite, stop):
+            return tf.logical_and(i < count, finite)
 
-        start = (tf.constant(0), tf.constant(0.0), tf.ones([0], tf.bool), 0.0)
-        _, loss, finite, stop = tf.while_loop(
-            going,
-            one,
-            start,
-            shape_invariants=(
-                tf.TensorShape([]),
-                tf.TensorShape([]),
-                tf.TensorShape([None]),
-                tf.TensorShape([]),
-            ),
-        )
-        out = {"logs": {**results(), "loss": loss}}
-        if checks["finite"]:
-            out["finite"] = finite
-        if checks["stop"]:
-            out["stop"] = stop
-        return out
+        start = (tf.constant(0), last, tf.constant(True), tf.constant(0.0))
+        _, outputs, _, stop = tf.while_loop(going, one, start)
+        _runtime.fix_spec(outputs, last)
+        out = outputs.get_value()
+        return {**out, "stop": stop} if "stop" in out else out
 
     return steps
 
