@@ -35,7 +35,9 @@ class OneDevice:
     compile (``jit``: XLA draws other random numbers than TensorFlow's
     kernels), or where an optimizer is not built yet (``unbuilt``: a custom
     step builds it at its first apply, as towers' step would; the trace
-    makes its slots, so they are among what is put back).
+    makes its slots, so they are among what is put back), or where it runs
+    on several batches (an execution of ``steps_per_execution`` steps: one
+    trace, called on each, as Keras' loop calls its step).
 
     Attributes:
       draws: the stateful TensorFlow random ops a traced step holds (a second
@@ -55,18 +57,21 @@ class OneDevice:
         self._data = [keras.utils.pack_x_y_sample_weight(*b) for b in batches]
         self._graph, self._depth, self._device = None, 0, device
 
-        def steps(data: list) -> tuple:
+        def step(data: Any) -> tuple:
             self._applied, self._graph = {}, tf.compat.v1.get_default_graph()
             with routed_applies(self._record):
-                logs = [model.train_step(d) for d in data][-1]
+                logs = model.train_step(data)
             return logs, self._applied
 
-        self._function, self.draws, self.traced = steps, [], jit or unbuilt
+        self.traced = jit or unbuilt or len(self._data) > 1
+        self._function, self.draws = step, []
         if self.traced:
             with tf.device(device):
-                self._function = tf.function(steps, autograph=False, jit_compile=jit)
-                graph = self._function.get_concrete_function(self._data).graph
-            self.draws = sorted(_stateful_draws(graph))
+                self._function = tf.function(step, autograph=False, jit_compile=jit)
+                graphs = [
+                    self._function.get_concrete_function(d).graph for d in self._data
+                ]
+            self.draws = sorted(set().union(*map(_stateful_draws, graphs)))
 
     def _record(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
         """Keeps each variable's ``|gradient|`` at the outermost apply (a loss
@@ -93,9 +98,14 @@ class OneDevice:
     def run(self) -> tuple[Any, dict[int, np.ndarray]]:
         """Runs the steps; returns their last logs and ``|gradient|`` by
         ``id(variable)`` (the largest of its applies')."""
+        largest: dict[int, np.ndarray] = {}
         with tf.device(self._device):
-            logs, grads = self._function(self._data)
-        return logs, {k: np.asarray(g, np.float64) for k, g in grads.items()}
+            for data in self._data:
+                logs, grads = self._function(data)
+                for key, grad in grads.items():
+                    grad = np.asarray(grad, np.float64)
+                    largest[key] = np.maximum(largest.get(key, grad), grad)
+        return logs, largest
 
 
 def _in(tensor: Any, graph: Any) -> bool:
