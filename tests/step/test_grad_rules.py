@@ -3,11 +3,14 @@ of rows apart from the batch (keras.io's position embeddings) is combined
 as one device's gradient, so Adam, which squares each slice, takes the same
 step (issue 64, item 3)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.step.test_custom_steps import GuideStep
 from tests.test_equivalence import devices
 from tests.training.test_keras_fit_cases import assert_same_fit, twins
 from towers import Towers
@@ -42,6 +45,30 @@ def test_position_embeddings_train_with_adam_as_keras_fit(num_towers):
     )
     engine = Towers(mine, devices=devices(num_towers), check_first_step=False)
     assert_same_fit(engine, model, x, y, batch_size=10)
+
+
+class OwnStep(TokensAndPositions):
+    """The same model with the guide's own train_step: its apply combines
+    the towers' gradients by the same rules."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        self.metrics[0].update_state(loss)
+        return {"loss": self.metrics[0].result()}
+
+
+def test_position_embeddings_in_an_own_train_step_train_with_adam_as_keras_fit():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (30, 6)).astype("int32")
+    y = rng.random((30, 1)).astype("float32")
+    mine, model = twins(
+        OwnStep, lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss="mse"), x[:2]
+    )
+    assert_same_fit(Towers(mine, devices=devices(3)), model, x, y, batch_size=10)
 
 
 def test_the_towers_slices_of_rows_apart_from_the_batch_are_summed_in_one():
@@ -86,10 +113,10 @@ def test_indices_read_the_batch_through_a_called_function():
     assert found == [False, True]
 
 
-def float8_model():
+def float8_model(kind=keras.Model):
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model = kind(inputs, keras.layers.Dense(1)(hidden))
     model.quantize("float8")
     return model
 
@@ -114,6 +141,22 @@ def test_float8_scales_and_histories_take_one_devices_values():
         np.testing.assert_allclose(
             got.numpy(), want.numpy(), rtol=rtol, err_msg=want.path
         )
+
+
+def test_float8_in_an_own_train_step_is_refused_by_name_before_any_update():
+    # The tape's gradients in a model's own step are a mean's over each
+    # tower's rows (step/loss_kinds.py), so the output gradients' amax
+    # histories hold a shard's magnitudes, not one device's: the first-step
+    # check names them, and nothing moves.
+    x, y = regression_data()
+    build = functools.partial(float8_model, GuideStep)
+    with pytest.warns(UserWarning, match="quantize"):  # Keras: InputLayer
+        mine, _ = twins(build, lambda: dict(optimizer="sgd", loss="mse"))
+    before = [v.numpy() for v in mine.variables]
+    with pytest.raises(ValueError, match="outputs_grad_amax_history"):
+        Towers(mine, devices=devices(3)).fit(x, y, batch_size=10, verbose=0)
+    for variable, value in zip(mine.variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value, variable.path)
 
 
 def regression_data(count=30, seed=0):

@@ -22,9 +22,10 @@ import keras
 import tensorflow as tf
 
 from towers._keras import optimizer_variables
-from towers.combine import combine_gradients
+from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import Update
 from towers.step import loss_kinds
+from towers.step.grad_rules import as_one_devices
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current, seated
 
@@ -173,9 +174,10 @@ class Applies:
             # Out of tower 0's scope ("x/" names a scope from the top).
             with tf.device(self.placement.variable_device):
                 with tf.name_scope("combine/"):
+                    listed = variables or optimizer_variables(optimizer)
+                    weighted = [_weighted(g, listed, w) for _, _, g, w in handed]
                     combined = combine_gradients(
-                        [grads for _, _, grads, *_ in handed],
-                        weights=[share for *_, share in handed],
+                        as_one_devices(weighted, listed, self.batch),
                         reduction="sum",
                         reducer=self.placement.reducer,
                     )
@@ -278,3 +280,18 @@ def check_same(handed: list[tuple], copies: bool = False) -> None:
                 f"{other} {theirs.name} to {len(their_variables)}. A step must "
                 "make the same applies on every shard; nothing was updated."
             )
+
+
+def _weighted(grads: list, variables: list, share: Any) -> list:
+    """A tower's gradients times its share of the batch, as the built-in
+    step's are; a value in place of a gradient as it is (``grad_rules.py``)."""
+
+    def scaled(grad: Any, variable: Any) -> Any:
+        if grad is None or getattr(variable, "overwrite_with_gradient", False):
+            return grad
+        if isinstance(grad, tf.IndexedSlices):
+            values = grad.values * in_dtype(share, grad.values.dtype)
+            return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+        return grad * in_dtype(share, grad.dtype)
+
+    return [scaled(g, v) for g, v in zip(grads, variables)]
