@@ -109,6 +109,56 @@ def test_balanced_combine_and_update_run_on_each_variables_device():
     assert sorted(op.device[-5:] for op in subs) == variable_devices
 
 
+class OwnStep(keras.Sequential):
+    """An MLP with its own train_step: a tape, compute_loss, one apply."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def own_step_mlp():
+    keras.utils.set_random_seed(0)
+    model = OwnStep(build_mlp().layers)
+    model.compile(loss="mse", optimizer=OPTIMIZERS["adam"]())
+    return model
+
+
+def test_balanced_places_a_models_own_step_on_each_variables_device():
+    # Its apply's sums and updates run where each variable lives, as the
+    # built-in step's do, and it trains as Keras' fit on one device.
+    engine = Towers(own_step_mlp, devices=devices(3), placement="balanced")
+    reference = own_step_mlp()
+    reference.set_weights(engine.model.get_weights())
+    x, y = regression_batch(np.random.default_rng(0), 9)
+    fit = dict(batch_size=9, epochs=2, verbose=0, shuffle=False)
+    engine.fit(x, y, **fit)
+    reference.fit(x, y, **fit)
+    for got, want, var in zip(
+        engine.model.get_weights(), reference.get_weights(), reference.weights
+    ):
+        np.testing.assert_allclose(
+            got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL, err_msg=var.path
+        )
+    x, y, sample_weight = engine.prepare(x, y)
+    train = tf.function(engine.step.custom.train, autograph=False)
+    graph = train.get_concrete_function(x, y, sample_weight).graph
+    ops = graph.get_operations()
+    sums = [op for op in ops if op.type == "AddN" and op.name.startswith("combine/")]
+    updates = [op for op in ops if op.name.startswith("apply/")]
+    updates = [op for op in updates if op.type == "AssignSubVariableOp"]
+    variable_devices = sorted(v.handle.device[-5:] for v in engine.model.variables
+                              if v.trainable)  # fmt: skip
+    assert len(set(variable_devices)) == 3
+    assert sorted(op.device[-5:] for op in sums) == variable_devices
+    # Adam's variable update is one AssignSub each, beside its slots' own.
+    assert set(op.device[-5:] for op in updates) == set(variable_devices)
+
+
 @pytest.mark.parametrize("placement", ["balanced", "replicated"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_placement_equals_one_device_on_the_whole_batch(placement, optimizer):

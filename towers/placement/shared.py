@@ -51,10 +51,13 @@ class SharedVariables(Placement):
         # Every tower runs the one model.
         return None
 
-    def combine(self, tower_grads: list[list[Any]]) -> list[Any]:
-        """One sum per variable, each on its variable's device."""
+    def combine(self, tower_grads: list[list[Any]], variables: Any = None) -> list[Any]:
+        """One sum per variable, each on its variable's device (``variables``:
+        those the gradients are for, the model's trainable ones unless given:
+        a model's own step's apply)."""
         combined: list[Any] = [None] * len(tower_grads[0])
-        for device, indices in self.groups():
+        variables = self.trainable if variables is None else variables
+        for device, indices in self.groups(variables):
             with tf.device(device), tf.name_scope("combine"):
                 part = combine_gradients(
                     [[grads[v] for v in indices] for grads in tower_grads],
@@ -77,9 +80,9 @@ class SharedVariables(Placement):
             with self.placing_updates(update.optimizer):
                 return update.apply(grads, tower_variables[0], also, weight)
 
-    def groups(self) -> list[tuple[str, list[int]]]:
-        """(device, indices of the trainable variables combined there)."""
-        return [(self.variable_device, list(range(len(self.trainable))))]
+    def groups(self, variables: list) -> list[tuple[str, list[int]]]:
+        """(device, indices of ``variables`` combined there)."""
+        return [(self.variable_device, list(range(len(variables))))]
 
     def placing_updates(self, optimizer: keras.optimizers.Optimizer):
         """Where the optimizer's per-variable updates run: by the apply's scope."""
@@ -176,9 +179,9 @@ class Balanced(SharedVariables):
         with tf.device(self.variable_device):
             self.models = [build_balanced(self.builder, self.devices, sample)]
 
-    def groups(self) -> list[tuple[str, list[int]]]:
+    def groups(self, variables: list) -> list[tuple[str, list[int]]]:
         groups: dict[str, list[int]] = {}
-        for v, var in enumerate(self.trainable):
+        for v, var in enumerate(variables):
             groups.setdefault(var.handle.device, []).append(v)
         return list(groups.items())
 

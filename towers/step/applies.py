@@ -171,16 +171,15 @@ class Applies:
         with seated(None):  # the optimizer's own apply may call apply again
             if copies:  # each tower applies to its own copy
                 return self._apply_each(here, handed, apply)
-            # Out of tower 0's scope ("x/" names a scope from the top).
-            with tf.device(self.placement.variable_device):
-                with tf.name_scope("combine/"):
-                    listed = variables or optimizer_variables(optimizer)
+            # Out of tower 0's scope ("x/" names a scope from the top), each
+            # variable's sum where the placement combines it.
+            listed = variables or optimizer_variables(optimizer)
+            with tf.name_scope("combine/"):
+                with tf.device(self.placement.variable_device):
                     weighted = [_weighted(g, listed, w) for _, _, g, w in handed]
-                    combined = combine_gradients(
-                        as_one_devices(weighted, listed, self.batch),
-                        reduction="sum",
-                        reducer=self.placement.reducer,
-                    )
+                    one_devices = as_one_devices(weighted, listed, self.batch)
+                combined = self.placement.combine(one_devices, listed)
+            with tf.device(self.placement.variable_device):
                 if self.across is not None:
                     with tf.name_scope("across_workers/"):
                         combined = [
@@ -200,7 +199,8 @@ class Applies:
         if not optimizer.built:  # on every variable given, as its apply would
             optimizer.build(variables)
         update = self._update_of(optimizer, variables)
-        flags = update.apply(grads, variables, lambda: None, self.examples)
+        with self.placement.placing_updates(optimizer):  # "balanced": where each lives
+            flags = update.apply(grads, variables, lambda: None, self.examples)
         if flags is not None:
             self.checked.append((flags, list(update.applied)))
         return None
