@@ -209,38 +209,35 @@ class Workers:
         the loss). ``extras`` (metric changes) are summed as they are.
         IndexedSlices are sent dense. One collective per bucket carries it all.
         """
-        count = tf.cast(examples, tf.float32)
+        scalars = [tf.reshape(tf.cast(v, tf.float32), [1]) for v in (loss, *means)]
+        count = tf.reshape(tf.cast(examples, tf.float32), [1])
+        rest = [count, tf.reshape(self._stop.read_value(), [1]), *extras]
+        summed, sent = self.weighted_sum([*grads, *scalars], weight, kind, rest)
+        n = len(grads)
+        loss, *means = [value[0] for value in summed[n:]]
+        total, stop = tf.cast(sent[0][0], tf.int32), sent[1][0]
+        return Summed(summed[:n], loss, total, sent[2:], stop, means)
+
+    def weighted_sum(
+        self, tensors: Sequence[Any], weight: Any, kind: str = "train",
+        extras: Sequence[tf.Tensor] = (), first: int = 0,
+    ) -> tuple[list, list]:  # fmt: skip
+        """Every worker's ``tensors`` summed: each worker's times its
+        ``weight`` (its examples) and the sum divided by the weights' (the
+        cluster's mean, weighted by examples; a worker of weight 0 adds 0
+        whatever its values), or as they are (``weight`` None: a sum's);
+        ``extras`` summed as they are. One collective per bucket, its instance
+        keys from ``first``; IndexedSlices sent dense (every worker sends the
+        same shapes). Returns the sums (None where a tensor is) and the extras'."""
         scale = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
-        # IndexedSlices go dense: every worker must send the same shapes.
-        send = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        send = [g * tf.cast(scale, g.dtype) for g in send]
+        send = [tf.convert_to_tensor(t) for t in tensors if t is not None]
+        send = [tf.math.multiply_no_nan(t, tf.cast(scale, t.dtype)) for t in send]
         n = len(send)
-        summed = self.sum(
-            [
-                *send,
-                tf.reshape(tf.cast(loss, tf.float32) * scale, [1]),
-                tf.reshape(count, [1]),
-                tf.reshape(scale, [1]),
-                tf.reshape(self._stop.read_value(), [1]),
-                *[tf.reshape(tf.cast(m, tf.float32) * scale, [1]) for m in means],
-                *extras,
-            ],
-            kind,
-        )
-        loss_sum, total, norm = summed[n][0], summed[n + 1][0], summed[n + 2][0]
-        stop = summed[n + 3][0]
-        norm = tf.constant(1.0) if weight is None else norm
-        out = iter(g / tf.cast(norm, g.dtype) for g in summed[:n])
-        combined = [None if g is None else next(out) for g in grads]
-        first = n + 4 + len(means)
-        return Summed(
-            combined,
-            loss_sum / norm,
-            tf.cast(total, tf.int32),
-            summed[first:],
-            stop,
-            [m[0] / norm for m in summed[n + 4 : first]],
-        )
+        packed = [*send, tf.reshape(scale, [1]), *extras]
+        summed = self._groups[kind].all_reduce([packed], first)[0]
+        norm = tf.constant(1.0) if weight is None else summed[n][0]
+        out = iter(t / tf.cast(norm, t.dtype) for t in summed[:n])
+        return [None if t is None else next(out) for t in tensors], summed[n + 1 :]
 
     def check_same(self, description: Sequence[tuple[str, str, str]]) -> None:
         """Raises on every worker if the workers' models differ.

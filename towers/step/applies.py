@@ -4,7 +4,8 @@ Every ``optimizer.apply`` (or ``apply_gradients``) a tower's step makes, and
 every ``tape.gradient``, is routed here. A gradient is handed back as the
 gradient of a mean over the tower's rows (``loss_kinds.py``); at an apply
 each tower hands in its gradients and its share ``n_t / B``, and the first
-combines them (``combine_gradients``), sums them over the workers, and applies
+combines them (``combine_gradients``), takes the workers' mean of them weighted
+by examples in one packed sum (``Workers.weighted_sum``), and applies
 once on the variable device through the optimizer's ``placement/update.py``
 ``Update``, the built-in step's: ``on_nonfinite`` per apply (``"raise"``
 refuses a step that would be left half-applied) and ``accumulate_steps``
@@ -25,8 +26,7 @@ from towers._keras import optimizer_variables
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import Update
 from towers.step import loss_kinds
-from towers.step.grad_rules import as_one_devices
-from towers.step.lockstep import over_workers
+from towers.step.grad_rules import combined
 from towers.step.meetings import current, seated
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
@@ -57,7 +57,9 @@ class Applies:
         self.updates: dict[int, Update] = {}  # by optimizer, at its first apply
         self.saved = tf.Module(name="own_step_updates")
         self.saved.accumulators = []
-        self.examples: Any = None  # the step's (global) examples, while traced
+        # The step's (global) examples and this worker's, while traced.
+        self.examples: Any = None
+        self.mine: Any = None
         # The kinds of the step's losses, in call order (loss_kinds.probe).
         self.kinds: list[loss_kinds.Kind] | None = None
         self.whole_batch = False  # every loss the whole batch's (gathered)
@@ -177,17 +179,15 @@ class Applies:
             with tf.name_scope("combine/"):
                 with tf.device(self.placement.variable_device):
                     weighted = [_weighted(g, listed, w) for _, _, g, w in handed]
-                    one_devices = as_one_devices(weighted, listed, self.batch)
-                combined = self.placement.combine(one_devices, listed)
+                grads = combined(self.placement, weighted, self.batch, listed)
             with tf.device(self.placement.variable_device):
-                if self.across is not None:
+                if self.across is not None:  # the workers' mean, by examples
                     with tf.name_scope("across_workers/"):
-                        combined = [
-                            None if g is None else over_workers(self.across, g)
-                            for g in combined
-                        ]
+                        first = (len(self.names) - 1) * INSTANCES_PER_APPLY
+                        workers, mine = self.across.workers, self.mine
+                        grads, _ = workers.weighted_sum(grads, mine, first=first)
                 with tf.name_scope("apply/"):
-                    return self._apply(optimizer, combined, variables, apply)
+                    return self._apply(optimizer, grads, variables, apply)
 
     def _apply(self, optimizer: Any, grads: list, variables: Any, apply: Any) -> Any:
         """``grads`` applied by the optimizer's :class:`Update`: the engine's

@@ -113,3 +113,21 @@ def as_one_devices(
         for t in range(1, len(out)):
             out[t][v] = None
     return out
+
+
+def combined(
+    placement: Any, tower_grads: list[list[Any]], batch: Any, variables: Any = None
+) -> list[Any]:
+    """``tower_grads[t][v]`` (of ``variables``, the model's trainable ones
+    by default) combined by the placement, each kind above as one device's
+    first where the towers share a model: the one combine of the built-in
+    step and of each apply of a model's own."""
+    if len(placement.models) > 1:  # a copy per tower: each its own
+        return placement.combine(tower_grads) if tower_grads[0] else tower_grads
+    if not tower_grads[0]:  # a model without trainable variables
+        return []
+    if batch is not None:
+        listed = placement.model.trainable_variables if variables is None else variables
+        with tf.device(placement.variable_device), tf.name_scope("combine"):
+            tower_grads = as_one_devices(tower_grads, listed, batch)
+    return placement.combine(tower_grads, variables)
