@@ -204,9 +204,23 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         >>> eng.steps_done, eng.trace_count  # 3 steps, one trace of the loop
         (3, 1)
         """
+        return self.fit_steps(batches)["logs"]
+
+    def fit_steps(self, batches: list[tuple]) -> dict[str, Any]:
+        """:meth:`train_steps`, returning the last step's whole output: its
+        ``"logs"`` and ``"reported"``, what Keras' ``train_step`` returns
+        (and its callbacks see): the loss's running mean, or a model's own
+        step's logs.
+
+        >>> eng, x = make_engine(), np.zeros((4, 3), "f4")
+        >>> out = eng.fit_steps([(x, np.ones((4, 1), "f4"))] * 2)
+        >>> logs, reported = out["logs"]["loss"], out["reported"]["loss"]
+        >>> round(float(logs), 4), round(float(reported), 4)  # the 2nd's, the mean
+        (0.64, 0.82)
+        """
         prepared = [self._training_batch("train_step", *b) for b in batches]
         with named_misfits(self.model, prepared[0]):
-            return self._run_checked(prepared)["logs"]  # the first: check.py
+            return self._run_checked(prepared)  # the first: check.py
 
     def _run_steps(self, prepared: list[tuple]) -> dict:
         """Trains on ``prepared`` batches, unchecked (``Compiled.train_on``)."""

@@ -145,7 +145,7 @@ def test_balanced_places_a_models_own_step_on_each_variables_device():
             got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL, err_msg=var.path
         )
     x, y, sample_weight = engine.prepare(x, y)
-    train = tf.function(engine.step.custom.train, autograph=False)
+    train = tf.function(engine.step.train, autograph=False)
     graph = train.get_concrete_function(x, y, sample_weight).graph
     ops = graph.get_operations()
     sums = [op for op in ops if op.type == "AddN" and op.name.startswith("combine/")]

@@ -90,14 +90,15 @@ def main(directory, out, slow, shuffled, epochs, ids=False, seed=0):
         devices=towers.virtual_devices(3),
     )
     if ids:
-        train_step = engine.train_step
+        fit_steps = engine.fit_steps  # what fit trains each execution with
 
-        def announce_ids(x, y=None, sample_weight=None):
-            ids = np.rint(np.asarray(x)[:, 0] * EXAMPLES).astype(int)
-            print("ids " + ",".join(map(str, ids)), flush=True)
-            return train_step(x, y, sample_weight)
+        def announce_ids(batches):
+            for x, *_ in batches:
+                ids = np.rint(np.asarray(x)[:, 0] * EXAMPLES).astype(int)
+                print("ids " + ",".join(map(str, ids)), flush=True)
+            return fit_steps(batches)
 
-        engine.train_step = announce_ids
+        engine.fit_steps = announce_ids
     engine.fit(
         **data(shuffled),
         epochs=epochs,

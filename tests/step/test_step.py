@@ -36,7 +36,7 @@ def test_phases_composed_by_hand_give_the_steps_update():
     def walk():
         shards = step.split(x_t, y_t)
         towers = step.compute(shards)
-        loss = step.sum_losses(towers)
+        loss = step.sum_losses([r.loss for r in towers])
         grads = step.combine([r.grads for r in towers])
         variables = [r.variables for r in towers]
         weight = tf.cast(shards.size, tf.float32)  # a mean: the step's examples

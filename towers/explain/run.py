@@ -34,7 +34,6 @@ from towers.explain.graph import (
 )
 from towers.explain.report import draw, render
 from towers.split import split_sizes
-from towers.step.custom import own
 from towers.step.state import describe
 from towers.training.compiled import traced
 
@@ -141,8 +140,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
     """
     x, y, sample_weight = engine.prepare(x, y)
     engine.step.probe(x, y, sample_weight)
-    steps = own(engine.step, "train") or engine.step  # the model's own, if any
-    concrete = traced(steps.train).get_concrete_function(x, y, sample_weight)
+    concrete = traced(engine.step.train).get_concrete_function(x, y, sample_weight)
     saved = [(var, tf.identity(var.read_value())) for var in concrete.variables]
     try:
         with _runtime.placed_graphs() as functions:
@@ -176,15 +174,9 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         meetings=[
             f"{optimizer}.apply: every tower's gradients, weighted by its share "
             f"of the examples, summed and applied once on {engine.variable_device}"
-            for optimizer in _applies(own(engine.step, "train"))
+            for optimizer in engine.step.meetings
         ],
     )
-
-
-def _applies(custom: Any) -> list[str]:
-    """The optimizers a model's own train step met at, in order (none
-    without one)."""
-    return [] if custom is None else custom.applies.names
 
 
 def _owners(engine: Explainable) -> dict[int, tuple[str, str]]:

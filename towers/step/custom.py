@@ -71,20 +71,15 @@ def kinds_of(hooks: list[str]) -> frozenset[str]:
     return frozenset(kinds)
 
 
-def own(step: Any, kind: str) -> CustomStep | None:
-    """``step.custom`` when it runs the ``kind`` step, else None."""
-    custom = step.custom
-    return custom if custom is not None and kind in custom.kinds else None
-
-
 class CustomStep:
-    """The model's own steps on every tower, meeting at each apply.
+    """A model's own steps as the towers' work in :class:`Step` (its
+    ``train``, ``evaluate``, ``predict``), meeting at each apply.
 
     Args:
       placement: where the variables live (one model the towers share).
       runner: how the towers run (``towers/step/runner.py``): the step's.
-      update: the engine's update: its steps counter, once per step, and
-        its policies, per apply (``towers/step/applies.py``).
+      update: the engine's update: its policies, per apply
+        (``towers/step/applies.py``).
       kinds: the steps that are the model's own (``kinds_of``).
     """
 
@@ -101,7 +96,6 @@ class CustomStep:
     ):
         self.placement = placement
         self.runner = runner
-        self.update = update
         self.kinds = kinds
         self.metrics = metrics  # the engine's (towers/step/metrics.py)
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
@@ -155,39 +149,25 @@ class CustomStep:
                 traced = tf.function(step, autograph=False)
                 traced.get_concrete_function(keras.utils.pack_x_y_sample_weight(*batch))
 
-    def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-        """One training step: the model's ``train_step`` on every tower.
-        Returns ``{"logs": what the step returned, read as described}``."""
-        logs = self._each_tower("train_step", x, y, sample_weight)
-        self.update.count_step()
-        out = {"logs": logs}
-        checked = self.applies.finite()
-        if checked is not None:  # named by the engine under "raise"
-            out["finite"], self.update.applied = checked
-        if self.workers is not None:
-            out["stop"] = self._across(self.workers.stop_flag(), False)
-        return out
+    def stop(self) -> tf.Tensor:
+        """In a cluster, after a training step: the workers that asked to stop."""
+        return self._across(self.workers.stop_flag(), False)
 
-    def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> dict:
-        """The model's ``test_step`` on every tower; returns its logs."""
-        return self._each_tower("test_step", x, y, sample_weight)
-
-    def predict(self, x: Any) -> Any:
-        """The model's ``predict_step`` on every tower, its outputs (any nest)
-        concatenated in example order."""
-        shards = self.runner.split(x, None, None)
-        self._across = self.runner.across("predict")
-        outputs = self._run("predict_step", shards)
-        with tf.device(HOST):
-            return concat_rows(outputs)
-
-    def _each_tower(self, hook: str, x: Any, y: Any, sample_weight: Any) -> dict:
-        shards = self.runner.split(x, y, sample_weight)
+    def run(self, hook: str, shards: Shards, batch: tuple) -> Any:
+        """``model.<hook>`` (``"train_step"``, ``"test_step"``) as every
+        working tower's work on its shard of ``batch``, meeting at each
+        apply; returns the step's logs, read as :meth:`_read_logs` says;
+        ``"predict_step"``'s outputs (any nest) concatenated in example order."""
+        if hook == "predict_step":
+            self._across = self.runner.across("predict")
+            outputs = self._run(hook, shards)
+            with tf.device(HOST):
+                return concat_rows(outputs)
         kind = "train" if hook == "train_step" else "eval"
         self._across = self.runner.across(kind)
         copies = len(self.placement.models) > 1  # custom_copies.py
         levelled = level_metrics(self.placement.models) if copies else None
-        self._batch = tf.nest.flatten((x, y, sample_weight), expand_composites=True)
+        self._batch = tf.nest.flatten(batch, expand_composites=True)
         before, examples = None, tf.cast(shards.size, tf.float64)
         if self.workers is not None:
             with tf.device(self.placement.variable_device):
@@ -195,6 +175,7 @@ class CustomStep:
                 mine, examples = examples, self._across(examples, False)
                 # This worker's weight in the workers' sums: B_w / B.
                 self._across.weight = tf.math.divide_no_nan(mine, examples)
+            self.applies.mine = mine
         self.applies.examples = tf.cast(examples, tf.float32)
         logs = self._run(hook, shards)
         if copies:

@@ -20,24 +20,23 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras import built_symbolically, trainable_capable
-from towers.cluster.workers import Workers
+from towers.cluster.workers import Summed, Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of
-from towers.step.batches import HOST, check_sizes, check_targets, first_example, on_host
+from towers.step.batches import HOST
 from towers.step.batchnorm import MovingStatistics
-from towers.step.custom import overrides, own
 from towers.step.gathered import concat_rows
-from towers.step.grad_rules import as_one_devices
+from towers.step.grad_rules import combined
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
+from towers.step.prepare import Preparing
 from towers.step.runner import Runner
 from towers.step.state import assign, exchanged, rule_of, settle_apart_metrics
 from towers.step.tower import Tower, TowerResult
 
 
-class Step:
+class Step(Preparing):
     """One engine's train and evaluation steps, phase by phase.
 
     Args:
@@ -72,100 +71,110 @@ class Step:
         # What the towers' passes assign (state.py): variable path -> its rule.
         self.assigned: dict[str, str] = {}
 
+    def owns(self, kind: str) -> bool:
+        """Whether the towers' work in the ``kind`` step is the model's own
+        step (``custom.py``) in place of the built-in pass."""
+        return self.custom is not None and kind in self.custom.kinds
+
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
-        metric: value}}``, ``"finite"`` (per applied gradient) when the update
-        checks its gradients, in a cluster ``"stop"``: workers asking to stop."""
-        # In a cluster, the metrics as they were before any tower updated one.
-        before = None if self.workers is None else self.metrics.snapshot()
+        metric: value}}``, ``"reported"``: what Keras' ``train_step`` returns
+        (the loss's running mean; a model's own step's logs), ``"finite"``
+        (per applied gradient) when the update checks its gradients, in a
+        cluster ``"stop"``: workers asking to stop."""
         shards = self.split(x, y, sample_weight)
+        if self.owns("train"):  # the model's own step on every tower
+            logs = self.custom.run("train_step", shards, (x, y, sample_weight))
+            self.update.count_step()
+            out = {"logs": logs, "reported": logs}
+            checked = self.custom.applies.finite()
+            if checked is not None:  # named by the engine under "raise"
+                out["finite"], self.update.applied = checked
+            if self.workers is not None:
+                out["stop"] = self.custom.stop()
+            return out
+        before = self._before()
         towers = self.compute(shards)
-        settled = self._settle_state(towers, shards)
-        loss = self.sum_losses(towers)
+        loss = self.sum_losses([r.loss for r in towers])
         grads = self.combine([r.grads for r in towers], (x, y, sample_weight))
-        examples, weight = shards.size, self._weight(towers, shards)
-        outputs = self._output_losses([r.output_losses for r in towers])
-        self._update_metrics(x, y, sample_weight, towers)
-        changes = None
-        if self.workers is not None:
-            summed = self._across_workers(
-                before, grads, loss, weight, examples, outputs, settled, "train"
-            )
-            grads, loss, examples = summed.grads, summed.loss, summed.examples
-            outputs = dict(zip(outputs, summed.means))
-            weight = None if weight is None else tf.cast(examples, tf.float32)
-            changes = summed.state
+        weight = self._weight(towers, shards)
+        batch, outputs = (x, y, sample_weight), [r.output_losses for r in towers]
+        settled, summed = self._after_towers(
+            before, batch, shards, towers, loss, outputs, grads, weight, "train"
+        )
+        if self.workers is not None and weight is not None:
+            weight = tf.cast(summed.examples, tf.float32)
         # Every tower (and every check in it) has finished before any update.
-        with tf.control_dependencies([loss]):
+        with tf.control_dependencies([summed.loss]):
             variables = [r.variables for r in towers]
             moments = [r.moments for r in towers]
             # A trainable variable its forward pass assigned (a masked or
             # normalised kernel) takes the gradient after, as on one device.
-            assign(settled, changes, trainable=True)
-            rest = lambda: assign(settled, changes, trainable=False)  # noqa: E731
-            finite = self.apply(grads, variables, moments, weight, rest)
-        logs = {**self._track(loss, outputs, examples), "loss": loss}
-        out = {"logs": logs} if finite is None else {"logs": logs, "finite": finite}
+            assign(settled, summed.state, trainable=True)
+            rest = lambda: assign(settled, summed.state, trainable=False)  # noqa: E731
+            finite = self.apply(summed.grads, variables, moments, weight, rest)
+        reported = self._track(summed)
+        out = {"logs": {**reported, "loss": summed.loss}, "reported": reported}
+        if finite is not None:
+            out["finite"] = finite
         if self.workers is not None:
             out["stop"] = summed.stop  # workers that asked to stop after this step
         return out
 
     def evaluate(
-        self, x: Any, y: Any, sample_weight: Any = None
+        self, x: Any, y: Any = None, sample_weight: Any = None
     ) -> dict[str, tf.Tensor]:
-        """Updates the loss and metrics with one batch; returns their results."""
-        before = None if self.workers is None else self.metrics.snapshot()
+        """Updates the loss and metrics with one batch; returns their results
+        (a model's own ``test_step``: its logs)."""
         shards = self.split(x, y, sample_weight)
+        if self.owns("evaluate"):
+            return self.custom.run("test_step", shards, (x, y, sample_weight))
+        before = self._before()
         passes = self.runner.each(shards, self.tower.evaluate, "evaluate")
-        settled = self._settle_state(passes, shards)
         divisors = step_divisors([p.terms for p in passes])
-        towers = [p.loss(divisors) for p in passes]
-        with tf.device(self.device), tf.name_scope("combine"):
-            loss = tf.add_n(towers)
-        examples = shards.size
-        outputs = self._output_losses([p.output_losses(divisors) for p in passes])
-        self._update_metrics(x, y, sample_weight, passes)
-        changes = None
-        if self.workers is not None:
-            weight = self._weight(passes, shards)
-            summed = self._across_workers(
-                before, [], loss, weight, examples, outputs, settled, "eval"
-            )
-            loss, examples = summed.loss, summed.examples
-            outputs = dict(zip(outputs, summed.means))
-            changes = summed.state
-        assign(settled, changes)
-        return self._track(loss, outputs, examples)
+        loss = self.sum_losses([p.loss(divisors) for p in passes])
+        outputs = [p.output_losses(divisors) for p in passes]
+        weight = None if self.workers is None else self._weight(passes, shards)
+        batch = (x, y, sample_weight)
+        settled, summed = self._after_towers(
+            before, batch, shards, passes, loss, outputs, [], weight, "eval"
+        )
+        assign(settled, summed.state)
+        return self._track(summed)
 
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: the towers' shards', in tower order."""
         shards = self.split(x, None, None)
+        if self.owns("predict"):
+            return self.custom.run("predict_step", shards, (x,))
         passes = self.runner.each(shards, self.tower.predict, "predict")
         assign(self._settle_state(passes, shards, predict=True))
         with tf.device(HOST):
             return concat_rows([p.predictions for p in passes])
 
-    def start(self) -> None:
-        """Makes the parts ready once the model has its variables: the
-        optimizers' slots, the update's counters, the placement's device checks,
-        and in a cluster the chief's values on every worker."""
-        # Keras callbacks (LearningRateScheduler...) find it there, as on compile.
-        self.placement.model.optimizer = self.placement.optimizer
-        self.started = True
-        if own(self, "train") is None or len(self.placement.models) > 1:
-            # An own train_step's optimizers build at their first apply (Keras').
-            self.placement.build_slots()
-        self.update.build(trainable_capable(self.placement.model))
-        self.placement.check_devices()
-        if self.workers is not None:
-            self.workers.start_together(self.placement.model.variables)
+    def updates(self) -> list[Update]:
+        """Every update the step applies by: the engine's, and a model's own
+        step's (one per optimizer it applied with)."""
+        own = [] if self.custom is None else self.custom.applies.updates.values()
+        return [self.update, *own]
+
+    @property
+    def accumulate_steps(self) -> int:
+        """The steps an update accumulates before it applies."""
+        if self.owns("train"):
+            return self.custom.applies.accumulate_steps
+        return self.update.accumulate_steps
+
+    @property
+    def meetings(self) -> list[str]:
+        """The optimizers a model's own train step met at, in order."""
+        return [] if self.custom is None else self.custom.applies.names
 
     def flush(self) -> None:
         """Applies every partly filled ``accumulate_steps`` window, a model's
         own step's optimizers' too."""
-        self.update.flush()
-        if self.custom is not None:
-            self.custom.applies.flush()
+        for update in self.updates():
+            update.flush()
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint saves of the updates (``Update.state``), a model's
@@ -174,70 +183,6 @@ class Step:
         if self.custom is not None and self.custom.applies.accumulate_steps > 1:
             state["own_step_updates"] = self.custom.applies.saved
         return state
-
-    def probe(
-        self, x: Any, y: Any, sample_weight: Any = None, training: bool = True
-    ) -> None:
-        """Before the first training step (or evaluation, ``training`` False):
-        the model's loss terms that are not a mean over the examples gathered,
-        refused by name or warned of (``towers/step/coupled.py``); a no-op
-        after."""
-        coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
-        batch, own = (x, y, sample_weight), self.tower.own_loss
-        coupled.probe(model, batch, own, self.device, jit.strict, training)
-        if self.custom is not None:
-            self.custom.probe(batch, training)
-
-    def build_metrics(self, x, y=None, sample_weight=None, training=True) -> None:
-        """Before a first training (or evaluation) step: its targets checked
-        against the loss where towers' own step computes it (a model's own
-        step reads its data itself), the compiled metrics built from its
-        shapes (tensors or ``tf.TensorSpec``), as Keras' fit does."""
-        if own(self, "train" if training else "evaluate") is None:
-            check_targets(self.tower.loss, y)
-        elif y is None:  # built by the step as it calls them, as in Keras' fit
-            return
-        self.metrics.build(x, y, sample_weight)
-
-    def whole_batch_loss(self, x: Any, y: Any, sample_weight: Any = None) -> bool:
-        """After a loss gave one value for the batch while the step was traced
-        (``losses.OneValue``, nothing updated): the step takes Keras'
-        ``compute_loss`` of the whole batch instead, with the compiled loss,
-        gathered (its per-output trackers see the batch's; the probe runs
-        again on this batch). False if it did already: the error stands."""
-        if self.tower.own_loss:
-            return False
-        self.tower.own_loss = True
-        self.tower.coupled.probe_again()
-        self.tower.coupled.gather_compute_loss()
-        self.probe(x, y, sample_weight)
-        return True
-
-    def prepare(
-        self, x: Any, y: Any = None, sample_weight: Any = None, kind: str = ""
-    ) -> tuple:
-        """Checks a batch, puts it on the host as tensors (``batches.py``), and
-        builds a model that is not built from it (then :meth:`start`).
-
-        Raises:
-          ValueError: x, y and sample_weight disagree on B where towers' own
-            ``kind`` step reads them (a model's own reads its data itself), or
-            B == 0 outside a cluster (a worker's share may be empty).
-        """
-        apart = own(self, kind) is not None
-        check_sizes(x, y, sample_weight, self.workers is not None, apart)
-        x, y, sample_weight = on_host((x, y, sample_weight))
-        model = self.placement.model
-        unbuilt = not model.built or not (model.variables or built_symbolically(model))
-        if apart:  # by the model's own step as it first runs, as in Keras' fit
-            self.custom.build((x, y, sample_weight), kind)
-        elif unbuilt and overrides(model, "call"):
-            # Built from the first batch, as Keras' fit builds it, whatever
-            # variables it made already; one with no call() is never called.
-            self.placement.build_from(first_example(x))
-        if not self.started:
-            self.start()
-        return x, y, sample_weight
 
     # -- the phases ---------------------------------------------------------------
 
@@ -253,24 +198,15 @@ class Step:
             shards, self._divisors, lambda passes: self._weight(passes, shards)
         )
 
-    def sum_losses(self, towers: list[TowerResult]) -> tf.Tensor:
+    def sum_losses(self, losses: list[tf.Tensor]) -> tf.Tensor:
         """The step's loss: the towers' shares, summed on the variable device."""
         with tf.device(self.device), tf.name_scope("combine"):
-            return tf.add_n([r.loss for r in towers])
+            return tf.add_n(losses)
 
     def combine(self, tower_grads: list[list[Any]], batch: Any = None) -> list[Any]:
-        """``tower_grads[t][v]`` combined by the placement (none to combine
-        for a model without trainable variables); a shared model's slices of
-        rows apart from ``batch`` and its values in place of gradients as one
-        device's (``grad_rules.py``)."""
-        copies = len(self.placement.models) > 1
-        if not tower_grads[0]:
-            return [[] for _ in tower_grads] if copies else []
-        if batch is not None and not copies:
-            with tf.device(self.device), tf.name_scope("combine"):
-                variables = self.placement.model.trainable_variables
-                tower_grads = as_one_devices(tower_grads, variables, batch)
-        return self.placement.combine(tower_grads)
+        """``tower_grads[t][v]`` combined by the placement, as one device's
+        where adding them up is not (``grad_rules.combined``)."""
+        return combined(self.placement, tower_grads, batch)
 
     def apply(
         self,
@@ -352,40 +288,44 @@ class Step:
         with tf.device(self.device), tf.name_scope("metrics"):
             return {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
 
-    def results(self) -> dict[str, tf.Tensor]:
-        """Every metric's running value, as ``model.get_metrics_result()``."""
+    def _track(self, summed: Summed) -> dict[str, tf.Tensor]:
+        """Adds the step's loss and each output's to their trackers; returns
+        every metric's value, the loss tracker's included."""
         with tf.device(self.device), tf.name_scope("metrics"):
+            outputs = None if self.tower.own_loss else summed.outputs
+            self.metrics.track(summed.loss, summed.examples, outputs)
             return self.metrics.results()
 
-    def _track(self, loss, outputs, examples) -> dict[str, tf.Tensor]:
-        """Adds the loss and each output's to their trackers; returns every
-        metric's value, the loss tracker's included."""
-        with tf.device(self.device), tf.name_scope("metrics"):
-            self.metrics.track(loss, examples, None if self.tower.own_loss else outputs)
-            return self.metrics.results()
+    def _before(self) -> Any:
+        """In a cluster, the metrics as they are before any tower updates one."""
+        return None if self.workers is None else self.metrics.snapshot()
 
-    def _across_workers(
-        self, before, grads, loss, weight, examples, outputs, settled, kind
-    ):
-        """This worker's gradients, loss, output losses, metric changes since
-        ``before`` and the towers' assigned state (``settled``) summed with
-        every other worker's (the metrics then hold the cluster's); a
-        ``Summed`` with ``state``: the state's summed changes."""
-        with tf.device(self.device), tf.name_scope("across_workers"):
-            deltas, sent = before.deltas(), exchanged(settled)
-            summed = self.workers.step(
-                grads,
-                loss,
-                examples,
-                [*deltas, *sent],
-                weight,
-                kind,
-                means=list(outputs.values()),
-            )
-            cut = len(deltas)
-            before.set(summed.extras[:cut])
-            summed.state = summed.extras[cut:]
-        return summed
+    def _after_towers(
+        self, before, batch, shards, passes, loss, outputs, grads, weight, kind
+    ) -> tuple[list, Summed]:
+        """What the built-in train and evaluation steps do after their
+        towers: the state the towers assigned settled, each output's loss
+        summed (``outputs``), the metrics updated;
+        in a cluster all of it and ``grads`` every worker's, in one packed
+        sum (metrics changed since ``before``). Returns the settled state and
+        the step's sums (``Summed.outputs``: each output's loss)."""
+        settled = self._settle_state(passes, shards)
+        named = self._output_losses(outputs)
+        self._update_metrics(*batch, passes)
+        if self.workers is None:
+            summed = Summed(grads, loss, shards.size, [], None, list(named.values()))
+            summed.state = None
+        else:
+            with tf.device(self.device), tf.name_scope("across_workers"):
+                deltas, sent = before.deltas(), exchanged(settled)
+                summed = self.workers.step(
+                    grads, loss, shards.size, [*deltas, *sent], weight, kind,
+                    means=list(named.values()),
+                )  # fmt: skip
+                before.set(summed.extras[: len(deltas)])
+                summed.state = summed.extras[len(deltas) :]
+        summed.outputs = dict(zip(named, summed.means))
+        return settled, summed
 
     def _settle_state(self, passes: list, shards: Shards, predict=False) -> list:
         """The towers' assigned state, settled (``towers/step/state.py``); each

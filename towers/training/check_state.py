@@ -108,9 +108,7 @@ def engine_state(engine: Any) -> list[Any]:
 
 
 def _updates(step: Any) -> list[Any]:
-    updates = [step.update]
-    if step.custom is not None:
-        updates.extend(step.custom.applies.updates.values())
+    updates = step.updates()
     accumulators = [getattr(u, "accumulator", None) for u in updates]
     return [*updates, *[a for a in accumulators if a is not None]]
 
@@ -144,9 +142,7 @@ def not_compared(engine: Any) -> str | None:
     step, options = engine.step, []
     if engine.cluster is not None:
         return "in a cluster, the other workers' shards are not in this process"
-    if step.update.accumulate_steps > 1 or (
-        step.custom is not None and step.custom.applies.accumulate_steps > 1
-    ):
+    if step.accumulate_steps > 1:
         return "accumulate_steps > 1: the first step applies nothing yet"
     if len(engine.devices) == 1:
         return None  # one tower: every other option is one device's

@@ -16,7 +16,6 @@ from typing import Any
 import tensorflow as tf
 
 from towers.step import xla
-from towers.step.custom import own
 from towers.step.losses import OneValue
 from towers.step.step import Step
 from towers.training.executions import any_count, looped, runs, stack, stackable
@@ -38,8 +37,8 @@ class Compiled:
 
     def __init__(self, step: Step):
         self.step = step
-        self.evaluate = traced(self._steps("evaluate").evaluate)
-        self.predict = traced(self._steps("predict").predict)
+        self.evaluate = traced(self.step.evaluate)
+        self.predict = traced(self.step.predict)
         self._train, self._trainable, self._retired = None, None, 0
         self._train_steps = None
 
@@ -50,9 +49,9 @@ class Compiled:
         if trainable != self._trainable:
             self.step.placement.follow_trainable()
             self._retired = self.train_traces
-            self._train = traced(self._steps("train").train)
+            self._train = traced(self.step.train)
             self._trainable = trainable
-            self._train_steps = traced(looped(self._steps("train").train))
+            self._train_steps = traced(looped(self.step.train))
             self._loops = any_count(self._train_steps)
         return self._train
 
@@ -101,8 +100,8 @@ class Compiled:
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)
         self._retired = self.train_traces
         self._train, self._trainable, self._train_steps = None, None, None
-        self.evaluate = traced(self._steps("evaluate").evaluate)
-        self.predict = traced(self._steps("predict").predict)
+        self.evaluate = traced(self.step.evaluate)
+        self.predict = traced(self.step.predict)
         return call(self._function(kind), *batch)
 
     def train_on(self, batches: list[tuple], call: Callable[..., Any]) -> dict:
@@ -131,11 +130,6 @@ class Compiled:
             self.step.update.raise_if_nonfinite(out["finite"], out["logs"]["loss"])
         if "stop" in out:
             self.step.workers.last_stop = out["stop"]
-
-    def _steps(self, kind: str) -> Any:
-        """What runs the ``kind`` step: the model's own (``custom.py``), or
-        towers'."""
-        return own(self.step, kind) or self.step
 
     def _function(self, kind: str) -> Callable[..., Any]:
         if kind in ("train", "train_steps"):

@@ -11,7 +11,6 @@ from typing import Any
 import keras
 
 from towers._keras import global_seed_kept, loss_tracker, pythonify_logs
-from towers.step.custom_copies import build_copies
 from towers.training.compiling import require_compiled
 from towers.training.fits import named_misfits
 
@@ -89,8 +88,6 @@ class ModelMetrics:
         """
         with global_seed_kept():  # symbolic calls one device's fit does not make
             self.step.build_metrics(x, y, sample_weight, training)
-            if self.step.custom is not None:  # a copy per tower: each copy's too
-                build_copies(self.placement, x, y, sample_weight)
 
     def _training_batch(self, method: str, *batch: Any) -> tuple:
         """A training or evaluation batch, prepared (``prepare``), with the

@@ -18,7 +18,6 @@ from towers._keras.inputs import (
     potentially_ragged_concat,
 )
 from towers.split import examples_of
-from towers.step.custom import own
 from towers.training.arguments import check_callbacks
 from towers.training.checkpoint import (
     TrainingCheckpoint,
@@ -107,15 +106,15 @@ def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any
     engine.apply_accumulated()
     run.checkpoint.save(epoch + 1, 0, run.batches.position)
     results = dict(engine.model.get_metrics_result())
-    return _metrics_or_logs(engine, "train", results, run.logs)
+    return _metrics_or_logs(results, run.logs)
 
 
-def _metrics_or_logs(engine: Any, kind: str, results: dict, logs: Any) -> dict:
+def _metrics_or_logs(results: dict, logs: Any) -> dict:
     """Keras' rule for what an epoch returns: the metrics' ``results``, or
-    the last ``logs`` of a model's own ``kind`` step whose keys are not
-    theirs, as the step returned them (nested: ``{"loss", "compile_metrics":
+    the last step's ``logs`` where their keys are not theirs (a model's own
+    step's), as the step returned them (nested: ``{"loss", "compile_metrics":
     {...}}``; Keras' callbacks flatten them, in the order of those keys)."""
-    if own(engine.step, kind) is None or not isinstance(logs, dict):
+    if not isinstance(logs, dict):
         return results
     return results if set(logs) == set(results) else dict(logs)
 
@@ -133,21 +132,14 @@ def fit_execution(
     run.log.before_step(len(batches))
     run.preemption.before_step()
     started = time.perf_counter()
-    if len(batches) == 1:
-        stepped = engine.train_step(*batches[0])
-    else:
-        stepped = engine.train_steps(batches)
+    stepped = engine.fit_steps(batches)
     # Reading the logs back waits for the steps, so the time is theirs.
-    logs = pythonify_logs(stepped)
+    logs = pythonify_logs(stepped["logs"])
     run.log.after_step(logs, time.perf_counter() - started, size)
     run.trained = True
-    # Keras' callbacks see every metric's running value, the loss's included;
-    # a model's own train_step returns them itself, passed on as it returned
-    # them, as Keras' fit does.
-    if own(engine.step, "train") is None:
-        logs = {**logs, "loss": float(engine.loss_tracker.result())}
-    else:
-        logs = stepped
+    # Keras' callbacks see what its train_step returns: every metric's running
+    # value, the loss's included, or a model's own step's logs as it returned them.
+    logs = stepped["reported"]
     run.logs = logs
     run.callbacks.on_train_batch_end(end, logs)
     done = begin + len(batches)
@@ -181,7 +173,7 @@ def evaluate_loop(
         if engine.model.stop_evaluating:
             break
     results = engine.get_metrics_result()
-    logs = pythonify_logs(_metrics_or_logs(engine, "evaluate", results, logs))
+    logs = pythonify_logs(_metrics_or_logs(results, logs))
     callbacks.on_test_end(logs)
     return logs
 
