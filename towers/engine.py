@@ -207,17 +207,13 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         return self.fit_steps(batches)["logs"]
 
     def fit_steps(self, batches: list[tuple]) -> dict[str, Any]:
-        """:meth:`train_steps`, returning the last step's whole output: its
-        ``"logs"`` and ``"reported"``, what Keras' ``train_step`` returns
-        (and its callbacks see): the loss's running mean, or a model's own
-        step's logs.
+        """:meth:`train_steps`' whole output: ``"logs"``, and what Keras'
+        ``train_step`` returns for its callbacks, ``"reported"`` (the loss's
+        running mean, or a model's own step's logs).
 
-        >>> eng, x = make_engine(), np.zeros((4, 3), "f4")
-        >>> out = eng.fit_steps([(x, np.ones((4, 1), "f4"))] * 2)
-        >>> logs, reported = out["logs"]["loss"], out["reported"]["loss"]
-        >>> round(float(logs), 4), round(float(reported), 4)  # the 2nd's, the mean
-        (0.64, 0.82)
-        """
+        >>> out = make_engine().fit_steps([(np.zeros((4, 3)), np.ones((4, 1)))] * 2)
+        >>> [round(float(out[key]["loss"]), 4) for key in ("logs", "reported")]
+        [0.64, 0.82]"""
         prepared = [self._training_batch("train_step", *b) for b in batches]
         with named_misfits(self.model, prepared[0]):
             return self._run_checked(prepared)  # the first: check.py
@@ -234,16 +230,13 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         Returns:
           The running ``{"loss": mean so far, metric name: value so far}``.
 
-        Example:
-          >>> eng, x = make_engine(metrics=["mae"]), np.zeros((4, 3), "float32")
-          >>> _ = eng.evaluate_step(x, np.full((4, 1), 2.0, "float32"))
-          >>> logs = eng.evaluate_step(x, np.zeros((4, 1), "float32"))
-          >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
-          (2.0, 1.0)
-        """
-        return self._run(
-            "evaluate", *self._training_batch("evaluate_step", x, y, sample_weight)
-        )
+        >>> eng, x = make_engine(metrics=["mae"]), np.zeros((4, 3), "float32")
+        >>> _ = eng.evaluate_step(x, np.full((4, 1), 2.0, "float32"))
+        >>> logs = eng.evaluate_step(x, np.zeros((4, 1), "float32"))
+        >>> float(logs["loss"]), float(logs["mae"])  # y^2, |y|
+        (2.0, 1.0)"""
+        batch = self._training_batch("evaluate_step", x, y, sample_weight)
+        return self._run("evaluate", *batch)
 
     def predict_step(self, x: Any) -> Any:
         """The model's outputs on one batch: each tower predicts its shard; the
