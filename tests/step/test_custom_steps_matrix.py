@@ -1,14 +1,15 @@
 """Every engine option with a model's own train_step, against Keras' own
 fit on one device in float64: placements, reducers, accumulate_steps,
 on_nonfinite and steps_per_execution, in combinations that take each value
-at least once; jit_compile=True refused by name. The step's tail after the
+at least once (jit_compile=True is refused by name: test_custom_steps.py).
+The step's tail after the
 gradients (the placement's combine, the update's policies and steps count)
 is the built-in step's, so each combination is Keras' fit's update."""
 
 import numpy as np
 import pytest
 
-from tests.step.test_custom_steps import guide_model, regression
+from tests.step.test_custom_steps import regression
 from tests.step.test_custom_steps_options import executing
 from tests.step.test_custom_steps_state import assert_every_variable_moved_alike
 from tests.test_equivalence import devices
@@ -66,10 +67,3 @@ def test_each_combination_of_options_trains_an_own_step_as_keras_fit(name):
         np.testing.assert_allclose(
             history.history["loss"], expected.history["loss"], rtol=1e-10
         )
-
-
-def test_jit_compile_true_with_an_own_step_is_refused_by_name():
-    with pytest.raises(ValueError, match="jit_compile=True") as refused:
-        Towers(guide_model(), devices=devices(2), jit_compile=True)
-    assert "GuideStep" in str(refused.value)
-    assert "train_step" in str(refused.value)
