@@ -2,9 +2,9 @@
 fit on one device in float64: placements, reducers, accumulate_steps,
 on_nonfinite and steps_per_execution, in combinations that take each value
 at least once (jit_compile=True is refused by name: test_custom_steps.py).
-The step's tail after the
-gradients (the placement's combine, the update's policies and steps count)
-is the built-in step's, so each combination is Keras' fit's update."""
+The step's tail after the gradients (the placement's combine, the update's
+policies and steps count) is the built-in step's, so each combination is
+Keras' fit's update."""
 
 import numpy as np
 import pytest
