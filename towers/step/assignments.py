@@ -119,8 +119,10 @@ class Assignments:
         if self.apart:
             yield
             return
-        copies = len(self.models) > 1
-        metrics = [] if copies else [m for m in _every_metric(self.models[0])]
+        metrics = [m for model in self.models for m in _every_metric(model)]
+        # With a copy per tower: each metric's place in its copy's.
+        self._metric_place = {id(m): i for model in self.models
+                              for i, m in enumerate(_every_metric(model))}  # fmt: skip
         _MARKS.clear()
         try:
             with (
@@ -221,10 +223,13 @@ class Assignments:
         variables = metric.variables
         before = [tf.convert_to_tensor(v) for v in variables]
         value = self.as_mean(_batch_number(args, kwargs))
+        copies = len(self.models) > 1
         if isinstance(metric, keras.metrics.Mean) and value is not None:
-            # The batch's number: the towers' weighted, in one update.
-            handed = here.everyone((metric, tf.convert_to_tensor(value), here.weight))
-            _check_same(handed, metric)
+            # The batch's number: the towers' weighted, in one update (with
+            # copies, of the first's copy; custom_copies.py gathers it).
+            what = self._metric_place[id(metric)] if copies else metric
+            handed = here.everyone((what, tf.convert_to_tensor(value), here.weight))
+            _check_same(handed, what)
             if not here.first:
                 return None
             dtype = handed[0][1].dtype
@@ -233,6 +238,8 @@ class Assignments:
             weight = 1.0 if self.across is None else self.across.weight
             changes = [in_dtype(weight, old.dtype) * (tf.convert_to_tensor(new) - old)
                        for new, old in zip(after, before)]  # fmt: skip
+        elif copies:  # each copy's own, their changes added (custom_copies.py)
+            return update(*args, **kwargs)
         else:
             after = metric.stateless_update_state(before, *args, **kwargs)
             after = [tf.convert_to_tensor(a) for a in after]
