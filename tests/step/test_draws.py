@@ -4,6 +4,7 @@ batch's numbers, and the states move once. Against Keras' own fit on one
 device, float64, uneven shards, every way the runner runs the towers."""
 
 import random
+import warnings
 
 import keras
 import numpy as np
@@ -166,6 +167,31 @@ def test_a_global_generators_draw_per_row_in_a_cluster_is_refused_by_name():
             keras.random.normal((4, 3), seed=keras.random.SeedGenerator(1))
     with draws.drawing(None, [model], 8), places.rows(4, 0):
         assert keras.random.normal((4, 3)).shape == (4, 3)  # one process: placed
+
+
+# A tower of rows 8-11 of 16 (its data's second part, if any, 3 of 12 rows):
+# a draw's rows -> (the part's rows, its first row, the batch's, blocks k).
+PLACES = {
+    "the shard's rows": ((), 4, (4, 8, 16, 1)),
+    "three blocks of them": ((), 12, (4, 8, 16, 3)),
+    "no part's rows": ((), 5, None),
+    "the second part's rows": ((3,), 3, (3, 6, 12, 1)),
+    "a multiple of one of two parts": ((3,), 8, (4, 8, 16, 0)),
+    "both parts' rows together": ((3,), 7, (4, 8, 16, 0)),
+    "neither part's rows": ((3,), 5, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACES))
+def test_a_draw_is_placed_over_a_part_or_blocks_of_the_shard_else_named(name):
+    others, rows, expected = PLACES[name]
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    with draws.drawing(None, [model], 16), places.rows(4, 8, 16, others):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert places.place(rows, "normal") == expected
+    named = [str(w.message) for w in caught]
+    assert len(named) == (expected is not None and expected[3] == 0), named
 
 
 @pytest.mark.parametrize("cut", [True, False], ids=["phases", "turns"])

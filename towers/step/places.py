@@ -83,11 +83,13 @@ def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any
 def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     """Where a draw over ``rows`` rows (a shape's first entry) sits in one
     device's: ``(size, first, total, k)`` of the shard's part whose rows it
-    draws, k >= 2 for k blocks of them (the fit guide's label noise over its
-    fake and real rows, concatenated: one device's is k blocks of the
-    batch's); k = 0 for rows towers cannot place, named once (:func:`name`).
-    None: a draw of no part's rows (every tower's alike), or a tower with
-    the whole batch.
+    draws (k = 1), or k >= 2 blocks of the shard's rows, its data of one
+    part (the fit guide's label noise over its fake and real rows,
+    concatenated: one device's is k blocks of the batch's). Data of parts
+    of several sizes (towers/split.py): a multiple of a part's rows that is
+    no part's, or all parts' rows together, is named once (:func:`name`),
+    k = 0. None: a draw of no part's rows (every tower's alike), or a tower
+    with the whole batch.
 
     A draw over exactly the whole batch's rows given as a number, not read
     from a tensor's shape (``shaped``; keras.io's DDIM draws its noise over
@@ -113,65 +115,34 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
         for n in others
     ]
     sizes = [n for n, _, _ in parts]
-    ways = _ways(rows, sizes)
+    blocks = [n for n in sizes if n and rows and rows % n == 0 and rows != n]
     if rows in sizes:  # a part's rows, as a draw over them is: read so
-        if len(ways) > 1:
+        if blocks:
             name(draw, f"draws {rows} rows on a tower whose data's parts have "
                   f"{sorted(sizes)} rows: read as the part of {rows}'s rows; if "
                   "it draws over blocks of another part's, every tower's are "
                   "not one device's", "a part's")  # fmt: skip
         return (*parts[sizes.index(rows)], 1)
-    if not ways:
-        return None
-    if len(ways) == 1 and sum(c > 0 for c in ways[0]) == 1:
-        part = next(p for p, c in enumerate(ways[0]) if c)
-        if parts[part][2] is not None:
-            return (*parts[part], ways[0][part])
-        why = (
-            f"draws {rows} rows on a tower of {sizes[part]}: blocks of its "
-            "rows, whose place in one device's draw needs the batch's rows, "
-            "not known here (in a cluster: a seed generator not among the "
-            "model's variables)"
-        )
-    else:
+    if others and (blocks or rows == sum(sizes)):
         why = (
             f"draws {rows} rows on a tower whose data's parts have "
             f"{sorted(sizes)} rows: rows of more than one part, or blocks of "
-            "one read more than one way, whose place in one device's draw "
-            "towers cannot tell"
+            "one of them, whose place in one device's draw towers cannot tell"
+        )
+    elif not blocks:
+        return None  # no part's rows: every tower's alike
+    elif total is not None:
+        return (size, first, total, rows // size)
+    else:
+        why = (
+            f"draws {rows} rows on a tower of {size}: blocks of its rows, "
+            "whose place in one device's draw needs the batch's rows, not "
+            "known here (in a cluster: a seed generator not among the "
+            "model's variables)"
         )
     name(draw, f"{why}; here every tower draws the same numbers, not one device's",
           "unplaced")  # fmt: skip
     return (size, first, total, 0)  # named, not placed
-
-
-def _ways(rows: int, sizes: list[int]) -> list[tuple[int, ...]]:
-    """Up to two ways of making ``rows`` of whole multiples of ``sizes``
-    (how many of each), none of them all zeros.
-
-    >>> _ways(8, [8]), _ways(16, [8]), _ways(8, [8, 2]), _ways(5, [8])
-    ([(1,)], [(2,)], [(1, 0), (0, 4)], [])
-    >>> _ways(10**6 + 1, [2, 4, 6])  # past the budget: told apart as unknown
-    [(0, 0, 0)]
-    """
-    found: list[tuple[int, ...]] = []
-    stack, budget = [((), rows)], 100_000  # past it: more than one, unknown
-    while stack and len(found) < 2:
-        budget -= 1
-        if not budget:
-            return [*found, (0,) * len(sizes)][:2]
-        counts, left = stack.pop()
-        if len(counts) == len(sizes):
-            if left == 0 and any(counts):
-                found.append(counts)
-            continue
-        n = sizes[len(counts)]
-        stack += (
-            [(counts + (c,), left - c * n) for c in range(left // n + 1)]
-            if n
-            else [(counts + (0,), left)]
-        )
-    return found
 
 
 # The draws named already (once a model and reason: ``(id(model), draw, ...)``).
