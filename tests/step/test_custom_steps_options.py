@@ -102,6 +102,50 @@ def test_an_own_step_resumed_inside_a_window_trains_as_one_never_stopped(tmp_pat
         np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.path)
 
 
+class Scaled(keras.Model):
+    """A subclassed model with a weight made in ``__init__`` (so it has
+    variables before it is built) and its own train_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        return self.dense(x) * self.scale
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def scaled():
+    keras.utils.set_random_seed(3)
+    model = Scaled()
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_a_model_with_variables_before_it_is_built_resumes_its_own_step(tmp_path):
+    x, y = regression(21)
+    run = dict(batch_size=7, shuffle=False, verbose=0)
+    resumed = Towers(scaled(), devices=devices(2))
+    assert resumed.model.variables and not resumed.model.built
+    resumed.fit(x, y, epochs=1, checkpoint_dir=str(tmp_path), **run)
+    resumed = Towers(scaled(), devices=devices(2))
+    resumed.fit(x, y, epochs=2, checkpoint_dir=str(tmp_path), **run)
+    reference = scaled()
+    reference.fit(x, y, epochs=2, **run)
+
+    assert resumed.steps_done == 6
+    for v, w in zip(resumed.model.variables, reference.variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-12, err_msg=v.path)
+
+
 def test_an_optimizer_accumulating_otherwise_is_refused_by_name():
     model = accumulating(guide_model(), 4)
     engine = Towers(model, devices=devices(2), accumulate_steps=2)

@@ -230,8 +230,10 @@ class Trainer(ModelMetrics, abc.ABC):
             # In a cluster the chief alone reports and writes; every worker trains.
             verbose, log_dir, profile_steps = 0, None, None
         log = TrainingLog(self, log_dir, profile_steps)  # checks them first
-        if not self.model.variables:
-            # Build a lazily built model first, so a checkpoint's shapes can be checked.
+        if not self.step.started:
+            # Build a lazily built model first (and the step's own state, a
+            # model with variables made before it is built too), so a
+            # checkpoint's shapes can be checked.
             self.prepare(*unpack(source.sample()), kind="train")
         # The compiled metrics too, which a checkpoint saves, from the
         # batches' shapes (nothing read), as Keras' fit builds them.
