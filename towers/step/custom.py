@@ -16,6 +16,7 @@ after every tower updated it, any other value weighted by the shares.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import warnings
 from typing import Any
@@ -30,12 +31,11 @@ from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, examples_of
 from towers.step import draws, loss_kinds, xla
-from towers.step.applies import Applies
+from towers.step.applies import INSTANCES_PER_APPLY, Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import gather_metrics, level_metrics
 from towers.step.gathered import concat_rows, whole_batch_loss
-from towers.step.lockstep import over_workers
 from towers.step.runner import Runner
 
 # The hooks a model overrides that make towers run Keras' steps.
@@ -104,6 +104,7 @@ class CustomStep:
         # In a cluster, while a step is traced: the runner's handle on the
         # workers, its weight this worker's B_w / B (0 without examples).
         self._across: Any = None
+        self._stop: Any = None  # the workers asking to stop, after a train step
         self._batch: list[Any] = []  # the step's input tensors, while traced
         self._logs_found: dict[str, dict] = {}  # by hook: each number's kind
         self._built: set[str] = set()  # the kinds whose first trace built
@@ -150,8 +151,9 @@ class CustomStep:
                 traced.get_concrete_function(keras.utils.pack_x_y_sample_weight(*batch))
 
     def stop(self) -> tf.Tensor:
-        """In a cluster, after a training step: the workers that asked to stop."""
-        return self._across(self.workers.stop_flag(), False)
+        """In a cluster, after a training step: the workers that asked to
+        stop (summed with the step's metrics, :meth:`_over_workers`)."""
+        return self._stop
 
     def run(self, hook: str, shards: Shards, batch: tuple) -> Any:
         """``model.<hook>`` (``"train_step"``, ``"test_step"``) as every
@@ -180,11 +182,8 @@ class CustomStep:
         logs = self._run(hook, shards)
         if copies:
             gather_metrics(self.placement.models, levelled)
-        if before is not None:  # every worker's changes, summed
-            with tf.device(self.placement.variable_device):
-                deltas = before.deltas()
-                before.set([over_workers(self._across, d, False) for d in deltas])
-        return self._read_logs(logs, shards, self._logs_found.get(hook, {}))
+        kinds = self._logs_found.get(hook, {})
+        return self._read_logs(logs, shards, kinds, before, kind == "train")
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
         """``model.<hook>(data)`` on every working tower's shard, run by the
@@ -262,31 +261,24 @@ class CustomStep:
         free = loss_kinds.batch_free(value, self._batch) if apart else None
         return loss_kinds.as_mean([value], [free], share)[0]
 
-    def _read_logs(self, logs: list[Any], shards: Shards, kinds: dict) -> dict:
+    def _read_logs(
+        self, logs: list[Any], shards: Shards, kinds: dict, before: Any, training: bool
+    ) -> Any:
         """The step's logs: a metric's result (a value the step read from a
         metric's ``result()``, under its name; with a copy per tower, any
         value under a metric's name) read after every tower updated it; any
         other value weighted by the towers' shares, a sum's (by ``kinds``,
         the probe's) as a mean's. A dict of them (Keras' ``"compile_metrics"``)
-        is read alike, entry by entry."""
-        results = {}
-        with tf.device(self.placement.variable_device):
-            for metric in self.model.metrics:
-                result = metric.result()
-                if isinstance(result, dict):
-                    results.update(result)
-                else:
-                    results[metric.name] = result
-        if not isinstance(logs[-1], dict):
-            return logs[-1]
+        is read alike, entry by entry. In a cluster the workers' metric
+        changes (``before``: a snapshot), numbers and stop flags meet in one
+        packed sum (:meth:`_over_workers`)."""
         working = self.placement.working_towers(shards)
+        numbers: list[tf.Tensor] = []  # this worker's, each tower's weighted
 
-        def read(key: str, values: list[Any]) -> Any:  # each tower's, in order
+        def mine(key: str, values: list[Any]) -> Any:  # each tower's, in order
             value = values[-1]
             if isinstance(value, dict):
-                return {k: read(k, [v[k] for v in values]) for k in value}
-            if key in results and self._assignments.is_result(value) is not False:
-                return results[key]
+                return {k: mine(k, [v[k] for v in values]) for k in value}
             if not _is_float(value):
                 return value
             parts = []
@@ -297,10 +289,63 @@ class CustomStep:
                     part = self._as_mean(part, share, kind == "sum")
                 part = tf.convert_to_tensor(self.applies.as_mean(part))
                 parts.append(part * in_dtype(share, part.dtype))
-            total = tf.add_n(parts)
-            return over_workers(self._across, total)
+            numbers.append(tf.add_n(parts))
+            return _Number(len(numbers) - 1, key, value)
 
-        return {key: read(key, [log[key] for log in logs]) for key in logs[-1]}
+        last = logs[-1]
+        if isinstance(last, dict):
+            last = {k: mine(k, [log[k] for log in logs]) for k in last}
+        numbers = self._over_workers(before, numbers, training)
+        results = {}
+        with tf.device(self.placement.variable_device):
+            for metric in self.model.metrics:
+                result = metric.result()
+                if isinstance(result, dict):
+                    results.update(result)
+                else:
+                    results[metric.name] = result
+
+        def read(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: read(v) for k, v in value.items()}
+            if not isinstance(value, _Number):
+                return value
+            result = self._assignments.is_result(value.value) is not False
+            return results[value.key] if value.key in results and result else (
+                numbers[value.index])  # fmt: skip
+
+        return read(last)
+
+    def _over_workers(self, before: Any, numbers: list, training: bool) -> list:
+        """In a cluster, after the towers: every worker's metric changes since
+        ``before`` (a worker without examples adds none) set, every worker's
+        ``numbers`` (weighted by its share ``B_w / B``) summed and returned,
+        and after training, the workers asking to stop (:meth:`stop`), in
+        one packed sum; ``numbers`` as they are in one process."""
+        if before is None:
+            return numbers
+        weight = self._across.weight
+        stop = [tf.reshape(self.workers.stop_flag(), [1])] if training else []
+        with tf.device(self.placement.variable_device):
+            deltas = before.deltas()
+            kept = [(d, weight > 0) for d in deltas] + [(n, weight) for n in numbers]
+            sent = [tf.math.multiply_no_nan(t, in_dtype(w, t.dtype)) for t, w in kept]
+            first = len(self.applies.names) * INSTANCES_PER_APPLY
+            kind = "train" if training else "eval"
+            _, summed = self.workers.weighted_sum([], None, kind, sent + stop, first)
+            before.set(summed[: len(deltas)])
+        self._stop = summed[-1][0] if training else None
+        return summed[len(deltas) : len(deltas) + len(numbers)]
+
+
+@dataclasses.dataclass
+class _Number:
+    """A number of the step's logs: its place among the numbers summed, its
+    key and the last tower's value (whether it is a metric's result)."""
+
+    index: int
+    key: str
+    value: Any
 
 
 def refuse_with_hooks(
