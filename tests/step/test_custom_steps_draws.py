@@ -22,11 +22,11 @@ class ShapeGAN(GAN):
         return tf.shape(real)[0]
 
 
-def assert_trains_as_keras_fit(build, num_towers, data):
+def assert_trains_as_keras_fit(build, num_towers, data, batch_size=8):
     engine = Towers(build(), devices=devices(num_towers))
     reference = build()
     before = [v.numpy() for v in reference.variables]
-    run = dict(batch_size=8, epochs=2, verbose=0, shuffle=False)
+    run = dict(batch_size=batch_size, epochs=2, verbose=0, shuffle=False)
     history = engine.fit(data, **run)
     expected = reference.fit(data, **run)
     for got, want, b in zip(engine.model.variables, reference.variables, before):
@@ -279,6 +279,8 @@ class NoisyLabelsGAN(GAN):
     """The fit guide's GAN: the discriminator sees the fake and real rows
     concatenated, its labels noised by one draw over both (2n rows)."""
 
+    shape = staticmethod(tf.shape)  # the guide's: the rows as a tensor
+
     def train_step(self, data):
         real = data
         rows = keras.ops.shape(real)[0]
@@ -288,7 +290,7 @@ class NoisyLabelsGAN(GAN):
             [keras.ops.ones((rows, 1)), keras.ops.zeros((rows, 1))], axis=0
         )
         labels += 0.05 * keras.random.uniform(
-            tf.shape(labels), seed=self.seed_generator, dtype=real.dtype
+            self.shape(labels), seed=self.seed_generator, dtype=real.dtype
         )
         bce = keras.losses.BinaryCrossentropy(from_logits=True)
         d = self.discriminator
@@ -311,3 +313,23 @@ class NoisyLabelsGAN(GAN):
 def test_label_noise_over_the_fake_and_real_rows_is_one_devices(num_towers):
     real = np.random.default_rng(0).standard_normal((29, 2))
     assert_trains_as_keras_fit(lambda: gan(True, NoisyLabelsGAN), num_towers, real)
+
+
+class StaticNoisyLabelsGAN(NoisyLabelsGAN):
+    """The same, its label noise shaped by ``keras.ops.shape``: 2n rows as a
+    number, on 2 towers of even shards the batch's rows too, read as blocks
+    of the shard's, not as one device's draw over the batch (a fixed
+    batch_size's, keras.io's DDIM): the probe's parts tell them apart."""
+
+    shape = staticmethod(keras.ops.shape)
+
+
+# Batches of 4 (2 rows a tower): the probe's two examples draw 4 rows, the
+# batch's too, and it reads them as blocks after the other reading misfits.
+@pytest.mark.parametrize("batch_size", [8, 4])
+def test_label_noise_over_a_number_of_rows_that_is_the_batchs_is_one_devices(
+    batch_size,
+):
+    real = np.random.default_rng(0).standard_normal((29, 2))
+    build = lambda: gan(True, StaticNoisyLabelsGAN)  # noqa: E731
+    assert_trains_as_keras_fit(build, 2, real, batch_size)

@@ -20,8 +20,9 @@ class Tower:
     Attributes:
       seat: where it meets the other towers (a ``Seat`` in lockstep, a cut
         pass's recording; None: alone), ``step/meetings.py``.
-      rows: its rows of the batch, and ``python``: its Python ``random``
-        while it is traced (``step/places.py``).
+      rows: its rows of the batch, ``python``: its Python ``random`` while
+        it is traced, and ``drawn``: the row counts of its draws so far, in
+        call order (``step/places.py``).
       calling: the layers whose ``call`` it is within, and ``skip``: the
         values its next counted draw skips (``patches.py``).
       moments: where BatchNormalization's moments go, by the
@@ -34,6 +35,7 @@ class Tower:
         self.seat: Any = None
         self.rows: Any = None
         self.python: Any = None
+        self.drawn: list[Any] = []
         self.calling: tuple = ()
         self.skip: Any = None
         self.moments: dict[int, Any] = {}

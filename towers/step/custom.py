@@ -210,7 +210,7 @@ class CustomStep:
             with (
                 routed_applies(self.applies.meet),
                 routed_gradients(self.applies.gradient),
-                draws.drawing(self.workers, self.placement.models, shards.size),
+                draws.drawing(self.workers, self.placement.models, shards.size, hook),
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):

@@ -209,11 +209,15 @@ def _categorical(own, logits, num_samples, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def drawing(workers: Any, models: list[Any], examples: Any) -> Iterator[None]:
-    """Within (a step's towers traced), Keras' draws are routed to
-    :func:`route`, the towers' rows placed (``places.placing``)."""
+def drawing(
+    workers: Any, models: list[Any], examples: Any, hook: str = ""
+) -> Iterator[None]:
+    """Within (a step's towers traced; ``hook``: a model's own step's),
+    Keras' draws are routed to :func:`route`, the towers' rows placed
+    (``places.placing``)."""
     draw = any(state_variables(model) for model in models)
-    with routed_draws(route), places.placing(workers, models, examples, draw):
+    placed = places.placing(workers, models, examples, draw, hook)
+    with routed_draws(route), placed:
         yield
 
 

@@ -168,19 +168,12 @@ def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
     if size < 2:
         return Found(None, {})
     recorder = _Recorder(model, hook, places.size_of(batch[0]))
-    run = tf.function(recorder.run, autograph=False)
     kinds: list[Any] = []
     logs: dict[str, Any] = {}
     for first in range(0, min(size - 1, 2 * PAIRS), 2):
         parts = [_rows(batch, first, first + 2)]
         parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
-        try:
-            losses, returned = run(*parts)
-        except ValueError as error:
-            named = misfit(model, hook, error)
-            if named is None:
-                raise
-            raise named from error
+        losses, returned = recorder.recorded(parts)
         losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
         for key in returned[0]:
             value = _less_free([variant[key].numpy() for variant in returned])
@@ -268,13 +261,40 @@ class _Recorder:
         self.leading: list[list[Any]] = []  # per part, each loss's first axis
         self.gathers = False  # the step called towers.gather
         self._losses: list[tf.Tensor] | None = None
+        self._traced: Any = None  # run, as a tf.function
+        self.drawn: list[list[Any]] = []  # per part, its draws' row counts
         self._batch: list[tf.Tensor] = []
+
+    def recorded(self, parts: list[tuple]) -> tuple:
+        """:meth:`run` on ``parts``. A draw over a number of rows that is both
+        the batch's and blocks of a part's is read as the batch's (a fixed
+        batch_size), or where that misfits, as blocks; what each draw asked
+        for on the parts then says which it is (``places.learn``)."""
+        for reading in (True, False):
+            if self._traced is None:
+                places.learn(self.model, self.hook, None, reading)
+                self._traced = tf.function(self.run, autograph=False)
+            try:
+                out = self._traced(*parts)
+            except ValueError as error:
+                self._traced = None
+                asked = places.learn(self.model, self.hook, None)
+                named = misfit(self.model, self.hook, error)
+                if named is None:
+                    raise
+                if asked and reading:
+                    continue  # read as blocks
+                raise named from error
+            places.learn(self.model, self.hook, self.drawn)
+            return out
+        raise AssertionError("both readings returned or raised")
 
     def run(self, *parts: tuple) -> tuple[list[list[tf.Tensor]], list[dict]]:
         out, logs, steady = [], [], _Steady(self.model)
+        self.drawn = []
         with setting(recorder=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
-                drawing = draws.drawing(None, [self.model], 2)
+                drawing = draws.drawing(None, [self.model], 2, self.hook)
                 with drawing, places.steady(), steady.patched():
                     self.leading = []
                     for (x, y, sw), first in zip(parts, (None, 0, 1)):
@@ -286,9 +306,10 @@ class _Recorder:
                         placed = places.rows_of(
                             (x, y, sw), rows * (first or 0), whole, self.rows
                         )
-                        with keras.StatelessScope(), placed:
+                        with keras.StatelessScope(), placed as tower:
                             data = keras.utils.pack_x_y_sample_weight(x, y, sw)
                             returned = getattr(self.model, self.hook)(data)
+                            self.drawn.append(list(tower.drawn))
                         out.append(self._losses)
                         logs.append(self._numbers(returned))
         keys = set.intersection(*(set(numbers) for numbers in logs))

@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import random
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ class _Step:
     where the first tower's trace left it."""
 
     model: int = 0
+    hook: str = ""  # a model's own step's (train_step, test_step), if one
     batch_rows: Any = None
     worker_first: Any = 0
     unplaced: bool = False
@@ -48,9 +50,9 @@ _step = _Step()
 @contextlib.contextmanager
 def rows(
     size: Any, first: Any, total: Any = None, others: Any = (), batch: Any = None
-) -> Iterator[None]:
-    """Within, this thread's tower draws as rows ``[first, first + size)``
-    of the batch (``size``: the shard's static rows, None if unknown;
+) -> Iterator[Any]:
+    """Within, this thread's tower (yielded) draws as rows ``[first, first +
+    size)`` of the batch (``size``: the shard's static rows, None if unknown;
     ``first``: an int or a scalar tensor; ``total``: the batch's rows, where
     known, for a draw over k times the rows: :func:`place`). ``others``:
     the shard's rows of its parts of other rows than its first (a model's
@@ -65,8 +67,9 @@ def rows(
     if tower.rows is None and _step.python is not None:  # a tower's trace
         python = random.Random()
         python.setstate(_step.python)
-    with setting(rows=(size, first, total, tuple(others), batch), python=python):
-        yield
+    rows = (size, first, total, tuple(others), batch)
+    with setting(rows=rows, python=python, drawn=[]) as here:
+        yield here
     if python is not tower.python:
         _step.python_end = _step.python_end or python.getstate()
 
@@ -100,16 +103,19 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     ...     place(16, "normal", shaped=False), place(16, "normal")
     ((4, 8, 16, 1), (4, 8, 16, 4))
     """
-    size, first, total, others, batch = this_tower().rows
+    tower = this_tower()
+    size, first, total, others, batch = tower.rows
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
     if whole and not steadied():
         return None
     rows = static(rows)
+    tower.drawn.append(rows)
     if not isinstance(rows, int):  # known when it runs: the shard's if its are
         unknown = rows is None or isinstance(rows, tf.Tensor)
         return (size, first, total, 1) if unknown and size is None else None
     if not shaped and isinstance(batch, int) and rows == batch != size:
-        return (size, first, total, 1)
+        if not size or rows % size or _fixed(len(tower.drawn) - 1):
+            return (size, first, total, 1)
     parts = [(size, first, total)] + [
         (n, first * n // size, None if total is None else total * n // size)
         for n in others
@@ -143,6 +149,56 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     name(draw, f"{why}; here every tower draws the same numbers, not one device's",
           "unplaced")  # fmt: skip
     return (size, first, total, 0)  # named, not placed
+
+
+# By model: how its step's draws over a number of rows that is both the
+# batch's and k blocks of the shard's read it, in call order: True as the
+# batch's (a fixed batch_size), False as blocks (a count from the data's
+# shape, 2 * ops.shape(x)[0] on 2 towers); a bool for all of them. Learned
+# by the probe (loss_kinds.py), whose parts differ in rows: a fixed number
+# stays, a count from the shape moves with them. Not learned: the batch's.
+_readings: dict[tuple[int, str], Any] = {}
+
+
+def _fixed(index: int) -> bool:
+    """Whether the ``index``-th draw of the step traced reads a number of
+    rows that is both the batch's and blocks of the shard's as the batch's
+    (:data:`_readings`)."""
+    key = (_step.model, _step.hook)
+    reading = _readings.get(key, True)
+    if isinstance(reading, bool):
+        _unlearned.add(key)
+        return reading
+    return reading[index] if index < len(reading) else True
+
+
+# The models whose step asked for such a number with no reading learned.
+_unlearned: set[tuple[int, str]] = set()
+
+
+def learn(
+    model: Any, hook: str, parts: list[list[Any]] | None, reading: bool = True
+) -> bool:
+    """Sets how ``model``'s ``hook`` reads a number of rows that is both the
+    batch's and blocks of the shard's (:data:`_readings`): from the row
+    counts each draw asked for on the probe's ``parts`` (of different rows,
+    in call order; the batch's where a draw asked for the same on each), or
+    ``reading`` for every draw (``parts`` None). Returns whether the step
+    last traced asked for such a number without a list learned."""
+    key = (id(model), hook)
+    if key not in _readings:  # forgotten with the model
+        weakref.finalize(model, _readings.pop, key, None)
+    asked = key in _unlearned
+    _unlearned.discard(key)
+    if parts is None:
+        _readings[key] = reading
+        return asked
+    first, *others = parts
+    _readings[key] = [
+        all(index < len(other) and other[index] == rows for other in others)
+        for index, rows in enumerate(first)
+    ]
+    return asked
 
 
 # The draws named already (once a model and reason: ``(id(model), draw, ...)``).
@@ -226,7 +282,7 @@ def static(dim: Any) -> Any:
 
 @contextlib.contextmanager
 def placing(
-    workers: Any, models: list[Any], examples: Any, draw: bool
+    workers: Any, models: list[Any], examples: Any, draw: bool, hook: str = ""
 ) -> Iterator[None]:
     """Within, draws name ``models``, and the batch has ``examples`` rows
     (:func:`batch_rows`); in a cluster, the towers' rows are placed in the
@@ -238,7 +294,7 @@ def placing(
     one device's trace would draw, and is left as the first tower's left it."""
     global _step
     outer = _step
-    _step = step = _Step(id(models[0]), steady=outer.steady)
+    _step = step = _Step(id(models[0]), hook, steady=outer.steady)
     step.batch_rows = examples if workers is None else None
     if workers is not None and draw:
         step.worker_first, step.batch_rows = workers.first_row(examples)
