@@ -82,10 +82,12 @@ def test_a_killed_worker_stops_the_others_and_a_relaunch_resumes(tmp_path):
     assert "[worker 0] Epoch 2/2" in job.stdout
 
 
-@pytest.mark.parametrize("model", ["mlp", "gathering"], ids=["built_in", "own_step"])
+@pytest.mark.parametrize("model", ["mlp", "twoapplies"], ids=["built_in", "own_step"])
 def test_a_preempted_worker_stops_every_worker_at_the_same_step(tmp_path, model):
     # The notice rides in the step's sum: the built-in step's, or the packed
-    # sum after a model's own step (with its metric changes).
+    # sum after a model's own step (with its metric changes). The relaunch
+    # resumes at a batch of a row or two a worker: the own step's probe reads
+    # its noise over 2n rows, the worker's batch's too, as blocks.
     fit = ["--mode", "fit", "--every", "4", "--model", model]
     ref = reference(tmp_path / "ref", *fit, "--checkpoint", str(tmp_path / "c0"))
     out, checkpoints = tmp_path / "job", tmp_path / "ckpt"

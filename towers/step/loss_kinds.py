@@ -268,8 +268,10 @@ class _Recorder:
     def recorded(self, parts: list[tuple]) -> tuple:
         """:meth:`run` on ``parts``. A draw over a number of rows that is both
         the batch's and blocks of a part's is read as the batch's (a fixed
-        batch_size), or where that misfits, as blocks; what each draw asked
-        for on the parts then says which it is (``places.learn``)."""
+        batch_size), or where the step then fails on the parts, as blocks;
+        what each draw asked for on the parts then says which it is
+        (``places.learn``)."""
+        failed = None
         for reading in (True, False):
             if self._traced is None:
                 places.learn(self.model, self.hook, None, reading)
@@ -278,13 +280,13 @@ class _Recorder:
                 out = self._traced(*parts)
             except ValueError as error:
                 self._traced = None
-                asked = places.learn(self.model, self.hook, None)
-                named = misfit(self.model, self.hook, error)
-                if named is None:
-                    raise
-                if asked and reading:
+                failed = failed or error
+                if places.learn(self.model, self.hook, None) and reading:
                     continue  # read as blocks
-                raise named from error
+                named = misfit(self.model, self.hook, failed)
+                if named is None:
+                    raise failed from (None if failed is error else error)
+                raise named from failed
             places.learn(self.model, self.hook, self.drawn)
             return out
         raise AssertionError("both readings returned or raised")
