@@ -200,6 +200,69 @@ def fit(engine, directory, **kwargs):
     ).history
 
 
+class NoisyStep(keras.Sequential):
+    """Its own train_step, noising its inputs from a seed generator of its
+    own (as the fit guide's GAN noises its labels)."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.seeds = keras.random.SeedGenerator(4)
+
+    def train_step(self, data):
+        x, y = data
+        x = x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seeds)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def drawing(kind):
+    """A model whose Dropout draws a mask each step, with Keras' step or
+    :class:`NoisyStep`'s."""
+    keras.utils.set_random_seed(2)
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+              keras.layers.Dropout(0.4, seed=5), keras.layers.Dense(1)]  # fmt: skip
+    model = NoisyStep(layers) if kind == "own" else keras.Sequential(layers)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+    return Towers(model, devices=["/cpu:0", "/cpu:1"])
+
+
+@pytest.mark.parametrize("kind", ["built_in", "own"])
+def test_a_resumed_run_draws_on_where_the_uninterrupted_one_would(tmp_path, kind):
+    # Killed after step 3's update, before its checkpoint: resumed from step 2,
+    # its seed states too, so steps 3 to 15 draw the uninterrupted run's masks.
+    straight = drawing(kind)
+    fit(straight, tmp_path / "straight")
+    killed = drawing(kind)
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(killed, tmp_path / "resumed", callbacks=[CrashAt(0, 2)])
+    resumed = drawing(kind)
+    fit(resumed, tmp_path / "resumed")
+
+    assert resumed.steps_done == straight.steps_done == 15
+    for got, want in zip(resumed.model.variables, straight.model.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
+
+
+def test_a_checkpoint_saved_without_seed_states_still_resumes(tmp_path, monkeypatch):
+    # As an older towers wrote them: the run resumes, its draws from the
+    # seed states as they are.
+    from towers.step.step import Step
+
+    own = Step.state
+    with monkeypatch.context() as patched:
+        patched.setattr(Step, "state", lambda self: {
+            k: v for k, v in own(self).items() if k != "seed_states"})  # fmt: skip
+        older = drawing("built_in")
+        with pytest.raises(RuntimeError, match="crash"):
+            fit(older, tmp_path, callbacks=[CrashAt(0, 2)])
+    resumed = drawing("built_in")
+    fit(resumed, tmp_path)
+    assert resumed.steps_done == 15
+
+
 @pytest.mark.parametrize("batch", [2, 4], ids=["mid-epoch", "last-step"])
 def test_a_resumed_epoch_reports_the_whole_epochs_loss_and_metrics(tmp_path, batch):
     straight = fit(regression(["mae"]), tmp_path / "straight")

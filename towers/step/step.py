@@ -32,7 +32,13 @@ from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
 from towers.step.prepare import Preparing
 from towers.step.runner import Runner
-from towers.step.state import assign, exchanged, rule_of, settle_apart_metrics
+from towers.step.state import (
+    assign,
+    exchanged,
+    rule_of,
+    settle_apart_metrics,
+    state_variables,
+)
 from towers.step.tower import Tower, TowerResult
 
 
@@ -178,10 +184,15 @@ class Step(Preparing):
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint saves of the updates (``Update.state``), a model's
-        own step's accumulators too."""
+        own step's accumulators too, and the model's seed generators' states
+        (which its layers do not hand a checkpoint): a resumed run draws on
+        where the uninterrupted one would."""
         state = self.update.state()
         if self.custom is not None and self.custom.applies.accumulate_steps > 1:
             state["own_step_updates"] = self.custom.applies.saved
+        seeds = state_variables(self.placement.model)
+        if seeds:
+            state["seed_states"] = {str(i): v for i, v in enumerate(seeds)}
         return state
 
     # -- the phases ---------------------------------------------------------------

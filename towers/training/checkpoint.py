@@ -43,11 +43,17 @@ from towers.training.checkpoint_files import (
 _METRICS = "epoch_metrics"
 # Variables older checkpoints lack (the shuffle seed; the position in the
 # data as a pass over it and the batches read from it): restored when saved.
-_OPTIONAL = ("shuffle_seed", "data_pass", "data_read")
+_OPTIONAL = ("shuffle_seed", "data_pass", "data_read", "seed_states")
 
 
 def _key(name: str) -> str:
     return f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _optional(key: str) -> str | None:
+    """The name in :data:`_OPTIONAL` whose variable ``key`` is, if one."""
+    found = (n for n in _OPTIONAL if key == _key(n) or key.startswith(f"{n}/"))
+    return next(found, None)
 
 
 class Checkpointable(Protocol):
@@ -195,7 +201,7 @@ class TrainingCheckpoint:
                 stacklevel=3,
             )
         metrics_match = self._check_matches(path)
-        lacks = {name for name in _OPTIONAL if _key(name) not in saved}
+        lacks = set(_OPTIONAL) - {_optional(key) for key in saved}
         # Without its metrics (other or none saved) or a variable older
         # checkpoints lack, through a root of what it holds, whose save counter
         # the saving root then takes.
@@ -324,7 +330,7 @@ class TrainingCheckpoint:
         mine = variable_shapes(self._checkpoint)
         metrics_match = _metric_shapes(saved) == _metric_shapes(mine)
         saved, mine = _without_metrics(saved), _without_metrics(mine)
-        missing = sorted(set(mine) - set(saved) - {_key(n) for n in _OPTIONAL})
+        missing = sorted(k for k in set(mine) - set(saved) if not _optional(k))
         missing = saved_elsewhere(missing, mine, saved)
         wrong = [
             f"{key}: saved {saved[key]}, this model {mine[key]}"
