@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.placement.test_placement import OwnStep
 from tests.step.test_custom_steps import gan, guide_model, regression
 from tests.step.test_custom_steps_state import (
     EMAStep,
@@ -114,13 +115,7 @@ class Scaled(keras.Model):
     def call(self, x):
         return self.dense(x) * self.scale
 
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x, y, self(x, training=True))
-        variables = self.trainable_variables
-        self.optimizer.apply(tape.gradient(loss, variables), variables)
-        return {"loss": loss}
+    train_step = OwnStep.train_step  # a tape, compute_loss, one apply
 
 
 def scaled():
