@@ -183,6 +183,31 @@ def test_a_loss_that_couples_the_examples_is_refused_with_nothing_updated():
     assert int(model.optimizer.iterations) == 0
 
 
+def test_a_loss_on_one_tower_alone_is_one_devices_whatever_its_kind(monkeypatch):
+    # The whole batch on one tower: its gradients are one device's, so the
+    # probe (three more traces of the step) is not run, and a loss that
+    # couples the examples trains as on one device.
+    from towers.step import loss_kinds
+
+    def probed(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(loss_kinds, "probe", probed)
+    form = lambda m, x, y, sw: ops.max(squares(m, x, y))  # noqa: E731
+    engine = Towers(own_loss(form), devices=devices(1))
+    reference = own_loss(form)
+    before = reference.get_weights()
+    x, y = regression(23)
+
+    history = engine.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["value"], expected.history["value"], rtol=1e-12
+    )
+
+
 class InputPenalty(keras.Model):
     """WGAN-GP's gradient penalty, in small: an inner tape.gradient of the
     outputs with respect to the inputs (a value per example, not a weight's

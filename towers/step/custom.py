@@ -118,13 +118,15 @@ class CustomStep:
         examples: how each loss the step takes the gradient of and each
         number it returns depends on the batch (``loss_kinds.py``); a no-op
         after, and where the model's ``compute_loss`` is the whole batch's on
-        every tower."""
+        every tower, or the whole batch is one tower's (its gradients and
+        numbers are one device's whatever their kinds)."""
         hook = "train_step" if training else "test_step"
         kind = "train" if training else "evaluate"
         if kind not in self.kinds or hook in self._logs_found:
             return
         self.applies.whole_batch = self.runner.tower.coupled.gathered
-        if self.applies.whole_batch:
+        alone = len(self.placement.devices) == 1 and self.workers is None
+        if self.applies.whole_batch or alone:
             return
         found = loss_kinds.probe(self.model, batch, hook)
         if found.losses is not None:
