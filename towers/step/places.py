@@ -96,8 +96,10 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
 
     A draw over exactly the whole batch's rows given as a number, not read
     from a tensor's shape (``shaped``; keras.io's DDIM draws its noise over
-    a fixed ``batch_size``), is one device's draw: the shard's rows of it,
-    whatever multiple of the shard's rows it also is.
+    a fixed ``batch_size``), is one device's draw: the shard's rows of it.
+    Where it is also a multiple of the shard's rows (``2 *
+    ops.shape(x)[0]`` on 2 towers), the probe's parts told which
+    (:func:`learn`).
 
     >>> with rows(4, 8, total=16):  # a tower of rows 8-11 of 16
     ...     place(16, "normal", shaped=False), place(16, "normal")
