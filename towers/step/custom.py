@@ -15,8 +15,8 @@ after every tower updated it, any other value weighted by the shares.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 import threading
 import warnings
 from typing import Any
@@ -271,9 +271,8 @@ class CustomStep:
         value under a metric's name) read after every tower updated it; any
         other value weighted by the towers' shares, a sum's (by ``kinds``,
         the probe's) as a mean's. A dict of them (Keras' ``"compile_metrics"``)
-        is read alike, entry by entry. In a cluster the workers' metric
-        changes (``before``: a snapshot), numbers and stop flags meet in one
-        packed sum (:meth:`_over_workers`)."""
+        is read alike, entry by entry. In a cluster they meet the workers'
+        (:meth:`_over_workers`; ``before``: the metrics' snapshot)."""
         working = self.placement.working_towers(shards)
         numbers: list[tf.Tensor] = []  # this worker's, each tower's weighted
 
@@ -319,11 +318,10 @@ class CustomStep:
         return read(last)
 
     def _over_workers(self, before: Any, numbers: list, training: bool) -> list:
-        """In a cluster, after the towers: every worker's metric changes since
-        ``before`` (a worker without examples adds none) set, every worker's
-        ``numbers`` (weighted by its share ``B_w / B``) summed and returned,
-        and after training, the workers asking to stop (:meth:`stop`), in
-        one packed sum; ``numbers`` as they are in one process."""
+        """In a cluster, in one packed sum: every worker's metric changes
+        since ``before`` set (a worker without examples adds none), its
+        ``numbers`` weighted by ``B_w / B`` summed and returned, and after
+        training the workers asking to stop (:meth:`stop`)."""
         if before is None:
             return numbers
         weight = self._across.weight
@@ -340,14 +338,9 @@ class CustomStep:
         return summed[len(deltas) : len(deltas) + len(numbers)]
 
 
-@dataclasses.dataclass
-class _Number:
-    """A number of the step's logs: its place among the numbers summed, its
-    key and the last tower's value (whether it is a metric's result)."""
-
-    index: int
-    key: str
-    value: Any
+# A number of the step's logs: its place among the numbers summed, its key
+# and the last tower's value (whether it is a metric's result).
+_Number = collections.namedtuple("_Number", "index key value")
 
 
 def refuse_with_hooks(
