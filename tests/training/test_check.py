@@ -107,6 +107,45 @@ def test_check_shows_every_variables_difference_and_keeps_nothing():
     assert int(engine.optimizer.iterations) == 0 and engine.steps_done == 0
 
 
+def test_an_own_steps_optimizers_built_at_its_apply_are_checked_eagerly(monkeypatch):
+    # A GAN's two optimizers are built at their first apply: the check builds
+    # them from an eager run of the step that applies nothing, then runs the
+    # step eagerly as the reference (no trace), and compares every variable,
+    # slots included; nothing is kept.
+    from tests.step.test_custom_steps import gan
+    from towers.training import one_device
+
+    traced = []
+    own = one_device.OneDevice.__init__
+
+    def made(self, *args, **kwargs):
+        own(self, *args, **kwargs)
+        traced.append(self.traced)
+
+    monkeypatch.setattr(one_device.OneDevice, "__init__", made)
+    model = gan()
+    engine = Towers(model, devices=devices(2))
+    rng = np.random.default_rng(0)
+    real, z = rng.standard_normal((8, 2)), rng.standard_normal((8, 3))
+    before = [v.numpy() for v in model.variables]
+
+    comparison = engine.check(real, z)
+
+    assert comparison.skipped is None and comparison.differs == [], str(comparison)
+    assert traced == [False]
+    paths = {d.path for d in comparison.differences}
+    optimizers = (model.d_optimizer, model.g_optimizer)
+    slots = [v.path for o in optimizers for v in o.variables]
+    assert model.d_optimizer.built and model.g_optimizer.built
+    assert {p for p in slots if "iteration" not in p} <= paths, str(comparison)
+    for var, value in zip(model.variables, before):
+        np.testing.assert_array_equal(var.numpy(), value, err_msg=var.path)
+    for optimizer in optimizers:
+        assert int(optimizer.iterations) == 0
+        for var in optimizer.variables:
+            assert not np.any(var.numpy()) or "learning_rate" in var.path, var.path
+
+
 def bias_before_batch_norm():
     """A Dense bias followed by BatchNormalization: its true gradient is
     zero, and float32 sums leave noise Adam scales to a full step."""

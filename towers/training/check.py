@@ -1,12 +1,11 @@
 """Checked, not assumed: towers' step against Keras' own on one device.
 
 Every rule that makes the towers exact was found by someone trying a model;
-the next may need one nobody wrote. So before the first update of a fit,
-and on any batch a user gives (``Towers.check``), the engine runs
-the model's own ``train_step`` (Keras' unless the model overrides it) on the
-whole batch on the variable device, from the same variables, optimizer
-state, metrics and seed states, and then puts every one of them back; then
-towers' step runs, and what each changed is compared, variable by variable:
+the next may need one nobody wrote. So before the first update of a fit, and
+on any batch a user gives (``Towers.check``), the engine runs the model's own
+``train_step`` (Keras' unless overridden) on the whole batch on the variable
+device, from the same variables, optimizer state, metrics and seed states,
+then puts them back; towers' step runs, and what each changed is compared:
 
     Δ_towers = after_towers - before          Δ_keras = after_keras - before
     relative(v) = ||Δ_towers - Δ_keras|| / ||Δ_keras||
@@ -19,9 +18,9 @@ an element whose gradient one device computes at the noise of its sums
 (below :data:`NOISE` times the largest gradient; an attention key's bias,
 a bias before BatchNormalization) takes a step of noise under Adam, and is
 left out (so are the optimizer slots that hold it). Integer state (seeds,
-step counts) must be equal. A metric's result that differs is warned of:
-the weights trained as one device's, what fit reports does not. A variable
-a layer assigns by a declared aggregation follows it (``state.py``).
+step counts) must be equal. A metric's result that differs is warned of (the
+weights trained as one device's, what fit reports does not). A variable a
+layer assigns by a declared aggregation follows it (``state.py``).
 
 Where the check cannot compare it says so once and steps on: TensorFlow's
 stateful random ops (each run draws anew), a draw towers named, a cluster
@@ -33,6 +32,7 @@ stateful random ops (each run draws anew), a draw towers named, a cluster
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +53,7 @@ from towers.training.check_state import (
     watched,
     with_slots,
 )
-from towers.training.one_device import OneDevice
+from towers.training.one_device import OneDevice, built_eagerly
 
 # How far one device's change and towers' may be apart, relative to the
 # change, by the dtype the model computes in. float64 leaves rounding at
@@ -64,9 +64,8 @@ from towers.training.one_device import OneDevice
 # seeds; 4 of them above 3 %). The check refuses past twice that in 32 and
 # 16 bits (the silent mismatches it exists for were 6 % to 16x: a float32
 # model's 6 % is the float64 tests' to find). Rounding's reach is not cheap
-# to measure per model: one device's own step on the rows in other orders
-# hits the same discrete flips as the towers, but 16 orders of one batch
-# ranged from 0 to 5.9 % (the towers' 5.9 % among them), so a few miss it.
+# to measure per model: 16 orders of one batch's rows on one device ranged
+# from 0 to 5.9 % (the towers' 5.9 % among them), so a few miss it.
 RTOL = {
     "float64": 1e-7, "float32": 0.15, "float16": 0.15, "bfloat16": 0.2,
     "float8": 0.15,
@@ -76,15 +75,13 @@ RTOL = {
 NOISE = 1e3
 # ... but at most this share of the largest gradient (16-bit sums).
 MAX_NOISE = 1e-2
-# An absolute floor, as a share of the largest change of its kind (the
-# model's weights', the optimizer's, the metrics'): a change that is 0 on one
-# device (a moving mean of centred values, a bias before BatchNormalization)
-# is rounding of that size there (tests/tolerances.py: float64 measured
-# 1.3e-12 of it on ResNet50, 4e-9 on MobileNetV2).
+# An absolute floor, as a share of the largest change of its kind (weights',
+# the optimizer's, the metrics'): a change that is 0 on one device (a bias
+# before BatchNormalization) is rounding of that size there (float64
+# measured 1.3e-12 of it on ResNet50, 4e-9 on MobileNetV2).
 ATOL = {"float64": 1e-8, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2,
         "float8": 5e-2}  # fmt: skip
-# Ulps of a value's own magnitude a change may differ by (rounding of b + Δ).
-ULPS = 16
+ULPS = 16  # of a value's own magnitude a change may differ by (b + Δ's rounding)
 
 
 @dataclasses.dataclass
@@ -347,14 +344,17 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
 
 
 def _reference(engine: Any, batches: list) -> tuple:
-    """The one-device step (``one_device.py``), traced, or why there is none
-    to compare with: stateful draws, or it does not trace (towers' own step
-    then says what is wrong in its words)."""
+    """The one-device step (``one_device.py``), or why there is none to
+    compare with: stateful draws, or it does not run (towers' own step then
+    says what is wrong in its words)."""
     try:
         jit, model = engine.step.tower.jit.enabled, engine.model
         optimizers = [*engine.placement.optimizers[:1], *own_optimizers(model)]
         unbuilt = not all(o.built for o in optimizers)
-        reference = OneDevice(model, batches, engine.variable_device, jit, unbuilt)
+        device, keep = engine.variable_device, functools.partial(kept_run, engine)
+        if unbuilt and not jit and len(batches) == 1:  # eagerly, not traced
+            unbuilt = not built_eagerly(model, batches[0], device, keep)
+        reference = OneDevice(model, batches, device, jit, unbuilt)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
         return None, _not_run(error)
     if reference.draws:
