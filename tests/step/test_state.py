@@ -56,7 +56,7 @@ def model_with(layer, features=4):
     return keras.Sequential([keras.Input((features,)), layer, keras.layers.Dense(2)])
 
 
-def test_a_counter_moves_once_a_step_as_in_keras_fit_with_one_warning():
+def test_a_counter_of_keras_default_aggregation_moves_once_a_step_as_in_fit():
     keras.utils.set_random_seed(0)
     mine, theirs = model_with(Counter()), model_with(Counter())
     theirs.set_weights(mine.get_weights())
@@ -76,8 +76,8 @@ def test_a_counter_moves_once_a_step_as_in_keras_fit_with_one_warning():
         np.testing.assert_allclose(
             got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
         )
-    named = [w for w in caught if "aggregation='none'" in str(w.message)]
-    assert len(named) == 1 and mine.layers[0].count.path in str(named[0].message)
+    # Every tower's value reads no example: one value, taken without a word.
+    assert not [w for w in caught if "aggregation" in str(w.message)]
 
 
 def test_each_aggregation_takes_the_towers_assignments_by_its_rule():
@@ -101,7 +101,7 @@ def test_each_aggregation_takes_the_towers_assignments_by_its_rule():
         f"{rules.examples.path}: aggregation 'sum': the towers' changes add up"
         in report
     )
-    assert f"{rules.steps.path}: aggregation 'none': the first tower's" in report
+    assert f"{rules.steps.path}: aggregation 'none': the towers' one value" in report
 
 
 class InferenceCounter(Counter):
@@ -115,8 +115,7 @@ def test_evaluate_and_predict_assign_once_a_batch():
     model = model_with(InferenceCounter())
     engine = Towers(model, loss="mse", optimizer="sgd", devices=devices(4))
     x, y = np.ones((10, 4), "float32"), np.ones((10, 2), "float32")
-    with pytest.warns(UserWarning, match="aggregation='none'"):
-        engine.evaluate(x, y, batch_size=4, verbose=0)  # 3 batches
+    engine.evaluate(x, y, batch_size=4, verbose=0)  # 3 batches
     engine.predict(x, batch_size=5, verbose=0)  # 2 batches
     assert float(model.layers[0].count) == 5
 
@@ -156,3 +155,61 @@ def test_every_path_of_a_step_assigns_once(options, xla_allowed):
             assert float(rules.examples) == 10
         else:  # each copy counts its own tower's shard
             assert float(rules.examples) in (6, 4)
+
+
+class LastMean(keras.layers.Layer):
+    """Keeps the last training batch's mean in a variable of Keras' default
+    aggregation ("none"): each tower's value reads its own rows."""
+
+    def build(self, shape):
+        self.last = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="last"
+        )
+
+    def call(self, x, training=False):
+        self.last.assign(ops.mean(x))
+        return x
+
+
+class LastDraw(LastMean):
+    """Keeps a draw: one per tower, where one device draws once."""
+
+    def build(self, shape):
+        super().build(shape)
+        self.seed = keras.random.SeedGenerator(1)
+
+    def call(self, x, training=False):
+        self.last.assign(keras.random.normal((), seed=self.seed))
+        return x
+
+
+@pytest.mark.parametrize(
+    "layer, options",
+    [
+        (LastMean, {}),
+        (LastMean, dict(jit_compile=True)),
+        (LastMean, dict(batch_statistics="global")),
+        (LastDraw, {}),
+    ],
+    ids=["mean", "mean-xla", "mean-lockstep", "draw"],
+)
+def test_a_value_of_each_shard_under_aggregation_none_is_refused_by_name(
+    layer, options, xla_allowed
+):
+    model = keras.Sequential(
+        [keras.Input((4,)), layer(), keras.layers.Dense(3),
+         keras.layers.BatchNormalization(), keras.layers.Dense(2)]
+    )  # fmt: skip
+    engine = Towers(model, loss="mse", optimizer="sgd", devices=devices(3), **options)
+    x, y = np.arange(28, dtype="float32").reshape(7, 4), np.ones((7, 2), "float32")
+    before = [v.numpy() for v in model.variables]
+    named = f"variable '{model.layers[0].last.path}' is assigned.*'none'"
+
+    with pytest.raises(ValueError, match=named):
+        engine.fit(x, y, batch_size=7, verbose=0)
+    with pytest.raises(ValueError, match=named):
+        engine.evaluate(x, y, batch_size=7, verbose=0)
+
+    for b, v in zip(before, model.variables):
+        np.testing.assert_array_equal(v.numpy(), b, err_msg=v.path)
+    assert int(model.optimizer.iterations) == 0

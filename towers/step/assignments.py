@@ -41,7 +41,7 @@ from towers._keras.patches import (
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current
-from towers.step.state import aggregate, rule_of
+from towers.step.state import aggregate, refused, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -205,14 +205,7 @@ class Assignments:
                 weight = in_dtype(weight, before.dtype)
                 change = change / over_workers(self.across, weight)
             return before + change
-        raise ValueError(
-            f"the model's own step assigns the variable {variable.path!r} a value "
-            f"that differs from tower to tower (aggregation={rule!r}): one "
-            "device would assign it once, from the whole batch. Compute it "
-            "from the batch's rows with towers.gather, or create the variable "
-            "with aggregation='sum' (the towers' changes add up) or 'mean' "
-            "(weighted by their shares). Nothing was updated."
-        )
+        raise refused(variable.path, rule)
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
         here = current()

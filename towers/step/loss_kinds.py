@@ -35,6 +35,7 @@ from towers.combine import in_dtype
 from towers.split import take_rows, units_of
 from towers.step import draws, places
 from towers.step.probe import readings
+from towers.step.state import Reads
 
 # "whole_sum": a sum whose terms that read no tensor of the batch still move
 # with its rows (a draw per row of a static shape): nothing is set apart.
@@ -55,7 +56,7 @@ def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
     >>> float(free(tf.ones([3]), tf.constant(4.0)))
     -8.0
     """
-    reads = _Reads(batch)
+    reads = Reads(batch)
     found, stack = [], [(target, None)]
     while stack:
         tensor, scale = stack.pop()
@@ -86,36 +87,6 @@ def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
 def _times(scale: Any, factor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     factor = tf.cast(factor, dtype)
     return factor if scale is None else scale * factor
-
-
-class _Reads:
-    """Whether a tensor reads any of ``batch``'s (by its data inputs)."""
-
-    def __init__(self, batch: list[tf.Tensor]):
-        self.batch = {t.ref() for t in batch if t is not None}
-        self.ops: dict[Any, bool] = {}
-
-    def __call__(self, tensor: tf.Tensor) -> bool:
-        if tensor.ref() in self.batch:
-            return True
-        stack = [tensor.op]
-        while stack:
-            op = stack[-1]
-            if op in self.ops:
-                stack.pop()
-                continue
-            inputs = list(op.inputs)
-            if any(i.ref() in self.batch for i in inputs):
-                self.ops[op] = True
-                stack.pop()
-                continue
-            pending = [i.op for i in inputs if i.op not in self.ops]
-            if pending:
-                stack += pending
-            else:
-                self.ops[op] = any(self.ops[i.op] for i in inputs)
-                stack.pop()
-        return self.ops[tensor.op]
 
 
 def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:

@@ -12,10 +12,13 @@ once::
     "mean"                sum_t n_t v_t / sum_t n_t  one device's value of a
                                                      statistic of the batch
     "only_first_replica"  v_0
-    "none" (Keras' default)  v_0, with a warning naming the variable once
+    "none" (Keras' default)  v_0 where every tower's value reads none of its
+                          rows and no draw (a count of steps, a kernel
+                          masked): one value; refused by name otherwise
 
 In a cluster the workers' changes meet in the step's sum, "mean" weighted by
 every worker's examples; "none" and "only_first_replica" take the chief's.
+A model's own step's assignments take the same rules (``assignments.py``).
 BatchNormalization's moving statistics and seed states have rules of their
 own (``batchnorm.py``, ``draws.py``).
 """
@@ -23,7 +26,6 @@ own (``batchnorm.py``, ``draws.py``).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -85,34 +87,36 @@ def aggregate(rule: str, before: Any, values: list, weights: list) -> tuple:
     return changes[0], 1.0
 
 
-def settle(
-    passes: list[Any],
-    sizes: list[Any],
-    cluster: Any = None,
-    warned: set | None = None,
-) -> list:
+def settle(passes: list[Any], sizes: list[Any], cluster: Any = None) -> list:
     """What each variable the towers' ``passes`` assigned takes this step, a
     :class:`Settled` each, in the order they assigned them. ``sizes``: their
-    shards' examples (an empty share's tower ran on zeros and adds nothing);
-    ``warned``: the paths warned of already (once a variable).
+    shards' examples (an empty share's tower ran on zeros and adds nothing).
 
     Example:
       >>> import keras, types
       >>> count = keras.Variable(1.0, aggregation="sum")
-      >>> passes = [types.SimpleNamespace(state=[count], state_values=[v])
-      ...           for v in (tf.constant(3.0), tf.constant(4.0))]
+      >>> passes = [types.SimpleNamespace(state=[count], state_values=[v],
+      ...           state_free=[False]) for v in (tf.constant(3.0), tf.constant(4.0))]
       >>> float(settle(passes, [2, 2])[0].value)  # 1 + (3 - 1) + (4 - 1)
       6.0
+
+    Raises:
+      ValueError: a variable of aggregation "none" the towers assigned a
+        value that reads their rows or a draw (traced: before any update).
     """
-    warned = set() if warned is None else warned
-    assigned: dict[int, tuple[Any, list, list]] = {}
+    assigned: dict[int, tuple[Any, list, list, list]] = {}
     for tower_pass, size in zip(passes, sizes):
-        for variable, value in zip(tower_pass.state, tower_pass.state_values):
-            _, values, weights = assigned.setdefault(id(variable), (variable, [], []))
+        for variable, value, free in zip(
+            tower_pass.state, tower_pass.state_values, tower_pass.state_free
+        ):
+            _, values, weights, frees = assigned.setdefault(
+                id(variable), (variable, [], [], [])
+            )
             values.append(value)
             weights.append(size)
+            frees.append(free)
     settled = []
-    for variable, values, weights in assigned.values():
+    for variable, values, weights, frees in assigned.values():
         rule = rule_of(variable)
         dtype = variable.dtype if tf.as_dtype(variable.dtype).is_floating else "float32"
         before = tf.convert_to_tensor(variable)
@@ -125,11 +129,11 @@ def settle(
             value = before + tf.cast(change, before.dtype)
         # A seed generator's state: every tower drew from the same start,
         # each its rows of the batch's draw (draws.py): the first's is one
-        # device's, no warning due.
-        quiet = variable.path in warned or is_seed_state(variable)
-        if rule == "none" and (len(values) > 1 or cluster) and not quiet:
-            warned.add(variable.path)
-            warnings.warn(_none_warning(variable.path), stacklevel=6)
+        # device's.
+        meets = len(values) > 1 or cluster is not None
+        if rule == "none" and meets and not is_seed_state(variable):
+            if not all(frees):
+                raise refused(variable.path, rule)
         change, weight = tf.cast(change, dtype), tf.cast(weight, dtype)
         if rule == "mean":  # what the workers' sums divide: sum_t n_t (v_t - v)
             change = change * weight
@@ -142,6 +146,58 @@ def settle(
         value = tf.cast(value, before.dtype)
         settled.append(Settled(variable, rule, before, value, change, weight))
     return settled
+
+
+def refused(path: str, rule: str) -> ValueError:
+    """The error for a variable assigned a value that differs from tower to
+    tower, which its aggregation ``rule`` cannot make one device's."""
+    return ValueError(
+        f"the variable {path!r} is assigned a value that differs from tower "
+        f"to tower (aggregation={rule!r}): it reads the tower's rows of the "
+        "batch or a random draw, where one device would assign it once, from "
+        "the whole batch. Create the variable with aggregation='sum' (the "
+        "towers' changes add up: a count of examples), 'mean' (their values "
+        "weighted by their examples), 'only_first_replica' (the first "
+        "tower's), or compute it in a model's own step from the batch's rows "
+        "(towers.gather). Nothing was updated."
+    )
+
+
+class Reads:
+    """Whether a traced tensor reads any of ``batch``'s tensors (by its data
+    inputs), or with ``draws``, a random op's output."""
+
+    def __init__(self, batch: list[Any], draws: bool = False):
+        leaves = tf.nest.flatten(batch, expand_composites=True)
+        self.batch = {t.ref() for t in leaves if tf.is_tensor(t)}
+        self.draws = draws
+        self.ops: dict[Any, bool] = {}
+
+    def __call__(self, tensor: tf.Tensor) -> bool:
+        if not tf.is_symbolic_tensor(tensor):
+            return False
+        if tensor.ref() in self.batch:
+            return True
+        stack = [tensor.op]
+        while stack:
+            op = stack[-1]
+            if op in self.ops:
+                stack.pop()
+                continue
+            inputs = list(op.inputs)
+            if any(i.ref() in self.batch for i in inputs) or (
+                self.draws and "Random" in op.type
+            ):
+                self.ops[op] = True
+                stack.pop()
+                continue
+            pending = [i.op for i in inputs if i.op not in self.ops]
+            if pending:
+                stack += pending
+            else:
+                self.ops[op] = any(self.ops[i.op] for i in inputs)
+                stack.pop()
+        return self.ops[tensor.op]
 
 
 def _examples(sizes: list[Any]) -> Any:
@@ -176,12 +232,12 @@ def exchanged(settled: list[Settled]) -> list[tf.Tensor]:
 
 
 def settle_apart_metrics(
-    passes: list[Any], sizes: list[Any], models: list[Any], cluster: Any, warned: set
+    passes: list[Any], sizes: list[Any], models: list[Any], cluster: Any
 ) -> list[Settled]:
     """:func:`settle`, a metric's variables (the models' own metrics, updated
     in ``call`` or ``compute_loss``) assigned at once: in a cluster the
     metrics' changes are summed with the other metrics'. Returns the rest."""
-    settled = settle(passes, sizes, cluster, warned)
+    settled = settle(passes, sizes, cluster)
     metric = {id(v) for model in models for m in model.metrics for v in m.variables}
     assign([item for item in settled if id(item.variable) in metric])
     return [item for item in settled if id(item.variable) not in metric]
@@ -199,21 +255,8 @@ def describe(rule: str) -> str:
             "sum": "the towers' changes add up",
             "mean": "the towers' values weighted by their examples",
             "only_first_replica": "the first tower's",
-            "none": "the first tower's (warned of)",
+            "none": "the towers' one value (refused where it reads their rows)",
         }[rule]
-    )
-
-
-def _none_warning(path: str) -> str:
-    return (
-        f"towers: the variable {path!r} is assigned in the forward pass and "
-        "has aggregation='none', so of the towers' assignments the first "
-        "tower's is kept: one device's value where every tower assigns the "
-        "same (a value of the variables alone), not where it reads the "
-        "batch (the first-step check names that). Create it with "
-        "aggregation='sum' to add up the towers' changes (a count of "
-        "examples), 'mean' to weigh them by their examples, or "
-        "'only_first_replica' to keep the first tower's without this warning."
     )
 
 

@@ -73,7 +73,6 @@ class Step(Preparing):
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
         self.custom: Any = None  # the model's own steps (custom.py), if any
-        self._warned: set[str] = set()  # state variables warned of (state.py)
         # What the towers' passes assign (state.py): variable path -> its rule.
         self.assigned: dict[str, str] = {}
 
@@ -347,4 +346,4 @@ class Step(Preparing):
         working = shards.working() if predict else self.placement.working_towers(shards)
         sizes = [batch_size_of(shards.parts[t]) for t in working]
         models = self.placement.models
-        return settle_apart_metrics(passes, sizes, models, cluster, self._warned)
+        return settle_apart_metrics(passes, sizes, models, cluster)

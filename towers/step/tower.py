@@ -41,7 +41,7 @@ from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
 from towers.step.losses import StepLoss, Term, over
-from towers.step.state import state_variables
+from towers.step.state import Reads, state_variables
 
 
 @dataclasses.dataclass
@@ -56,7 +56,9 @@ class TowerPass:
         gradients are taken with respect to.
       states: the seed generators' states after the pass (``draws.Starts``).
       state, state_values: the other variables the pass assigned and their
-        values after it, for the step to assign once (``state.py``).
+        values after it, for the step to assign once (``state.py``);
+        state_free: per value, whether it reads none of the tower's rows and
+        no draw (the same value on every tower).
     """
 
     terms: list[Term]
@@ -69,11 +71,15 @@ class TowerPass:
     states: list[tf.Tensor] = dataclasses.field(default_factory=list)
     state: list[Any] = dataclasses.field(default_factory=list)
     state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    state_free: list[bool] = dataclasses.field(default_factory=list)
 
-    def keep_state(self, scope: ReadScope) -> TowerPass:
-        """Takes the variables ``scope`` saw assigned, with their values."""
+    def keep_state(self, scope: ReadScope, batch: Any) -> TowerPass:
+        """Takes the variables ``scope`` saw assigned, with their values and
+        whether each reads none of ``batch``'s tensors and no draw."""
         self.state = list(scope.assigned.values())
         self.state_values = [scope.get_current_value(v) for v in self.state]
+        reads = Reads(batch, draws=True)
+        self.state_free = [not reads(value) for value in self.state_values]
         return self
 
     def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
@@ -107,6 +113,7 @@ class TowerResult:
     output_losses: dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
     state: list[Any] = dataclasses.field(default_factory=list)
     state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    state_free: list[bool] = dataclasses.field(default_factory=list)
 
 
 class Tower:
@@ -190,7 +197,7 @@ class Tower:
                 tower_pass.states = [
                     scope.get_current_value(v) for v in state_variables(model)
                 ]
-            tower_pass.keep_state(scope)
+            tower_pass.keep_state(scope, (x, y, sample_weight, first, total))
         tower_pass.tape, tower_pass.moments = tape, moments
         tower_pass.variables, tower_pass.sources = variables, sources
         return tower_pass
@@ -224,6 +231,7 @@ class Tower:
             output_losses=tower_pass.output_losses(divisors),
             state=tower_pass.state,
             state_values=tower_pass.state_values,
+            state_free=tower_pass.state_free,
         )
 
     def evaluate(
@@ -236,7 +244,7 @@ class Tower:
                 tower_pass = self._pass(
                     model, x, y, sample_weight, examples, False, scope
                 )
-                return tower_pass.keep_state(scope)
+                return tower_pass.keep_state(scope, (x, y, sample_weight))
 
         return self._run(model, evaluate, x, y, sample_weight)
 
@@ -247,7 +255,7 @@ class Tower:
         def predict(x: Any, weights: Any) -> TowerPass:
             with weights_here(model, weights=weights) as scope:
                 outputs = call_model(model, x, False)
-                return TowerPass([], None, outputs, []).keep_state(scope)
+                return TowerPass([], None, outputs, []).keep_state(scope, x)
 
         return self._run(model, predict, x)
 
