@@ -187,12 +187,12 @@ def test_a_loss_on_one_tower_alone_is_one_devices_whatever_its_kind(monkeypatch)
     # The whole batch on one tower: its gradients are one device's, so the
     # probe (three more traces of the step) is not run, and a loss that
     # couples the examples trains as on one device.
-    from towers.step import loss_kinds
+    from towers.step import probe
 
     def probed(*args, **kwargs):
         raise AssertionError("probed")
 
-    monkeypatch.setattr(loss_kinds, "probe", probed)
+    monkeypatch.setattr(probe, "probe", probed)
     form = lambda m, x, y, sw: ops.max(squares(m, x, y))  # noqa: E731
     engine = Towers(own_loss(form), devices=devices(1))
     reference = own_loss(form)

@@ -13,7 +13,7 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import draws, meetings, places, probe, runner, segments
+from towers.step import draws, loss_kinds, meetings, places, runner, segments
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 
@@ -327,5 +327,5 @@ def test_a_python_random_choice_is_no_coupling_of_the_examples():
     x = np.random.default_rng(0).standard_normal((4, 5)).astype("float32")
     model = chosen()
     state = random.getstate()
-    assert probe.coupling_layer(model, x, "/CPU:0") is None
+    assert loss_kinds.coupling_layer(model, x, "/CPU:0") is None
     assert random.getstate() == state  # and nothing drawn

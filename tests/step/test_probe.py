@@ -215,11 +215,9 @@ def test_the_probe_calls_a_model_only_where_a_term_may_be_added(
     monkeypatch, layer, probed
 ):
     called = []
-    term_values = probe_module._term_values
+    probe = probe_module.probe
     monkeypatch.setattr(
-        probe_module,
-        "_term_values",
-        lambda *args: called.append(1) or term_values(*args),
+        probe_module, "probe", lambda *args: called.append(1) or probe(*args)
     )
     x, y = data()
     build = keras.Sequential([keras.Input((6,)), layer(), keras.layers.Dense(4)])

@@ -31,7 +31,8 @@ import keras
 from towers._keras import layers_of, patches
 from towers.split import batch_size_of
 from towers.step.balancing import load_balancing_over_towers
-from towers.step.probe import Measured, probe_terms, shares_of_terms
+from towers.step.loss_kinds import shares_of_terms
+from towers.step.probe import Measured, probe_terms
 
 # keras_hub's mixture-of-experts blocks, and the attribute of their
 # load-balancing loss's coefficient.

@@ -30,7 +30,7 @@ from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, examples_of
-from towers.step import draws, loss_kinds, xla
+from towers.step import draws, loss_kinds, probe, xla
 from towers.step.applies import INSTANCES_PER_APPLY, Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
@@ -128,7 +128,7 @@ class CustomStep:
         alone = len(self.placement.devices) == 1 and self.workers is None
         if self.applies.whole_batch or alone:
             return
-        found = loss_kinds.probe(self.model, batch, hook)
+        found = probe.probe(self.model, batch, hook)
         if found.losses is not None:
             self._logs_found[hook] = found.logs
             if training:
@@ -227,7 +227,7 @@ class CustomStep:
                 "Nothing was updated."
             ) from error
         except ValueError as error:
-            named = loss_kinds.misfit(self.model, hook, error)
+            named = probe.misfit(self.model, hook, error)
             if named is None:
                 raise
             raise named from error

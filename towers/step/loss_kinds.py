@@ -1,48 +1,47 @@
-"""How a model's own step's loss depends on its batch: found, not declared.
+"""How a loss depends on its batch, and what the step does with it.
 
 The towers weigh each gradient by their share ``s_t = n_t / B``: one device's
 for a loss that is a mean over the shard's examples (Keras' losses,
 ``ops.mean``, a sum over a batch size read from the data). Set apart the
-terms that read no example (a weight penalty, ``c``), and a sum (``ops.sum``,
-a value per example, which the tape sums) is handed in as a mean's:
-``(g - g_c) / s_t + g_c`` (:func:`as_mean`), its value too.
-
-:func:`probe` finds which before the first step: the step runs with nothing
-applied or kept on two examples together and on each alone (``probe.py``'s
-:func:`readings`), each loss less its batch-free terms (:func:`batch_free`,
-read from its graph). A loss that is neither couples the examples and is
-refused by name before any update, unless the step gathers the batch.
+terms that read no example (a weight penalty, ``c``: :func:`batch_free`,
+read from its graph), and a sum (``ops.sum``, a value per example, which the
+tape sums) is handed in as a mean's: ``(g - g_c) / s_t + g_c``
+(:func:`as_mean`), its value too. Which a loss is, the probe finds
+(``probe.py``); where a step's outputs couple the examples,
+:func:`coupling_layer` says where, and :func:`shares_of_terms` what taking a
+coupled term per tower changes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import random
 from typing import Any, Literal
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from towers._keras import layers_of
-from towers._keras.current import setting, this_tower
-from towers._keras.patches import (
-    Patch,
-    batch_norm_replacements,
-    own_moments,
-    routed_applies,
-    routed_gradients,
-)
+from towers._keras import built_symbolically, call_model, layers_of, own_losses
+from towers._keras.current import this_tower
 from towers.combine import in_dtype
-from towers.split import take_rows, units_of
-from towers.step import draws, places
-from towers.step.probe import readings
+from towers.split import batch_size_of, split_sizes, take_rows
+from towers.step.gathered import concat_rows
 from towers.step.state import Reads
 
 # "whole_sum": a sum whose terms that read no tensor of the batch still move
 # with its rows (a draw per row of a static shape): nothing is set apart.
 Kind = Literal["mean", "sum", "whole_sum"]
-
-# Pairs of examples tried while a loss is zero on them (both readings fit).
-PAIRS = 4
+# How far apart a number's value on two examples and the mean (or sum) of
+# its values on each may be and still be read as one: a thousandth, far
+# above the rounding between a batch of 1 and of 2 (TF32 matmuls on a GPU
+# included), far below what a contrastive term shows.
+PROBE_RTOL = 1e-3
+PROBE_ATOL = 1e-7
+# Where a step already differs from one device's, the layer whose outputs
+# couple the examples is looked for closer: a tenth of the probe's (an
+# embedding's small random values couple a dot product over the batch by
+# 1e-3), still far above float32's rounding between batches of 1 and 2.
+COUPLING_RTOL = 1e-4
 
 
 def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
@@ -116,251 +115,122 @@ def gathered() -> None:
         recorder.gathers = True
 
 
-@dataclasses.dataclass
-class Found:
-    """What :func:`probe` found: the kind of each loss the step took the
-    gradient of, in call order (None: not probed), and of each number the
-    step returns, by its key (a key that is neither is left out)."""
-
-    losses: list[Kind] | None
-    logs: dict[str, Kind]
-
-
-def probe(model: keras.Model, batch: tuple, hook: str = "train_step") -> Found:
-    """How the model's ``hook`` (its ``train_step`` or ``test_step``) reads
-    the batch, on two examples together and on each alone. A loss with a
-    value per example is a sum (the tape sums it); a vector of another length
-    (a mean per output) is read as its sum.
-
-    Raises:
-      ValueError: a loss that is neither a mean nor a sum over the examples.
-    """
-    size = units_of(batch)[0]  # a part's rows each (towers/split.py)
-    if size < 2:
-        return Found(None, {})
-    recorder = _Recorder(model, hook, places.size_of(batch[0]))
-    kinds: list[Any] = []
-    logs: dict[str, Any] = {}
-    for first in range(0, min(size - 1, 2 * PAIRS), 2):
-        parts = [_rows(batch, first, first + 2)]
-        parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
-        losses, returned = recorder.recorded(parts)
-        losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
-        for key in returned[0]:
-            value = _less_free([variant[key].numpy() for variant in returned])
-            logs.setdefault(key, _kind(model, value, None))
-        if recorder.gathers:  # the whole batch's loss on every tower
-            return Found(["mean"] * len(losses), {})
-        read = [  # a value per row the tape sums, unless its values say else
-            _kind(model, value, k) or ("sum" if rows else None)
-            for k, (rows, value) in enumerate(zip(recorder.per_row(), losses))
-        ]
-        kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
-        if all(kinds):
-            break
-    logs = {key: kind for key, kind in logs.items() if kind}
-    return Found([kind or "mean" for kind in kinds], logs)  # 0 on every pair: either
-
-
-def misfit(model: keras.Model, hook: str, error: ValueError) -> ValueError | None:
-    """``error``, raised while ``hook`` ran on a part of the batch, named
-    where the part's shapes did not fit the step's (None: another error)."""
-    text = str(error)
-    if not any(k in text for k in ("Dimensions must be equal", "Incompatible")):
-        return None
-    return ValueError(
-        f"{type(model).__name__}.{hook} on towers runs on each tower's share of "
-        f"the batch, and a share did not fit it: {text.splitlines()[0]} A shape "
-        "the step takes from a fixed batch size, not from its data "
-        "(keras.ops.shape(x)[0]), does not fit a share: read it from the data, "
-        "or train on one device. Nothing was updated."
-    )
-
-
-def _rows(batch: tuple, start: int, stop: int) -> tuple:
-    """Units ``[start, stop)`` of ``batch``: so many rows of each part."""
-    units, rows = units_of(batch)
-    taken = [
-        None if n is None else take_rows(leaf, start * n // units, stop * n // units)
-        for leaf, n in zip(tf.nest.flatten(batch), rows)
-    ]
-    return tf.nest.pack_sequence_as(batch, taken)
-
-
-def _less_free(pairs: list) -> tuple[list[float], bool]:
-    """A number's values on the three parts less its batch-free terms, and
-    whether those terms were set apart: not where they differ from part to
-    part (they moved with the rows after all)."""
-    whole = [float(value) for value, _ in pairs]
-    free = [float(free) for _, free in pairs]
-    if max(free) - min(free) > 1e-6 * max(map(abs, free)) + 1e-12:
-        return whole, False
-    return [w - f for w, f in zip(whole, free)], True
-
-
-def _kind(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
-    """The kind of the ``k``-th loss (None: a number the step returns) from
-    :func:`_less_free`'s values (None: either fits; a returned number that
-    is neither)."""
-    (together, alone0, alone1), apart = value
-    fits = readings(together, alone0, alone1)
-    if len(fits) == 1:
-        kind = fits.pop()
-        return kind if kind == "mean" or apart else "whole_sum"
-    if fits or k is None:
-        return None
-    raise ValueError(
-        f"{type(model).__name__}.train_step on towers: the loss of its "
-        f"tape.gradient call {k + 1}, less its terms that read no example, is "
-        f"{together:.6g} on two examples together and {alone0:.6g} and "
-        f"{alone1:.6g} on each alone: neither a mean nor a sum over the "
-        "examples, so the towers cannot add their gradients up to one "
-        "device's. A loss over the whole batch's rows (a contrastive loss) "
-        "takes them with towers.gather; else train on one device. Nothing was "
-        "updated."
-    )
-
-
-class _Recorder:
-    """The model's ``hook`` run on each of three parts (two examples, then
-    each alone), nothing applied or kept; per part, each loss it takes the
-    gradient of and each number it returns, less their batch-free terms."""
-
-    def __init__(self, model: keras.Model, hook: str, rows: int | None):
-        self.model, self.hook = model, hook
-        self.rows = rows  # the batch's: a draw over them is over a part's
-        self.leading: list[list[Any]] = []  # per part, each loss's first axis
-        self.gathers = False  # the step called towers.gather
-        self._losses: list[tf.Tensor] | None = None
-        self._traced: Any = None  # run, as a tf.function
-        self.drawn: list[list[Any]] = []  # per part, its draws' row counts
-        self._batch: list[tf.Tensor] = []
-
-    def recorded(self, parts: list[tuple]) -> tuple:
-        """:meth:`run` on ``parts``. A draw over a number of rows that is both
-        the batch's and blocks of a part's is read as the batch's (a fixed
-        batch_size), or where the step then fails on the parts, as blocks;
-        what each draw asked for on the parts then says which it is
-        (``places.learn``)."""
-        failed = None
-        for reading in (True, False):
-            if self._traced is None:
-                places.learn(self.model, self.hook, None, reading)
-                self._traced = tf.function(self.run, autograph=False)
-            try:
-                out = self._traced(*parts)
-            except ValueError as error:
-                self._traced = None
-                failed = failed or error
-                if places.learn(self.model, self.hook, None) and reading:
-                    continue  # read as blocks
-                named = misfit(self.model, self.hook, failed)
-                if named is None:
-                    raise failed from (None if failed is error else error)
-                raise named from failed
-            places.learn(self.model, self.hook, self.drawn)
-            return out
-        raise AssertionError("both readings returned or raised")
-
-    def run(self, *parts: tuple) -> tuple[list[list[tf.Tensor]], list[dict]]:
-        out, logs, steady = [], [], _Steady(self.model)
-        self.drawn = []
-        with setting(recorder=self):
-            with routed_gradients(self._gradient), routed_applies(nothing):
-                drawing = draws.drawing(None, [self.model], 2, self.hook)
-                with drawing, places.steady(), steady.patched():
-                    self.leading = []
-                    for (x, y, sw), first in zip(parts, (None, 0, 1)):
-                        self._losses = []
-                        self.leading.append([])
-                        self._batch = tf.nest.flatten((x, y, sw), True)
-                        rows = places.size_of(x)  # a unit's or two's
-                        whole = 2 * rows if first is not None else rows
-                        placed = places.rows_of(
-                            (x, y, sw), rows * (first or 0), whole, self.rows
-                        )
-                        with keras.StatelessScope(), placed as tower:
-                            data = keras.utils.pack_x_y_sample_weight(x, y, sw)
-                            returned = getattr(self.model, self.hook)(data)
-                            self.drawn.append(list(tower.drawn))
-                        out.append(self._losses)
-                        logs.append(self._numbers(returned))
-        keys = set.intersection(*(set(numbers) for numbers in logs))
-        return out, [
-            {k: v for k, v in numbers.items() if k in keys} for numbers in logs
-        ]
-
-    def _numbers(self, logs: Any) -> dict[str, tf.Tensor]:
-        """The step's returned float numbers by key (nested dicts' entries by
-        theirs), each less its batch-free terms."""
-        numbers = {}
-        for key, value in logs.items() if isinstance(logs, dict) else []:
-            if isinstance(value, dict):
-                numbers.update(self._numbers(value))
-            elif tf.is_tensor(value) and tf.as_dtype(value.dtype).is_floating:
-                value = tf.convert_to_tensor(value)  # a variable: its value
-                if value.shape.rank != 0:
-                    continue
-                numbers[key] = _with_free(value, batch_free(value, self._batch))
-        return numbers
-
-    def per_row(self) -> list[bool]:
-        """Per loss: whether it has a value per example (a first axis as
-        long as a part's rows: twice as long on the two units), which the
-        tape sums."""
-        return [
-            bool(alone) and together == 2 * alone == 2 * other
-            for together, alone, other in zip(*self.leading)
-        ]
-
-    def _gradient(self, target: Any, sources: Any, own: Any) -> Any:
-        loss = tf.convert_to_tensor(target)
-        self.leading[-1].append(loss.shape[0] if loss.shape.rank else None)
-        free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
-        self._losses.append(_with_free(tf.reduce_sum(loss), free))
-        return own(target)
-
-
-def _with_free(value: tf.Tensor, free: tf.Tensor | None) -> tf.Tensor:
-    """``[value, its batch-free terms]`` (0 for none), float64."""
-    free = tf.zeros_like(value) if free is None else free
-    return tf.cast(tf.stack([value, tf.cast(free, value.dtype)]), tf.float64)
-
-
 def nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:
     """An apply while probing: nothing applied."""
 
 
-class _Steady:
-    """BatchNormalization normalising every part with its moving moments:
-    the same moments for each part, as the towers share the whole batch's
-    under global statistics, so no example reads another through them. (The
-    two examples' own moments would serve in exact arithmetic, but a deep
-    float32 network amplifies the rounding between a batch of one and of two
-    through them past any tolerance: MobileNetV2 read 2.85 on two examples
-    and 3.31 and 3.82 alone.)"""
-
-    def __init__(self, model: keras.Model):
-        normalising = keras.layers.BatchNormalization
-        self.layers = [x for x in layers_of(model) if isinstance(x, normalising)]
-
-    def patched(self) -> Any:
-        return Patch(
-            lambda: [r for layer in self.layers
-                     for r in batch_norm_replacements(layer, _moving(layer))]
-        ).applied()  # fmt: skip
+def rows_match(both: Any, one: Any, other: Any, rtol: float = PROBE_RTOL) -> bool:
+    """Whether the outputs on two examples together are the outputs on each
+    alone, row by row, within ``rtol``."""
+    for b, o, t in zip(*(tf.nest.flatten(n) for n in (both, one, other))):
+        b, apart = _dense(b), _dense(concat_rows([o, t]))
+        scale = max(float(np.abs(apart).max(initial=0.0)), 1.0)
+        if b.shape != apart.shape or not np.allclose(
+            b, apart, rtol=rtol, atol=rtol * scale
+        ):
+            return False
+    return True
 
 
-def _moving(layer: Any) -> Any:
-    """A BatchNormalization ``layer``'s moments: its moving ones, shaped as
-    its own."""
-    own = own_moments(layer)
+def _dense(value: Any) -> np.ndarray:
+    """An output's values as an array: ragged rows padded with zeros, sparse
+    ones made dense (the rows of two batches compare alike either way)."""
+    if isinstance(value, tf.RaggedTensor):
+        value = value.to_tensor()
+    elif isinstance(value, tf.SparseTensor):
+        value = tf.sparse.to_dense(value)
+    return np.asarray(value)
 
-    def moments(inputs: Any, mask: Any) -> Any:
-        shaped = own(inputs, mask)
-        return [
-            tf.reshape(tf.cast(moving, m.dtype), tf.shape(m))
-            for moving, m in zip((layer.moving_mean, layer.moving_variance), shaped)
-        ]
 
-    return moments
+def shares_of_terms(
+    model: keras.Model, x: Any, towers: int, device: str
+) -> tuple[float, float]:
+    """The model's ``add_loss`` terms summed, in training mode, on ``x`` and
+    as ``towers`` towers add them up (each shard's weighted by its share of
+    the examples), nothing assigned: what taking them per tower changes."""
+    size = int(batch_size_of(x))
+    with tf.device(device):
+        whole = _training_terms(model, x)
+        shares, start = 0.0, 0
+        for n in split_sizes(size, towers):
+            if n:
+                shares += n / size * _training_terms(model, _taken(x, start, start + n))
+            start += n
+    return whole, shares
+
+
+def _training_terms(model: keras.Model, x: Any) -> float:
+    mapping = [(v, v.value) for v in model.variables]
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+        call_model(model, x, True)
+        terms = [t for layer in layers_of(model) for t in own_losses(layer)]
+        return sum(float(tf.reduce_sum(tf.cast(t, tf.float64))) for t in terms)
+
+
+def coupling_layer(model: keras.Model, x: Any, device: str) -> str | None:
+    """Where ``model``'s forward pass couples the examples of ``x`` (its
+    outputs on the first two together are not its outputs on each alone,
+    in inference mode, nothing assigned): the first layer whose outputs do
+    so where the model is a graph of layers, else the model; None where
+    they do not (or ``x`` has fewer than two examples).
+
+    >>> inputs = keras.Input((2,))
+    >>> centred = keras.layers.Lambda(lambda v: v - keras.ops.mean(v, 0), name="centre")
+    >>> model = keras.Model(inputs, keras.layers.Dense(1)(centred(inputs)))
+    >>> coupling_layer(model, np.arange(6.0).reshape(3, 2), "/CPU:0")
+    'centre'
+    """
+    if batch_size_of(x) < 2:
+        return None
+    layers = [layer for layer in getattr(model, "layers", []) if _has_output(layer)]
+    if built_symbolically(model) and layers:
+        inner = keras.Model(model.inputs, [layer.output for layer in layers])
+        outputs = _outputs_apart(inner, x, device)
+        for layer, (both, one, other) in zip(layers, zip(*outputs)):
+            if not rows_match(both, one, other, COUPLING_RTOL):
+                return layer.name
+    both, one, other = _outputs_apart(model, x, device)
+    coupled = not rows_match(both, one, other, COUPLING_RTOL)
+    return type(model).__name__ if coupled else None
+
+
+def _has_output(layer: keras.layers.Layer) -> bool:
+    try:
+        output = layer.output
+    except (AttributeError, ValueError):
+        return False
+    return not isinstance(layer, keras.layers.InputLayer) and output is not None
+
+
+def _outputs_apart(model: keras.Model, x: Any, device: str) -> tuple:
+    """``model``'s outputs on examples 0-1 together, on 0 and on 1."""
+    mapping = [(v, v.value) for v in model.variables]
+    found = []
+    # A call's Python random choices (AugMix's chain) the same for each.
+    python_random = random.getstate()
+    with tf.device(device):
+        for start, stop in ((0, 2), (0, 1), (1, 2)):
+            random.setstate(python_random)
+            rows = _taken(x, start, stop)
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+                found.append(call_model(model, rows, False))
+    random.setstate(python_random)
+    return tuple(found)
+
+
+def may_add_terms(model: keras.Model) -> bool:
+    """Whether a call of ``model`` may add a loss term: Keras' own layers add
+    one only through an activity regulariser; any other layer (the model's
+    own class included, and one a test module inside Keras' package writes,
+    as trainer_test.py's ``add_loss(ops.sum(x))``) may call ``add_loss``."""
+    return any(
+        not type(layer).__module__.startswith("keras.")
+        or type(layer).__module__.endswith("_test")
+        or getattr(layer, "activity_regularizer", None) is not None
+        for layer in layers_of(model)  # the model first
+    )
+
+
+def _taken(x: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of each of ``x``'s tensors."""
+    return tf.nest.map_structure(lambda a: take_rows(a, start, stop), x)

@@ -1,56 +1,63 @@
-"""A probe for loss terms that are not a mean over the batch's examples.
+"""The one probe: how a step's tower work reads its batch, found before the
+first step.
 
-On the first training batch of two or more examples, each ``add_loss`` term
-and a ``compute_loss`` override's value are computed on the first two examples
-together and on each alone (:func:`readings`): a mean takes the mean of its
-values alone, a sum their sum, a weight regulariser reads no example. A term
-that is neither couples the examples: ``coupled.py`` gathers, refuses or
-warns. The model's outputs are compared too: a forward pass that couples the
-examples (SigLIP's logits) cannot be made exact by gathering them.
+The work runs on two examples together and on each alone, traced once and
+run, nothing applied or kept: a model's own ``train_step`` or ``test_step``
+(:func:`probe`), or the built-in step's forward pass and its loss terms
+(:func:`probe_terms`). Each number is read less its terms that read no
+example (``loss_kinds.batch_free``, read from its graph): a mean takes the
+mean of its values alone, a sum their sum; one that is neither couples the
+examples (a contrastive loss, a variance over the batch), gathered or
+refused by name before any update (``coupled.py``, ``custom.py``).
 
-The forward pass runs in inference mode (random draws would differ) and
-``compute_loss`` with ``training=True``, in a ``keras.StatelessScope``:
-nothing is assigned. Terms a layer adds only in training (keras_hub's
-mixture-of-experts blocks) are known by their class instead.
+Every draw takes its rows of the two examples' draw (``places.py``), and
+BatchNormalization normalises with its moving moments (:class:`batchnorm.Steady`),
+so no example reads another but through the work itself. The built-in
+step's forward pass runs in inference mode: terms a layer adds only in
+training (keras_hub's mixture-of-experts blocks) are known by their class
+(``coupled.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from towers._keras import (
-    built_symbolically,
     call_model,
     compute_loss,
     layers_of,
     own_losses,
 )
-from towers.split import batch_size_of, split_sizes, take_rows
-from towers.step.gathered import concat_rows
+from towers._keras.current import setting
+from towers._keras.patches import (
+    routed_applies,
+    routed_gradients,
+)
+from towers.split import take_rows, units_of
+from towers.step import draws, places
+from towers.step.batchnorm import Steady
+from towers.step.loss_kinds import (
+    PROBE_ATOL,
+    PROBE_RTOL,
+    Kind,
+    batch_free,
+    may_add_terms,
+    nothing,
+    rows_match,
+)
 
-# How far apart a term's value on two examples and the mean of its values on
-# each may be before the probe calls it coupled: a thousandth, far above the
-# rounding between a batch of 1 and of 2 (TF32 matmuls on a GPU included),
-# far below what a contrastive term or a sum shows.
-PROBE_RTOL = 1e-3
-# Where a step already differs from one device's, the layer whose outputs
-# couple the examples is looked for closer: a tenth of the probe's (an
-# embedding's small random values couple a dot product over the batch by
-# 1e-3), still far above float32's rounding between batches of 1 and 2.
-COUPLING_RTOL = 1e-4
-PROBE_ATOL = 1e-7
+# Pairs of examples tried while a loss is zero on them (both readings fit).
+PAIRS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """A loss term the probe found not to be a mean over the examples: its
-    value on two examples together, and the mean of its values on each."""
+    """A number the probe found neither a mean nor a sum over the examples:
+    its value on two examples together, and the mean of its values on each."""
 
     name: str
     together: float
@@ -69,20 +76,81 @@ class Measured:
 
 
 @dataclasses.dataclass
+class Found:
+    """What :func:`probe` found: the kind of each loss the step took the
+    gradient of, in call order (None: not probed); of each number the step
+    returns, by its key (one that is either is left out, one that is neither
+    is in ``neither``), and its values (``measured``); and the work's kept
+    outputs, per part."""
+
+    losses: list[Kind] | None
+    logs: dict[str, Kind]
+    measured: dict[str, Measured] = dataclasses.field(default_factory=dict)
+    neither: set[str] = dataclasses.field(default_factory=set)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class Probed:
-    """What the probe found.
+    """What :func:`probe_terms` found.
 
     Attributes:
       coupled: the terms that are neither a mean nor a sum over the examples.
       sums: the ``add_loss`` terms that sum over the examples (each tower's
         adds up to the batch's unweighted), as ``(layer path, index)``.
+      outputs_coupled: the model's outputs on the two examples together are
+        not its outputs on each alone (its forward pass couples them:
+        SigLIP's logits).
     """
 
     coupled: list[Measured]
     sums: list[tuple[str, int]]
-    # The model's outputs on the two examples together are not its outputs
-    # on each alone (its forward pass couples them: SigLIP's logits).
     outputs_coupled: bool = False
+
+
+def probe(model: keras.Model, batch: tuple, hook: Any = "train_step") -> Found:
+    """How ``hook`` reads ``batch``: the model's ``train_step`` or
+    ``test_step`` by name, or a function of the packed data (``(name,
+    work)``) returning numbers by key (and, in ``work.kept``, what to keep).
+    A loss with a value per example is a sum (the tape sums it); a vector of
+    another length (a mean per output) is read as its sum.
+
+    Raises:
+      ValueError: a loss that is neither a mean nor a sum over the examples.
+    """
+    size = units_of(batch)[0]  # a part's rows each (towers/split.py)
+    if size < 2:
+        return Found(None, {})
+    recorder = _Recorder(model, hook, places.size_of(batch[0]))
+    kinds: list[Any] = []
+    found = Found([], {})
+    for first in range(0, min(size - 1, 2 * PAIRS), 2):
+        parts = [_rows(batch, first, first + 2)]
+        parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
+        losses, returned, kept = recorder.recorded(parts)
+        losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
+        for key in returned[0] if first == 0 else []:
+            pairs = [variant[key].numpy() for variant in returned]
+            together, one, other = (float(value) for value, _ in pairs)
+            found.measured[key] = Measured(key, together, (one + other) / 2)
+            less, apart = _less_free(pairs)
+            kind = _kind(model, (less, apart), None)
+            if kind:
+                found.logs[key] = kind
+            elif not readings(*less):
+                found.neither.add(key)
+        found.outputs = found.outputs or kept
+        if recorder.gathers:  # the whole batch's loss on every tower
+            return Found(["mean"] * len(losses), {})
+        read = [  # a value per row the tape sums, unless its values say else
+            _kind(model, value, k) or ("sum" if rows else None)
+            for k, (rows, value) in enumerate(zip(recorder.per_row(), losses))
+        ]
+        kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
+        if all(kinds):
+            break
+    found.losses = [kind or "mean" for kind in kinds]  # 0 on every pair: either
+    return found
 
 
 def probe_terms(
@@ -92,14 +160,13 @@ def probe_terms(
     device: str,
     training: bool = True,
 ) -> Probed:
-    """The model's loss terms that are not a mean over the examples, found on
-    the first two examples of ``batch`` (x, y, sample_weight): every layer's
-    ``add_loss`` terms and, with ``own_loss``, the model's ``compute_loss``,
-    on ``device``, nothing assigned. A term whose value on the two is the sum
-    of its values on each sums over the examples (an ``add_loss`` term of
-    ``ops.sum``: each tower's adds up to one device's, taken unweighted).
-    ``compute_loss`` is called with ``training``: True as Keras' fit calls it,
-    False as its evaluate does.
+    """The built-in step's loss terms that are not a mean over the examples
+    of ``batch`` (x, y, sample_weight), by :func:`probe` on ``device``:
+    every layer's ``add_loss`` terms and, with ``own_loss``, the model's
+    ``compute_loss`` (called with ``training``: True as Keras' fit calls it,
+    False as its evaluate does). An ``add_loss`` term that sums over the
+    examples is a sum (each tower's adds up to one device's, unweighted); a
+    ``compute_loss`` that sums couples them (it is weighted by the shares).
 
     A model of Keras' own layers only, none with an activity regulariser,
     and no ``compute_loss`` of its own adds no term: it is not called.
@@ -108,57 +175,62 @@ def probe_terms(
     >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
     Probed(coupled=[], sums=[], outputs_coupled=False)
     """
-    if not own_loss and not _may_add_terms(model):
+    if not own_loss and not may_add_terms(model):
         return Probed([], [])
+    keys: dict[str, tuple] = {}
+
+    def terms(data: Any) -> dict[str, tf.Tensor]:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = call_model(model, x, False)
+        terms.kept.append(y_pred)
+        values = {}
+        for layer in layers_of(model):
+            own = own_losses(layer)
+            for i, term in enumerate(own):
+                which = f"'s add_loss term {i}" if len(own) > 1 else "'s add_loss term"
+                keys[f"layer {layer.path}{which}"] = (layer.path, i)
+                values[f"layer {layer.path}{which}"] = tf.reduce_sum(term)
+        if own_loss:
+            loss = compute_loss(model, x, y, y_pred, sample_weight, training)
+            values[f"{type(model).__name__}.compute_loss"] = loss
+        return values
+
+    terms.kept = []
     with tf.device(device):
-        together, both = _term_values(model, _examples(batch, 0, 2), own_loss, training)
-        if not together:
-            return Probed([], [])  # no add_loss term, no compute_loss: one call
-        first, one = _term_values(model, _examples(batch, 0, 1), own_loss, training)
-        second, other = _term_values(model, _examples(batch, 1, 2), own_loss, training)
-    found = Probed([], [], not _rows_match(both, one, other))
-    for key, (name, value) in together.items():
-        if key not in first or key not in second:
-            continue  # a term added for one batch size only: not comparable
-        one, other = first[key][1], second[key][1]
-        fits = readings(value, one, other)
-        if "mean" in fits:
-            continue  # a mean over the examples
-        if key[0] != "compute_loss" and "sum" in fits:
-            found.sums.append(key)
-            continue
-        own = key[0] == "compute_loss"
-        found.coupled.append(Measured(name, value, (one + other) / 2, own))
-    return found
+        found = probe(model, batch, ("call", terms))
+    if found.losses is None:
+        return Probed([], [])
+    probed = Probed([], [], not rows_match(*found.outputs))
+    for key, measured in found.measured.items():
+        sums = found.logs.get(key) in ("sum", "whole_sum")
+        if key in keys and sums:
+            probed.sums.append(keys[key])
+        elif sums or key in found.neither:  # a compute_loss that sums: weighted
+            probed.coupled.append(
+                dataclasses.replace(measured, own_loss=key not in keys)
+            )
+    return probed
 
 
-def _rows_match(both: Any, one: Any, other: Any, rtol: float = PROBE_RTOL) -> bool:
-    """Whether the outputs on two examples together are the outputs on each
-    alone, row by row, within ``rtol``."""
-    for b, o, t in zip(*(tf.nest.flatten(n) for n in (both, one, other))):
-        b, apart = _dense(b), _dense(concat_rows([o, t]))
-        scale = max(float(np.abs(apart).max(initial=0.0)), 1.0)
-        if b.shape != apart.shape or not np.allclose(
-            b, apart, rtol=rtol, atol=rtol * scale
-        ):
-            return False
-    return True
-
-
-def _dense(value: Any) -> np.ndarray:
-    """An output's values as an array: ragged rows padded with zeros, sparse
-    ones made dense (the rows of two batches compare alike either way)."""
-    if isinstance(value, tf.RaggedTensor):
-        value = value.to_tensor()
-    elif isinstance(value, tf.SparseTensor):
-        value = tf.sparse.to_dense(value)
-    return np.asarray(value)
+def misfit(model: keras.Model, hook: str, error: ValueError) -> ValueError | None:
+    """``error``, raised while ``hook`` ran on a part of the batch, named
+    where the part's shapes did not fit the step's (None: another error)."""
+    text = str(error)
+    if not any(k in text for k in ("Dimensions must be equal", "Incompatible")):
+        return None
+    return ValueError(
+        f"{type(model).__name__}.{hook} on towers runs on each tower's share of "
+        f"the batch, and a share did not fit it: {text.splitlines()[0]} A shape "
+        "the step takes from a fixed batch size, not from its data "
+        "(keras.ops.shape(x)[0]), does not fit a share: read it from the data, "
+        "or train on one device. Nothing was updated."
+    )
 
 
 def readings(together: float, one: float, other: float) -> set[str]:
-    """What a term's value on two examples ``together`` is of its values on
-    each alone (``one``, ``other``): their ``"mean"``, their ``"sum"``, both
-    (where they are 0), or neither (it couples the examples).
+    """What a number's value on two examples ``together`` is of its values
+    on each alone (``one``, ``other``): their ``"mean"``, their ``"sum"``,
+    both (where they are 0), or neither (it couples the examples).
 
     >>> sorted(readings(3.0, 1.0, 2.0)), sorted(readings(1.5, 1.0, 2.0))
     (['sum'], ['mean'])
@@ -172,136 +244,158 @@ def readings(together: float, one: float, other: float) -> set[str]:
     }
 
 
-def _examples(batch: tuple[Any, Any, Any], start: int, stop: int) -> tuple:
-    return tuple(
-        None
-        if part is None
-        else tf.nest.map_structure(lambda a: take_rows(a, start, stop), part)
-        for part in batch
-    )
+def _rows(batch: tuple, start: int, stop: int) -> tuple:
+    """Units ``[start, stop)`` of ``batch``: so many rows of each part."""
+    units, rows = units_of(batch)
+    taken = [
+        None if n is None else take_rows(leaf, start * n // units, stop * n // units)
+        for leaf, n in zip(tf.nest.flatten(batch), rows)
+    ]
+    return tf.nest.pack_sequence_as(batch, taken)
 
 
-def _may_add_terms(model: keras.Model) -> bool:
-    """Whether a call of ``model`` may add a loss term: Keras' own layers add
-    one only through an activity regulariser; any other layer (the model's
-    own class included, and one a test module inside Keras' package writes,
-    as trainer_test.py's ``add_loss(ops.sum(x))``) may call ``add_loss``."""
-    return any(
-        not type(layer).__module__.startswith("keras.")
-        or type(layer).__module__.endswith("_test")
-        or getattr(layer, "activity_regularizer", None) is not None
-        for layer in layers_of(model)  # the model first
-    )
+def _less_free(pairs: list) -> tuple[list[float], bool]:
+    """A number's values on the three parts less its batch-free terms, and
+    whether those terms were set apart: not where they differ from part to
+    part (they moved with the rows after all)."""
+    whole = [float(value) for value, _ in pairs]
+    free = [float(free) for _, free in pairs]
+    if max(free) - min(free) > 1e-6 * max(map(abs, free)) + 1e-12:
+        return whole, False
+    return [w - f for w, f in zip(whole, free)], True
 
 
-def _term_values(
-    model: keras.Model, batch: tuple[Any, Any, Any], own_loss: bool, training: bool
-) -> tuple[dict[tuple, tuple[str, float]], Any]:
-    """Each loss term's name and value on ``batch``, by ``(layer path,
-    index)`` (``("compute_loss",)`` for the model's override), and the
-    model's outputs. The forward
-    pass runs in inference mode (its random draws would differ between the
-    two examples together and each alone); ``compute_loss`` is called with
-    ``training``. In a ``keras.StatelessScope``:
-    what the calls assign (a metric's total, a statistic, a seed) stays in
-    the scope."""
-    x, y, sample_weight = batch
-    values = {}
-    # Every variable mapped to its value: a weight regulariser reads its
-    # variable through the scope.
-    mapping = [(v, v.value) for v in model.variables]
-    with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
-        y_pred = call_model(model, x, False)
-        for layer in layers_of(model):
-            terms = own_losses(layer)
-            for i, term in enumerate(terms):
-                which = (
-                    f"'s add_loss term {i}" if len(terms) > 1 else "'s add_loss term"
-                )
-                name = f"layer {layer.path}{which}"
-                values[(layer.path, i)] = (name, _number(term))
-        if own_loss:
-            loss = compute_loss(model, x, y, y_pred, sample_weight, training)
-            name = f"{type(model).__name__}.compute_loss"
-            values[("compute_loss",)] = (name, _number(loss))
-    return values, y_pred
-
-
-def _number(value: Any) -> float:
-    return float(np.asarray(tf.reduce_sum(tf.cast(value, tf.float64))))
-
-
-def shares_of_terms(
-    model: keras.Model, x: Any, towers: int, device: str
-) -> tuple[float, float]:
-    """The model's ``add_loss`` terms summed, in training mode, on ``x`` and
-    as ``towers`` towers add them up (each shard's weighted by its share of
-    the examples), nothing assigned: what taking them per tower changes."""
-    size = int(batch_size_of(x))
-    with tf.device(device):
-        whole = _training_terms(model, x)
-        shares, start = 0.0, 0
-        for n in split_sizes(size, towers):
-            if n:
-                part = _examples((x, None, None), start, start + n)[0]
-                shares += n / size * _training_terms(model, part)
-            start += n
-    return whole, shares
-
-
-def _training_terms(model: keras.Model, x: Any) -> float:
-    mapping = [(v, v.value) for v in model.variables]
-    with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
-        call_model(model, x, True)
-        return sum(_number(t) for layer in layers_of(model) for t in own_losses(layer))
-
-
-def coupling_layer(model: keras.Model, x: Any, device: str) -> str | None:
-    """Where ``model``'s forward pass couples the examples of ``x`` (its
-    outputs on the first two together are not its outputs on each alone,
-    in inference mode, nothing assigned): the first layer whose outputs do
-    so where the model is a graph of layers, else the model; None where
-    they do not (or ``x`` has fewer than two examples).
-
-    >>> inputs = keras.Input((2,))
-    >>> centred = keras.layers.Lambda(lambda v: v - keras.ops.mean(v, 0), name="centre")
-    >>> model = keras.Model(inputs, keras.layers.Dense(1)(centred(inputs)))
-    >>> coupling_layer(model, np.arange(6.0).reshape(3, 2), "/CPU:0")
-    'centre'
-    """
-    if batch_size_of(x) < 2:
+def _kind(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
+    """The kind of the ``k``-th loss (None: a number the step returns) from
+    :func:`_less_free`'s values (None: either fits; a returned number that
+    is neither)."""
+    (together, alone0, alone1), apart = value
+    fits = readings(together, alone0, alone1)
+    if len(fits) == 1:
+        kind = fits.pop()
+        return kind if kind == "mean" or apart else "whole_sum"
+    if fits or k is None:
         return None
-    layers = [layer for layer in getattr(model, "layers", []) if _has_output(layer)]
-    if built_symbolically(model) and layers:
-        inner = keras.Model(model.inputs, [layer.output for layer in layers])
-        outputs = _outputs_apart(inner, x, device)
-        for layer, (both, one, other) in zip(layers, zip(*outputs)):
-            if not _rows_match(both, one, other, COUPLING_RTOL):
-                return layer.name
-    both, one, other = _outputs_apart(model, x, device)
-    coupled = not _rows_match(both, one, other, COUPLING_RTOL)
-    return type(model).__name__ if coupled else None
+    raise ValueError(
+        f"{type(model).__name__}.train_step on towers: the loss of its "
+        f"tape.gradient call {k + 1}, less its terms that read no example, is "
+        f"{together:.6g} on two examples together and {alone0:.6g} and "
+        f"{alone1:.6g} on each alone: neither a mean nor a sum over the "
+        "examples, so the towers cannot add their gradients up to one "
+        "device's. A loss over the whole batch's rows (a contrastive loss) "
+        "takes them with towers.gather; else train on one device. Nothing was "
+        "updated."
+    )
 
 
-def _has_output(layer: keras.layers.Layer) -> bool:
-    try:
-        output = layer.output
-    except (AttributeError, ValueError):
-        return False
-    return not isinstance(layer, keras.layers.InputLayer) and output is not None
+class _Recorder:
+    """The work run on each of three parts (two examples, then each alone),
+    nothing applied or kept; per part, each loss it takes the gradient of
+    and each number it returns, less their batch-free terms."""
+
+    def __init__(self, model: keras.Model, hook: Any, rows: int | None):
+        self.model = model
+        self.hook, self.work = hook if isinstance(hook, tuple) else (hook, None)
+        self.rows = rows  # the batch's: a draw over them is over a part's
+        self.leading: list[list[Any]] = []  # per part, each loss's first axis
+        self.gathers = False  # the step called towers.gather
+        self._losses: list[tf.Tensor] | None = None
+        self._traced: Any = None  # run, as a tf.function
+        self.drawn: list[list[Any]] = []  # per part, its draws' row counts
+        self._batch: list[tf.Tensor] = []
+
+    def recorded(self, parts: list[tuple]) -> tuple:
+        """:meth:`run` on ``parts``. A draw over a number of rows that is both
+        the batch's and blocks of a part's is read as the batch's (a fixed
+        batch_size), or where the step then fails on the parts, as blocks;
+        what each draw asked for on the parts then says which it is
+        (``places.learn``)."""
+        failed = None
+        for reading in (True, False):
+            if self._traced is None:
+                places.learn(self.model, self.hook, None, reading)
+                self._traced = tf.function(self.run, autograph=False)
+            try:
+                out = self._traced(*parts)
+            except ValueError as error:
+                self._traced = None
+                failed = failed or error
+                if places.learn(self.model, self.hook, None) and reading:
+                    continue  # read as blocks
+                named = misfit(self.model, self.hook, failed)
+                if named is None:
+                    raise failed from (None if failed is error else error)
+                raise named from failed
+            places.learn(self.model, self.hook, self.drawn)
+            return out
+        raise AssertionError("both readings returned or raised")
+
+    def run(self, *parts: tuple) -> tuple:
+        out, logs, steady = [], [], Steady(self.model)
+        work = self.work or getattr(self.model, self.hook)
+        kept = getattr(work, "kept", [])
+        del kept[:]
+        self.drawn = []
+        with setting(recorder=self):
+            with routed_gradients(self._gradient), routed_applies(nothing):
+                drawing = draws.drawing(None, [self.model], 2, self.hook)
+                with drawing, places.steady(), steady.patched():
+                    self.leading = []
+                    for (x, y, sw), first in zip(parts, (None, 0, 1)):
+                        self._losses = []
+                        self.leading.append([])
+                        self._batch = tf.nest.flatten((x, y, sw), True)
+                        rows = places.size_of(x)  # a unit's or two's
+                        whole = 2 * rows if first is not None else rows
+                        placed = places.rows_of(
+                            (x, y, sw), rows * (first or 0), whole, self.rows
+                        )
+                        # Every variable mapped: a weight regulariser reads
+                        # its variable through the scope.
+                        mapping = [(v, v.value) for v in self.model.variables]
+                        scope = keras.StatelessScope(mapping, collect_losses=True)
+                        with scope, placed as tower:
+                            data = keras.utils.pack_x_y_sample_weight(x, y, sw)
+                            returned = work(data)
+                            self.drawn.append(list(tower.drawn))
+                        out.append(self._losses)
+                        logs.append(self._numbers(returned))
+        keys = set.intersection(*(set(numbers) for numbers in logs))
+        logs = [{k: v for k, v in numbers.items() if k in keys} for numbers in logs]
+        return out, logs, list(kept)
+
+    def _numbers(self, logs: Any) -> dict[str, tf.Tensor]:
+        """The step's returned float numbers by key (nested dicts' entries by
+        theirs), each less its batch-free terms."""
+        numbers = {}
+        for key, value in logs.items() if isinstance(logs, dict) else []:
+            if isinstance(value, dict):
+                numbers.update(self._numbers(value))
+            elif tf.is_tensor(value) and tf.as_dtype(value.dtype).is_floating:
+                value = tf.convert_to_tensor(value)  # a variable: its value
+                if value.shape.rank != 0:
+                    continue
+                numbers[key] = _with_free(value, batch_free(value, self._batch))
+        return numbers
+
+    def per_row(self) -> list[bool]:
+        """Per loss: whether it has a value per example (a first axis as
+        long as a part's rows: twice as long on the two units), which the
+        tape sums."""
+        return [
+            bool(alone) and together == 2 * alone == 2 * other
+            for together, alone, other in zip(*self.leading)
+        ]
+
+    def _gradient(self, target: Any, sources: Any, own: Any) -> Any:
+        loss = tf.convert_to_tensor(target)
+        self.leading[-1].append(loss.shape[0] if loss.shape.rank else None)
+        free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
+        self._losses.append(_with_free(tf.reduce_sum(loss), free))
+        return own(target)
 
 
-def _outputs_apart(model: keras.Model, x: Any, device: str) -> tuple:
-    """``model``'s outputs on examples 0-1 together, on 0 and on 1."""
-    mapping = [(v, v.value) for v in model.variables]
-    found = []
-    # A call's Python random choices (AugMix's chain) the same for each.
-    python_random = random.getstate()
-    with tf.device(device):
-        for start, stop in ((0, 2), (0, 1), (1, 2)):
-            random.setstate(python_random)
-            rows = _examples((x, None, None), start, stop)[0]
-            with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
-                found.append(call_model(model, rows, False))
-    random.setstate(python_random)
-    return tuple(found)
+def _with_free(value: tf.Tensor, free: tf.Tensor | None) -> tf.Tensor:
+    """``[value, its batch-free terms]`` (0 for none), float64."""
+    free = tf.zeros_like(value) if free is None else free
+    return tf.cast(tf.stack([value, tf.cast(free, value.dtype)]), tf.float64)
