@@ -60,7 +60,7 @@ class Applies:
         # The step's (global) examples and this worker's, while traced.
         self.examples: Any = None
         self.mine: Any = None
-        # The kinds of the step's losses, in call order (loss_kinds.probe).
+        # The kinds of the step's losses, in call order (probe.probe).
         self.kinds: list[loss_kinds.Kind] | None = None
         self.whole_batch = False  # every loss the whole batch's (gathered)
         self.begin(None, [])

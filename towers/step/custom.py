@@ -116,7 +116,7 @@ class CustomStep:
     def probe(self, batch: tuple, training: bool = True) -> None:
         """Before the first training (or evaluation) step of two or more
         examples: how each loss the step takes the gradient of and each
-        number it returns depends on the batch (``loss_kinds.py``); a no-op
+        number it returns depends on the batch (``probe.py``); a no-op
         after, and where the model's ``compute_loss`` is the whole batch's on
         every tower, or the whole batch is one tower's (its gradients and
         numbers are one device's whatever their kinds)."""

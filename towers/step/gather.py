@@ -29,7 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import in_dtype
-from towers.step import loss_kinds
+from towers.step import probe
 from towers.step.assignments import met_for
 from towers.step.gathered import gathered_rows
 from towers.step.meetings import current
@@ -47,7 +47,7 @@ def gather(value: Any) -> Any:
     """
     here = current()
     if not here.own:
-        loss_kinds.gathered()  # a step probed: its loss is the whole batch's
+        probe.gathered()  # a step probed: its loss is the whole batch's
         return value
     value = tf.convert_to_tensor(value)
     rows = gathered_rows(here, (tf.stop_gradient(value),))

@@ -22,7 +22,6 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import built_symbolically, call_model, layers_of, own_losses
-from towers._keras.current import this_tower
 from towers.combine import in_dtype
 from towers.split import batch_size_of, split_sizes, take_rows
 from towers.step.gathered import concat_rows
@@ -105,14 +104,6 @@ def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:
         c = tf.zeros_like(g) if c is None else tf.convert_to_tensor(c)
         out.append(tf.math.divide_no_nan(g - c, s) + c)
     return out
-
-
-def gathered() -> None:
-    """Marks the step being probed as one that gathers the batch's rows
-    (``towers.gather``): its loss is the whole batch's on every tower."""
-    recorder = this_tower().recorder
-    if recorder is not None:
-        recorder.gathers = True
 
 
 def nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:

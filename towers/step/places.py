@@ -157,7 +157,7 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
 # batch's and k blocks of the shard's read it, in call order: True as the
 # batch's (a fixed batch_size), False as blocks (a count from the data's
 # shape, 2 * ops.shape(x)[0] on 2 towers); a bool for all of them. Learned
-# by the probe (loss_kinds.py), whose parts differ in rows: a fixed number
+# by the probe (probe.py), whose parts differ in rows: a fixed number
 # stays, a count from the shape moves with them. Not learned: the batch's.
 _readings: dict[tuple[int, str], Any] = {}
 
@@ -209,7 +209,7 @@ _named: set[tuple[int, str, str]] = set()
 
 @contextlib.contextmanager
 def steady() -> Iterator[None]:
-    """Within (the probe, ``loss_kinds.py``), a draw towers cannot place is
+    """Within (the probe, ``probe.py``), a draw towers cannot place is
     its distribution's middle, the same for every part of the batch: how a
     loss reads the batch is found through it."""
     _step.steady = True

@@ -11,11 +11,10 @@ examples (a contrastive loss, a variance over the batch), gathered or
 refused by name before any update (``coupled.py``, ``custom.py``).
 
 Every draw takes its rows of the two examples' draw (``places.py``), and
-BatchNormalization normalises with its moving moments (:class:`batchnorm.Steady`),
-so no example reads another but through the work itself. The built-in
-step's forward pass runs in inference mode: terms a layer adds only in
-training (keras_hub's mixture-of-experts blocks) are known by their class
-(``coupled.py``).
+BatchNormalization normalises with its moving moments (``batchnorm.Steady``).
+The built-in step's forward pass runs in inference mode: terms a layer adds
+only in training (keras_hub's mixture-of-experts blocks) are known by their
+class (``coupled.py``).
 """
 
 from __future__ import annotations
@@ -26,17 +25,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import (
-    call_model,
-    compute_loss,
-    layers_of,
-    own_losses,
-)
-from towers._keras.current import setting
-from towers._keras.patches import (
-    routed_applies,
-    routed_gradients,
-)
+from towers._keras import call_model, compute_loss, layers_of, own_losses
+from towers._keras.current import setting, this_tower
+from towers._keras.patches import routed_applies, routed_gradients
 from towers.split import take_rows, units_of
 from towers.step import draws, places
 from towers.step.batchnorm import Steady
@@ -210,6 +201,14 @@ def probe_terms(
                 dataclasses.replace(measured, own_loss=key not in keys)
             )
     return probed
+
+
+def gathered() -> None:
+    """Marks the step being probed as one that gathers the batch's rows
+    (``towers.gather``): its loss is the whole batch's on every tower."""
+    recorder = this_tower().recorder
+    if recorder is not None:
+        recorder.gathers = True
 
 
 def misfit(model: keras.Model, hook: str, error: ValueError) -> ValueError | None:
