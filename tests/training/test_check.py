@@ -108,10 +108,10 @@ def test_check_shows_every_variables_difference_and_keeps_nothing():
 
 
 def test_an_own_steps_optimizers_built_at_its_apply_are_checked_eagerly(monkeypatch):
-    # A GAN's two optimizers are built at their first apply: the check builds
-    # them from an eager run of the step that applies nothing, then runs the
-    # step eagerly as the reference (no trace), and compares every variable,
-    # slots included; nothing is kept.
+    # A GAN's two optimizers are built at their first apply: the check runs
+    # the step eagerly as the reference (no trace), building them at their
+    # first apply, and compares every variable, slots included; nothing is
+    # kept (the slots it made are put back to their first values).
     from tests.step.test_custom_steps import gan
     from towers.training import one_device
 

@@ -32,7 +32,6 @@ stateful random ops (each run draws anew), a draw towers named, a cluster
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -49,11 +48,10 @@ from towers.training.check_state import (
     engine_state,
     kept_run,
     not_compared,
-    own_optimizers,
     watched,
     with_slots,
 )
-from towers.training.one_device import OneDevice, built_eagerly
+from towers.training.one_device import OneDevice
 
 # How far one device's change and towers' may be apart, relative to the
 # change, by the dtype the model computes in. float64 leaves rounding at
@@ -297,9 +295,7 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
         out = run() if keep else kept_run(engine, run)
         return out, Comparison([], skipped=why)
     placement = engine.placement
-    entries = watched(placement.model, placement.optimizers[:1])
     kept = Kept(engine_state(engine))
-    before = [e.read() for e in entries]
     try:
         with global_seed_kept():
             grads = _run_reference(engine, batches, reference, kept)
@@ -307,9 +303,12 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
         kept.restore()
         out = run() if keep else kept_run(engine, run)
         return out, Comparison([], skipped=_not_run(error))
-    grads = with_slots(grads, entries, placement.model.trainable_variables)
+    # Read after: an optimizer the reference built at its first apply too.
+    entries = watched(placement.model, placement.optimizers[:1])
     keras_after = [e.read() for e in entries]
     kept.restore()
+    before = [e.read() for e in entries]
+    grads = with_slots(grads, entries, placement.model.trainable_variables)
     out = run()
     unplaced = named_for(placement.model)
     if unplaced:  # towers said so already: its numbers are not one device's
@@ -349,12 +348,8 @@ def _reference(engine: Any, batches: list) -> tuple:
     says what is wrong in its words)."""
     try:
         jit, model = engine.step.tower.jit.enabled, engine.model
-        optimizers = [*engine.placement.optimizers[:1], *own_optimizers(model)]
-        unbuilt = not all(o.built for o in optimizers)
-        device, keep = engine.variable_device, functools.partial(kept_run, engine)
-        if unbuilt and not jit and len(batches) == 1:  # eagerly, not traced
-            unbuilt = not built_eagerly(model, batches[0], device, keep)
-        reference = OneDevice(model, batches, device, jit, unbuilt)
+        # Eager where it can: an optimizer built at its first apply there.
+        reference = OneDevice(model, batches, engine.variable_device, jit)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
         return None, _not_run(error)
     if reference.draws:
@@ -367,8 +362,11 @@ def _run_reference(engine: Any, batches: list, reference: Any, kept: Kept) -> di
     """The reference's gradients; an eager one that fails (a layer's own
     gradient that only a trace takes: float8's) is traced and run again."""
     try:
-        return reference.run()[1]
+        grads = reference.run()[1]
+        kept.extend(reference.built)  # put back to their first values
+        return grads
     except Exception:  # noqa: BLE001 - traced next; its error is the one said
+        kept.extend(reference.built)
         if reference.traced:
             raise
         kept.restore()

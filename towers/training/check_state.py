@@ -27,6 +27,15 @@ class Kept:
         for variable, value in zip(self.variables, self.values):
             variable.assign(value)
 
+    def extend(self, made: list[tuple[Any, np.ndarray]]) -> None:
+        """Keeps the variables ``made`` since (an optimizer built at its
+        first apply), to be put back to their first values."""
+        known = {id(v) for v in self.variables}
+        for variable, value in made:
+            if id(variable) not in known:
+                self.variables.append(variable)
+                self.values.append(value)
+
 
 @dataclasses.dataclass
 class Watched:

@@ -31,13 +31,13 @@ class OneDevice:
     sample_weight)``), in order, on ``device``, run by :meth:`run`.
 
     Eagerly, a fifth of a trace's time (MobileNetV2: 0.8 s against 4.2 s),
-    unless it must be traced when made: with XLA where the towers' passes
-    compile (``jit``: XLA draws other random numbers than TensorFlow's
-    kernels), or where an optimizer is not built yet and an eager run that
-    applies nothing could not build it (``unbuilt``, :func:`built_eagerly`:
-    a custom step builds it at its first apply; the trace makes its slots,
-    so they are among what is put back), or where it runs
-    on several batches (an execution of ``steps_per_execution`` steps: one
+    an optimizer not built yet built at its first apply, as Keras' builds
+    it, and its new variables' values kept (``built``: what putting the
+    step back puts them back to); traced when made with XLA where the
+    towers' passes compile (``jit``: XLA draws other random numbers than
+    TensorFlow's kernels), where an eager run fails (``unbuilt``: the trace
+    builds the optimizers, before anything is kept), or where it runs on
+    several batches (an execution of ``steps_per_execution`` steps: one
     trace, called on each, as Keras' loop calls its step).
 
     Attributes:
@@ -55,6 +55,7 @@ class OneDevice:
         unbuilt: bool = False,
     ):
         self._applied: dict[int, Any] = {}  # id(variable) -> its |gradient|
+        self.built: list[tuple[Any, np.ndarray]] = []  # (variable, its first value)
         self._data = [keras.utils.pack_x_y_sample_weight(*b) for b in batches]
         self._graph, self._depth, self._device = None, 0, device
 
@@ -77,7 +78,12 @@ class OneDevice:
     def _record(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
         """Keeps each variable's ``|gradient|`` at the outermost apply (a loss
         scale's is the inner's scaled: the noise floor is relative), where
-        the step's graph holds it (not inside a ``cond``)."""
+        the step's graph holds it (not inside a ``cond``); run eagerly, builds
+        an optimizer not built yet, keeping its variables' first values."""
+        if variables is not None and not optimizer.built and tf.executing_eagerly():
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(list(variables))  # as its apply would
+            self.built += [(v, np.array(v.numpy())) for v in optimizer.variables]
         if self._depth == 0:
             listed = optimizer_variables(optimizer) if variables is None else variables
             for grad, variable in zip(grads, listed):
@@ -107,30 +113,6 @@ class OneDevice:
                     grad = np.asarray(grad, np.float64)
                     largest[key] = np.maximum(largest.get(key, grad), grad)
         return logs, largest
-
-
-def built_eagerly(model: keras.Model, batch: tuple, device: str, keep: Any) -> bool:
-    """Builds the optimizers the model's own ``train_step`` builds at its
-    first apply, over the variables it applies to: the step run on
-    ``batch`` eagerly, every apply routed to the build alone, under
-    ``keep`` (which puts back what else it changes). Returns whether it
-    ran (else the reference is traced, which builds them): an eager
-    reference takes a fifth of a trace's time."""
-
-    def build(optimizer: Any, grads: Any, variables: Any, apply: Any) -> None:
-        if variables is not None and not optimizer.built:
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(list(variables))  # as its apply would
-
-    def step() -> None:
-        with tf.device(device), routed_applies(build):
-            model.train_step(keras.utils.pack_x_y_sample_weight(*batch))
-
-    try:
-        keep(step)
-    except Exception:  # noqa: BLE001 - traced instead, whose error is said
-        return False
-    return True
 
 
 def _in(tensor: Any, graph: Any) -> bool:
