@@ -104,6 +104,43 @@ def test_each_form_of_an_own_steps_loss_trains_as_keras_fit(name):
     np.testing.assert_allclose(got["value"], want["value"], rtol=1e-12)
 
 
+class MeanTerm(keras.layers.Layer):
+    """Adds a mean over its inputs' examples (``add_loss``)."""
+
+    def call(self, x):
+        self.add_loss(0.1 * ops.mean(ops.square(x)))
+        return x
+
+
+def regularised():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    l2 = keras.regularizers.L2(0.01)
+    hidden = keras.layers.Dense(7, activation="tanh", kernel_regularizer=l2)(inputs)
+    outputs = keras.layers.Dense(2)(MeanTerm()(hidden))
+    model = OwnLoss(inputs, outputs, form=FORMS["compute_loss"])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def test_an_own_compute_loss_with_the_models_losses_trains_as_keras_fit():
+    # Keras' compute_loss adds model.losses: a weight regulariser (it reads
+    # its variable) and an add_loss term. The probe reads both in its
+    # stateless scope, as the step does (it had crashed on the regulariser).
+    x, y = regression(23)
+    engine = Towers(regularised(), devices=devices(3))
+    reference = regularised()
+    before = reference.get_weights()
+
+    history = engine.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert_same_updates(engine.model, reference, before)
+    np.testing.assert_allclose(
+        history.history["value"], expected.history["value"], rtol=1e-12
+    )
+
+
 @pytest.mark.parametrize("name", ["sum_plus_penalty", "mean"])
 def test_a_form_through_batch_normalization_trains_as_keras_fit(name):
     # The probe normalises each example alone with the two's moments, as
