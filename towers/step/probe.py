@@ -83,16 +83,11 @@ class Found:
 
 @dataclasses.dataclass
 class Probed:
-    """What :func:`probe_terms` found.
-
-    Attributes:
-      coupled: the terms that are neither a mean nor a sum over the examples.
-      sums: the ``add_loss`` terms that sum over the examples (each tower's
-        adds up to the batch's unweighted), as ``(layer path, index)``.
-      outputs_coupled: the model's outputs on the two examples together are
-        not its outputs on each alone (its forward pass couples them:
-        SigLIP's logits).
-    """
+    """What :func:`probe_terms` found: the terms neither a mean nor a sum
+    over the examples (``coupled``); the ``add_loss`` terms that sum over
+    them, as ``(layer path, index)`` (each tower's adds up to the batch's
+    unweighted); whether the outputs on two examples are not the outputs
+    on each alone (the forward pass couples them: SigLIP's logits)."""
 
     coupled: list[Measured]
     sums: list[tuple[str, int]]
@@ -178,9 +173,8 @@ def probe_terms(
         for layer in layers_of(model):
             own = own_losses(layer)
             for i, term in enumerate(own):
-                which = f"'s add_loss term {i}" if len(own) > 1 else "'s add_loss term"
-                keys[f"layer {layer.path}{which}"] = (layer.path, i)
-                values[f"layer {layer.path}{which}"] = tf.reduce_sum(term)
+                key = f"layer {layer.path}'s add_loss term" + f" {i}" * (len(own) > 1)
+                keys[key], values[key] = (layer.path, i), tf.reduce_sum(term)
         if own_loss:
             loss = compute_loss(model, x, y, y_pred, sample_weight, training)
             values[f"{type(model).__name__}.compute_loss"] = loss
@@ -204,8 +198,8 @@ def probe_terms(
 
 
 def gathered() -> None:
-    """Marks the step being probed as one that gathers the batch's rows
-    (``towers.gather``): its loss is the whole batch's on every tower."""
+    """Marks the step probed as one whose loss is the whole batch's on
+    every tower (it called ``towers.gather``)."""
     recorder = this_tower().recorder
     if recorder is not None:
         recorder.gathers = True
@@ -391,6 +385,11 @@ class _Recorder:
         self.leading[-1].append(loss.shape[0] if loss.shape.rank else None)
         free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
         self._losses.append(_with_free(tf.reduce_sum(loss), free))
+        flat = tf.nest.flatten(sources)
+        if flat and all(isinstance(v, (tf.Variable, keras.Variable)) for v in flat):
+            # Only losses are read: no backward pass traced for the weights
+            # (a tensor's gradient is taken: WGAN-GP's penalty reads it).
+            return tf.nest.map_structure(lambda v: tf.zeros(v.shape, v.dtype), sources)
         return own(target)
 
 
