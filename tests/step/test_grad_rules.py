@@ -14,7 +14,8 @@ from tests.step.test_custom_steps import GuideStep
 from tests.test_equivalence import devices
 from tests.training.test_keras_fit_cases import assert_same_fit, twins
 from towers import Towers
-from towers.step.grad_rules import as_one_devices, reads_batch
+from towers.step.grad_rules import as_one_devices
+from towers.step.state import Reads
 
 
 class TokensAndPositions(keras.Model):
@@ -106,7 +107,8 @@ def test_indices_read_the_batch_through_a_called_function():
     @tf.function(autograph=False)
     def outer(x):
         rows, tokens = inner(x)
-        found.extend([reads_batch(rows, [x]), reads_batch(tokens, [x])])
+        reads = Reads([x], shapes=False)
+        found.extend([reads(rows), reads(tokens)])
         return rows
 
     outer(tf.zeros((2, 3)))

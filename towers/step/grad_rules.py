@@ -33,53 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-# Ops that read a tensor's shape, not its values: a position lookup takes
-# its length from the batch's shape.
-SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-
-
-def reads_batch(indices: tf.Tensor, batch: list[tf.Tensor]) -> bool:
-    """Whether ``indices`` read any value of the tensors of ``batch`` in
-    their graph, through the functions it calls (a tower's pass); an eager
-    tensor reads it by assumption.
-
-    >>> found = []
-    >>> @tf.function
-    ... def rows(x):
-    ...     positions = tf.range(tf.shape(x)[1])  # the length: a shape
-    ...     tokens = tf.cast(x[:, 0], "int32")  # the batch's values
-    ...     found.extend([reads_batch(positions, [x]), reads_batch(tokens, [x])])
-    ...     return positions
-    >>> _ = rows(tf.zeros((2, 3)))
-    >>> found
-    [False, True]
-    """
-    if not hasattr(indices, "graph") or tf.executing_eagerly():
-        return True
-    targets = {t.ref() for t in batch if hasattr(t, "ref")}
-    stack: list[tuple] = [(indices, ())]  # (tensor, the calls it is inside)
-    seen = set()
-    while stack:
-        tensor, calls = stack.pop()
-        if not calls and tensor.ref() in targets:
-            return True
-        op = tensor.op
-        key = (calls, op.name)
-        if op.type in SHAPE_OPS or key in seen:
-            continue
-        seen.add(key)
-        if op.type in CALLS:  # into the function, from the output read
-            body = tensor.graph._get_function(op.get_attr("f").name).graph
-            stack.append((body.outputs[tensor.value_index], (*calls, op)))
-        elif op.type == "Placeholder" and calls:  # out, to the argument
-            call = calls[-1]
-            body = call.graph._get_function(call.get_attr("f").name).graph
-            where = [i for i, t in enumerate(body.inputs) if t is tensor]
-            stack.extend((call.inputs[i], calls[:-1]) for i in where)
-        else:
-            stack.extend((t, calls) for t in op.inputs)
-    return False
+from towers.step.state import Reads
 
 
 def as_one_devices(
@@ -88,7 +42,7 @@ def as_one_devices(
     """``tower_grads[t][v]`` (of ``variables[v]``) with each kind of the
     module docstring as one device has it: tower 0 holds it, the others
     None (which the combine passes by)."""
-    tensors = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
+    reads = Reads(batch, shapes=False)  # an eager tensor: by assumption
     out = [list(grads) for grads in tower_grads]
     for v, variable in enumerate(variables):
         grads = [grads[v] for grads in tower_grads]
@@ -106,7 +60,7 @@ def as_one_devices(
         shapes = {tuple(g.indices.shape) for g in grads}
         if len(shapes) > 1 or None in next(iter(shapes)):
             continue
-        if any(reads_batch(g.indices, tensors) for g in grads):
+        if any(tf.executing_eagerly() or reads(g.indices) for g in grads):
             continue
         values = tf.add_n([tf.cast(g.values, grads[0].values.dtype) for g in grads])
         out[0][v] = tf.IndexedSlices(values, grads[0].indices, grads[0].dense_shape)

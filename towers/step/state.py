@@ -163,41 +163,80 @@ def refused(path: str, rule: str) -> ValueError:
     )
 
 
-class Reads:
-    """Whether a traced tensor reads any of ``batch``'s tensors (by its data
-    inputs), or with ``draws``, a random op's output."""
+# Ops that read a tensor's shape, not its values, and the ops that call a
+# function (a traced layer's call, a tower's pass).
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
-    def __init__(self, batch: list[Any], draws: bool = False):
+
+class Reads:
+    """Whether a traced tensor reads any of ``batch``'s tensors, through the
+    functions it calls: by its shape too (``shapes``), or by a random op
+    (``draws``). The one home of the rule, for a slice's rows
+    (``grad_rules.py``), a loss's batch-free terms (``loss_kinds.py``) and
+    a pass's assigned state (``tower.py``).
+
+    >>> found = []
+    >>> @tf.function
+    ... def rows(x):
+    ...     positions = tf.range(tf.shape(x)[1])  # the length: a shape
+    ...     reads = Reads([x], shapes=False)
+    ...     found.extend([reads(positions), reads(tf.cast(x[:, 0], "int32"))])
+    ...     return positions
+    >>> _ = rows(tf.zeros((2, 3)))
+    >>> found
+    [False, True]
+    """
+
+    def __init__(self, batch: list[Any], shapes: bool = True, draws: bool = False):
         leaves = tf.nest.flatten(batch, expand_composites=True)
         self.batch = {t.ref() for t in leaves if tf.is_tensor(t)}
-        self.draws = draws
-        self.ops: dict[Any, bool] = {}
+        self.shapes, self.draws = shapes, draws
+        self.found: dict[tuple, bool] = {}  # (calls, tensor) -> reads
 
     def __call__(self, tensor: tf.Tensor) -> bool:
         if not tf.is_symbolic_tensor(tensor):
             return False
-        if tensor.ref() in self.batch:
-            return True
-        stack = [tensor.op]
+        stack = [((), tensor)]  # (the calls it is inside, a tensor)
         while stack:
-            op = stack[-1]
-            if op in self.ops:
+            calls, t = stack[-1]
+            key = (calls, t.ref())
+            if key in self.found:
                 stack.pop()
                 continue
-            inputs = list(op.inputs)
-            if any(i.ref() in self.batch for i in inputs) or (
-                self.draws and "Random" in op.type
-            ):
-                self.ops[op] = True
+            inputs = self._inputs(calls, t)
+            if inputs is None or isinstance(inputs, bool):
+                self.found[key] = bool(inputs)
                 stack.pop()
                 continue
-            pending = [i.op for i in inputs if i.op not in self.ops]
+            pending = [i for i in inputs if (i[0], i[1].ref()) not in self.found]
             if pending:
                 stack += pending
             else:
-                self.ops[op] = any(self.ops[i.op] for i in inputs)
+                self.found[key] = any(self.found[(c, i.ref())] for c, i in inputs)
                 stack.pop()
-        return self.ops[tensor.op]
+        return self.found[((), tensor.ref())]
+
+    def _inputs(self, calls: tuple, tensor: tf.Tensor) -> Any:
+        """What ``tensor`` (inside ``calls``) reads: its op's inputs, into a
+        called function's output or out to a call's argument; True or
+        False where that is known at once."""
+        op = tensor.op
+        if not calls and tensor.ref() in self.batch:
+            return True
+        if (not self.shapes and op.type in SHAPE_OPS) or (
+            self.draws and "Random" in op.type
+        ):
+            return op.type not in SHAPE_OPS
+        if op.type in CALLS:  # into the function, from the output read
+            body = tensor.graph._get_function(op.get_attr("f").name).graph
+            return [((*calls, op), body.outputs[tensor.value_index])]
+        if op.type == "Placeholder" and calls:  # out, to the argument
+            call = calls[-1]
+            body = call.graph._get_function(call.get_attr("f").name).graph
+            where = [i for i, t in enumerate(body.inputs) if t is tensor]
+            return [(calls[:-1], call.inputs[i]) for i in where]
+        return [(calls, t) for t in op.inputs]
 
 
 def _examples(sizes: list[Any]) -> Any:
