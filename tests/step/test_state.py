@@ -183,15 +183,26 @@ class LastDraw(LastMean):
         return x
 
 
+class LastRows(LastMean):
+    """Keeps the number of rows it saw: a shard's, a constant in its trace
+    (each tower's own), where one device's is the batch's."""
+
+    def call(self, x, training=False):
+        self.last.assign(ops.cast(ops.shape(x)[0], "float32"))
+        return x
+
+
 @pytest.mark.parametrize(
     "layer, options",
     [
+        (LastRows, {}),
+        (LastRows, dict(batch_statistics="tower")),
         (LastMean, {}),
         (LastMean, dict(jit_compile=True)),
         (LastMean, dict(batch_statistics="global")),
         (LastDraw, {}),
     ],
-    ids=["mean", "mean-xla", "mean-lockstep", "draw"],
+    ids=["rows", "rows-once", "mean", "mean-xla", "mean-lockstep", "draw"],
 )
 def test_a_value_of_each_shard_under_aggregation_none_is_refused_by_name(
     layer, options, xla_allowed

@@ -41,7 +41,7 @@ from towers._keras.patches import (
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current
-from towers.step.state import aggregate, refused, rule_of
+from towers.step.state import aggregate, attributes, refused, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -318,13 +318,7 @@ def _same_op(a: tf.Tensor, b: tf.Tensor) -> bool:
         return False
     if len(op_a.inputs) != len(op_b.inputs):
         return False
-    return _attributes(op_a) == _attributes(op_b)
-
-
-def _attributes(op: Any) -> dict:
-    # Names starting "_" are TensorFlow's own bookkeeping (colocation).
-    return {k: v.SerializeToString() for k, v in op.node_def.attr.items()
-            if not k.startswith("_")}  # fmt: skip
+    return attributes(op_a) == attributes(op_b)
 
 
 def _batch_number(args: tuple, kwargs: dict) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from towers._keras import is_seed_state
@@ -96,27 +97,28 @@ def settle(passes: list[Any], sizes: list[Any], cluster: Any = None) -> list:
       >>> import keras, types
       >>> count = keras.Variable(1.0, aggregation="sum")
       >>> passes = [types.SimpleNamespace(state=[count], state_values=[v],
-      ...           state_free=[False]) for v in (tf.constant(3.0), tf.constant(4.0))]
+      ...           state_forms=[None]) for v in (tf.constant(3.0), tf.constant(4.0))]
       >>> float(settle(passes, [2, 2])[0].value)  # 1 + (3 - 1) + (4 - 1)
       6.0
 
     Raises:
-      ValueError: a variable of aggregation "none" the towers assigned a
-        value that reads their rows or a draw (traced: before any update).
+      ValueError: a variable of aggregation "none" the towers assigned
+        values of other forms, or that read their rows or a draw (traced:
+        before any update; :func:`form_of`).
     """
     assigned: dict[int, tuple[Any, list, list, list]] = {}
     for tower_pass, size in zip(passes, sizes):
-        for variable, value, free in zip(
-            tower_pass.state, tower_pass.state_values, tower_pass.state_free
+        for variable, value, form in zip(
+            tower_pass.state, tower_pass.state_values, tower_pass.state_forms
         ):
-            _, values, weights, frees = assigned.setdefault(
+            _, values, weights, forms = assigned.setdefault(
                 id(variable), (variable, [], [], [])
             )
             values.append(value)
             weights.append(size)
-            frees.append(free)
+            forms.append(form)
     settled = []
-    for variable, values, weights, frees in assigned.values():
+    for variable, values, weights, forms in assigned.values():
         rule = rule_of(variable)
         dtype = variable.dtype if tf.as_dtype(variable.dtype).is_floating else "float32"
         before = tf.convert_to_tensor(variable)
@@ -132,7 +134,7 @@ def settle(passes: list[Any], sizes: list[Any], cluster: Any = None) -> list:
         # device's.
         meets = len(values) > 1 or cluster is not None
         if rule == "none" and meets and not is_seed_state(variable):
-            if not all(frees):
+            if None in forms or len(set(forms)) > 1:
                 raise refused(variable.path, rule)
         change, weight = tf.cast(change, dtype), tf.cast(weight, dtype)
         if rule == "mean":  # what the workers' sums divide: sum_t n_t (v_t - v)
@@ -161,6 +163,45 @@ def refused(path: str, rule: str) -> ValueError:
         "tower's), or compute it in a model's own step from the batch's rows "
         "(towers.gather). Nothing was updated."
     )
+
+
+def form_of(tensor: Any, reads: Reads) -> Any:
+    """What ``tensor``'s value is made of, as a value two towers' alike
+    share: its ops' types and attributes (constants' values included: a
+    shard's size read as a constant is its own), and the inputs it reads by
+    name; None where it reads the batch or a draw (``reads``)."""
+    if not tf.is_symbolic_tensor(tensor):
+        return np.asarray(tensor).tobytes()
+    if reads(tensor):
+        return None
+    forms: dict[Any, Any] = {}
+    stack = [tensor]
+    while stack:
+        t = stack[-1]
+        if t.ref() in forms:
+            stack.pop()
+            continue
+        op = t.op
+        pending = [i for i in op.inputs if i.ref() not in forms]
+        if pending and op.type != "Placeholder":
+            stack += pending
+            continue
+        stack.pop()
+        attrs = attributes(op)
+        if op.type in CALLS:  # a function's name is its trace's
+            attrs.pop("f", None)
+        attrs = tuple(sorted(attrs.items()))
+        inputs = tuple(forms[i.ref()] for i in op.inputs)
+        name = op.name if op.type == "Placeholder" else ""
+        forms[t.ref()] = hash((op.type, t.value_index, name, attrs, inputs))
+    return forms[tensor.ref()]
+
+
+def attributes(op: Any) -> dict:
+    """``op``'s attributes as bytes, by name; those whose names start "_"
+    are TensorFlow's own bookkeeping (colocation), left out."""
+    return {k: v.SerializeToString() for k, v in op.node_def.attr.items()
+            if not k.startswith("_")}  # fmt: skip
 
 
 # Ops that read a tensor's shape, not its values, and the ops that call a

@@ -41,7 +41,7 @@ from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
 from towers.step.losses import StepLoss, Term, over
-from towers.step.state import Reads, state_variables
+from towers.step.state import Reads, form_of, state_variables
 
 
 @dataclasses.dataclass
@@ -57,8 +57,8 @@ class TowerPass:
       states: the seed generators' states after the pass (``draws.Starts``).
       state, state_values: the other variables the pass assigned and their
         values after it, for the step to assign once (``state.py``);
-        state_free: per value, whether it reads none of the tower's rows and
-        no draw (the same value on every tower).
+        state_forms: per value, what it is made of, None where it reads the
+        tower's rows or a draw (``state.form_of``).
     """
 
     terms: list[Term]
@@ -71,15 +71,15 @@ class TowerPass:
     states: list[tf.Tensor] = dataclasses.field(default_factory=list)
     state: list[Any] = dataclasses.field(default_factory=list)
     state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
-    state_free: list[bool] = dataclasses.field(default_factory=list)
+    state_forms: list[Any] = dataclasses.field(default_factory=list)
 
     def keep_state(self, scope: ReadScope, batch: Any) -> TowerPass:
         """Takes the variables ``scope`` saw assigned, with their values and
-        whether each reads none of ``batch``'s tensors and no draw."""
+        their forms (None: it reads ``batch``'s tensors or a draw)."""
         self.state = list(scope.assigned.values())
         self.state_values = [scope.get_current_value(v) for v in self.state]
         reads = Reads(batch, draws=True)
-        self.state_free = [not reads(value) for value in self.state_values]
+        self.state_forms = [form_of(value, reads) for value in self.state_values]
         return self
 
     def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
@@ -113,7 +113,7 @@ class TowerResult:
     output_losses: dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
     state: list[Any] = dataclasses.field(default_factory=list)
     state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
-    state_free: list[bool] = dataclasses.field(default_factory=list)
+    state_forms: list[Any] = dataclasses.field(default_factory=list)
 
 
 class Tower:
@@ -231,7 +231,7 @@ class Tower:
             output_losses=tower_pass.output_losses(divisors),
             state=tower_pass.state,
             state_values=tower_pass.state_values,
-            state_free=tower_pass.state_free,
+            state_forms=tower_pass.state_forms,
         )
 
     def evaluate(
