@@ -41,7 +41,7 @@ from towers._keras.patches import (
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current
-from towers.step.state import aggregate, attributes, refused, rule_of
+from towers.step.state import aggregate, form_of, refused, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -258,17 +258,20 @@ def _changes(afters: list[list[tf.Tensor]], before: list[tf.Tensor]) -> list:
 
 
 def alike(values: list[tf.Tensor], corresponding: Any = None) -> bool:
-    """Whether every tower's value is the first's: the same ops, with the same
-    attributes, on the same captured variables (or ``corresponding`` ones:
-    a captured handle's id -> its place in its copy) and constants, or on one
-    meeting's results; nothing random, nothing of a tower's own shard.
+    """Whether every tower's value has the first's form (``state.form_of``):
+    the same ops, with the same attributes, on the same captured variables
+    (or ``corresponding`` ones: a captured handle's id -> its place in its
+    copy) and constants, or on one meeting's results; nothing random.
 
     >>> x = tf.constant([1.0, 2.0])
     >>> alike([x * 2.0, x * 2.0]), alike([x * 2.0, x * 3.0])
     (True, False)
     """
-    first, rest = values[0], values[1:]
-    return all(_same_graph(first, other, corresponding or {}) for other in rest)
+    if all(v is values[0] for v in values):
+        return True
+    forms: dict = {}  # shared: a subgraph every tower reads, walked once
+    found = [form_of(v, (), _MARKS, corresponding, forms) for v in values]
+    return found[0] is not None and all(f == found[0] for f in found)
 
 
 def _corresponding(models: list[Any]) -> dict[int, int]:
@@ -279,46 +282,6 @@ def _corresponding(models: list[Any]) -> dict[int, int]:
     captures = getattr(graph, "captures", [])
     return {id(inner): place[id(outer)] for outer, inner in captures
             if id(outer) in place}  # fmt: skip
-
-
-def _same_graph(a: tf.Tensor, b: tf.Tensor, corresponding: dict) -> bool:
-    if not (tf.is_symbolic_tensor(a) and tf.is_symbolic_tensor(b)):
-        return a is b or bool(tf.reduce_all(tf.equal(a, b)))
-    marks = _MARKS
-    pairs, seen = [(a, b)], set()
-    while pairs:
-        a, b = pairs.pop()
-        if a is b or (id(a), id(b)) in seen:
-            continue
-        seen.add((id(a), id(b)))
-        mark_a, mark_b = marks.get(a.ref()), marks.get(b.ref())
-        if mark_a is not None or mark_b is not None:
-            if mark_a is not None and mark_a == mark_b:
-                continue
-            return False
-        if a.op.type == "Placeholder" and b.op.type == "Placeholder":
-            key = corresponding.get(id(a))
-            if key is None or key != corresponding.get(id(b)):
-                return False
-            continue
-        if not _same_op(a, b):
-            return False
-        pairs.extend(zip(a.op.inputs, b.op.inputs))
-    return True
-
-
-def _same_op(a: tf.Tensor, b: tf.Tensor) -> bool:
-    """The same output of ops of one type, attributes and number of inputs;
-    not a placeholder (a tower's own input: captures are shared tensors) nor
-    a random draw."""
-    op_a, op_b = a.op, b.op
-    if a.value_index != b.value_index or op_a.type != op_b.type:
-        return False
-    if op_a.type == "Placeholder" or "Random" in op_a.type:
-        return False
-    if len(op_a.inputs) != len(op_b.inputs):
-        return False
-    return attributes(op_a) == attributes(op_b)
 
 
 def _batch_number(args: tuple, kwargs: dict) -> Any:

@@ -165,16 +165,29 @@ def refused(path: str, rule: str) -> ValueError:
     )
 
 
-def form_of(tensor: Any, reads: Reads) -> Any:
-    """What ``tensor``'s value is made of, as a value two towers' alike
-    share: its ops' types and attributes (constants' values included: a
-    shard's size read as a constant is its own), and the inputs it reads by
-    name; None where it reads the batch or a draw (``reads``)."""
+def form_of(
+    tensor: Any, batch: Any = (), marks: Any = None, places: Any = None, forms=None
+) -> Any:
+    """What ``tensor``'s value is made of, as a value every tower's alike
+    shares: its ops' types and attributes (constants' values included: a
+    shard's size read as a constant is its own) down to the inputs it reads,
+    by name; None where it reads a tensor of ``batch`` or a draw.
+
+    ``marks``: tensors the towers met for, by their meeting (one value on
+    every tower); ``places``: a copy's captured variable handle's id -> its
+    place in its copy; ``forms``: what is known already, by tensor.
+
+    >>> x = tf.constant([1.0, 2.0])
+    >>> form_of(x * 2.0) == form_of(x * 2.0), form_of(x * 2.0) == form_of(x * 3.0)
+    (True, False)
+    """
     if not tf.is_symbolic_tensor(tensor):
-        return np.asarray(tensor).tobytes()
-    if reads(tensor):
-        return None
-    forms: dict[Any, Any] = {}
+        value = np.asarray(tensor)
+        return ("value", str(value.dtype), value.shape, value.tobytes())
+    leaves = tf.nest.flatten(batch, expand_composites=True)
+    batch = {t.ref() for t in leaves if tf.is_tensor(t)}
+    marks, places = marks or {}, places or {}
+    forms = {} if forms is None else forms
     stack = [tensor]
     while stack:
         t = stack[-1]
@@ -182,18 +195,25 @@ def form_of(tensor: Any, reads: Reads) -> Any:
             stack.pop()
             continue
         op = t.op
-        pending = [i for i in op.inputs if i.ref() not in forms]
-        if pending and op.type != "Placeholder":
+        if t.ref() in batch or "Random" in op.type:
+            return None
+        leaf = t.ref() in marks or op.type == "Placeholder"
+        pending = [] if leaf else [i for i in op.inputs if i.ref() not in forms]
+        if pending:
             stack += pending
             continue
         stack.pop()
-        attrs = attributes(op)
-        if op.type in CALLS:  # a function's name is its trace's
-            attrs.pop("f", None)
-        attrs = tuple(sorted(attrs.items()))
-        inputs = tuple(forms[i.ref()] for i in op.inputs)
-        name = op.name if op.type == "Placeholder" else ""
-        forms[t.ref()] = hash((op.type, t.value_index, name, attrs, inputs))
+        if t.ref() in marks:
+            forms[t.ref()] = ("met", marks[t.ref()])
+        elif op.type == "Placeholder":
+            forms[t.ref()] = ("input", places.get(id(t), op.name))
+        else:
+            attrs = attributes(op)
+            if op.type in CALLS:  # a function's name is its trace's
+                attrs.pop("f", None)
+            inputs = tuple(forms[i.ref()] for i in op.inputs)
+            attrs = tuple(sorted(attrs.items()))
+            forms[t.ref()] = (op.type, t.value_index, attrs, inputs)
     return forms[tensor.ref()]
 
 

@@ -41,7 +41,7 @@ from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
 from towers.step.gathered import gathered_loss
 from towers.step.losses import StepLoss, Term, over
-from towers.step.state import Reads, form_of, state_variables
+from towers.step.state import form_of, state_variables
 
 
 @dataclasses.dataclass
@@ -78,8 +78,7 @@ class TowerPass:
         their forms (None: it reads ``batch``'s tensors or a draw)."""
         self.state = list(scope.assigned.values())
         self.state_values = [scope.get_current_value(v) for v in self.state]
-        reads = Reads(batch, draws=True)
-        self.state_forms = [form_of(value, reads) for value in self.state_values]
+        self.state_forms = [form_of(value, batch) for value in self.state_values]
         return self
 
     def output_losses(self, divisors: list[Any]) -> dict[str, tf.Tensor]:
