@@ -354,3 +354,26 @@ def test_a_gan_whose_loss_sums_over_drawn_rows_trains_as_keras_fit():
         np.testing.assert_allclose(
             history.history[key], expected.history[key], rtol=1e-12
         )
+
+
+def test_the_probe_traces_the_step_once_for_each_shape_of_its_parts():
+    # Two examples together, then each alone: the two of one example share
+    # a trace (the second example's draws placed by a tensor, not a constant).
+    from towers.step import probe
+
+    traced = []
+
+    class Counted(OwnLoss):
+        def train_step(self, data):
+            traced.append(keras.ops.shape(data[0])[0])
+            return super().train_step(data)
+
+    inputs = keras.Input((5,))
+    model = Counted(inputs, keras.layers.Dense(2)(inputs), form=FORMS["sum"])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression(8)
+
+    found = probe.probe(model, (x, y, None), "train_step")
+
+    assert found.losses == ["sum"]
+    assert traced == [2, 1]

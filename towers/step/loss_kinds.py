@@ -43,6 +43,23 @@ PROBE_ATOL = 1e-7
 COUPLING_RTOL = 1e-4
 
 
+def readings(together: float, one: float, other: float) -> set[str]:
+    """What a number's value on two examples ``together`` is of its values
+    on each alone (``one``, ``other``): their ``"mean"``, their ``"sum"``,
+    both (where they are 0), or neither (it couples the examples).
+
+    >>> sorted(readings(3.0, 1.0, 2.0)), sorted(readings(1.5, 1.0, 2.0))
+    (['sum'], ['mean'])
+    """
+    fits = {"mean": (one + other) / 2, "sum": one + other}
+    return {
+        name
+        for name, expected in fits.items()
+        if abs(together - expected)
+        <= PROBE_RTOL * max(abs(together), abs(expected)) + PROBE_ATOL
+    }
+
+
 def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
     """The sum of the additive terms of the scalar ``target`` that read no
     tensor of ``batch`` (None: there are none). Terms are followed through

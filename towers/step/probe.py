@@ -33,11 +33,11 @@ from towers.step import draws, places
 from towers.step.batchnorm import Steady
 from towers.step.loss_kinds import (
     PROBE_ATOL,
-    PROBE_RTOL,
     Kind,
     batch_free,
     may_add_terms,
     nothing,
+    readings,
     rows_match,
 )
 
@@ -220,23 +220,6 @@ def misfit(model: keras.Model, hook: str, error: ValueError) -> ValueError | Non
     )
 
 
-def readings(together: float, one: float, other: float) -> set[str]:
-    """What a number's value on two examples ``together`` is of its values
-    on each alone (``one``, ``other``): their ``"mean"``, their ``"sum"``,
-    both (where they are 0), or neither (it couples the examples).
-
-    >>> sorted(readings(3.0, 1.0, 2.0)), sorted(readings(1.5, 1.0, 2.0))
-    (['sum'], ['mean'])
-    """
-    fits = {"mean": (one + other) / 2, "sum": one + other}
-    return {
-        name
-        for name, expected in fits.items()
-        if abs(together - expected)
-        <= PROBE_RTOL * max(abs(together), abs(expected)) + PROBE_ATOL
-    }
-
-
 def _rows(batch: tuple, start: int, stop: int) -> tuple:
     """Units ``[start, stop)`` of ``batch``: so many rows of each part."""
     units, rows = units_of(batch)
@@ -293,7 +276,9 @@ class _Recorder:
         self.leading: list[list[Any]] = []  # per part, each loss's first axis
         self.gathers = False  # the step called towers.gather
         self._losses: list[tf.Tensor] | None = None
-        self._traced: Any = None  # run, as a tf.function
+        self._leading: list[Any] = []  # the part's, while traced
+        self._records: tuple | None = None  # a trace's leading and drawn
+        self._traced: Any = None  # a part's work, as a tf.function
         self.drawn: list[list[Any]] = []  # per part, its draws' row counts
         self._batch: list[tf.Tensor] = []
 
@@ -307,9 +292,9 @@ class _Recorder:
         for reading in (True, False):
             if self._traced is None:
                 places.learn(self.model, self.hook, None, reading)
-                self._traced = tf.function(self.run, autograph=False)
+                self._traced = tf.function(self._part, autograph=False)
             try:
-                out = self._traced(*parts)
+                out = self.run(*parts)
             except ValueError as error:
                 self._traced = None
                 failed = failed or error
@@ -324,38 +309,44 @@ class _Recorder:
         raise AssertionError("both readings returned or raised")
 
     def run(self, *parts: tuple) -> tuple:
-        out, logs, steady = [], [], Steady(self.model)
-        work = self.work or getattr(self.model, self.hook)
-        kept = getattr(work, "kept", [])
-        del kept[:]
-        self.drawn = []
+        """Each part's losses, numbers and kept outputs; one trace serves
+        the parts of one shape (each example alone)."""
+        out, logs, kept, steady = [], [], [], Steady(self.model)
+        self.drawn, self.leading, records = [], [], None
         with setting(recorder=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
                 drawing = draws.drawing(None, [self.model], 2, self.hook)
                 with drawing, places.steady(), steady.patched():
-                    self.leading = []
-                    for (x, y, sw), first in zip(parts, (None, 0, 1)):
-                        self._losses = []
-                        self.leading.append([])
-                        self._batch = tf.nest.flatten((x, y, sw), True)
-                        rows = places.size_of(x)  # a unit's or two's
-                        whole = 2 * rows if first is not None else rows
-                        placed = places.rows_of(
-                            (x, y, sw), rows * (first or 0), whole, self.rows
-                        )
-                        # Every variable mapped: a weight regulariser reads
-                        # its variable through the scope.
-                        mapping = [(v, v.value) for v in self.model.variables]
-                        scope = keras.StatelessScope(mapping, collect_losses=True)
-                        with scope, placed as tower:
-                            data = keras.utils.pack_x_y_sample_weight(x, y, sw)
-                            returned = work(data)
-                            self.drawn.append(list(tower.drawn))
-                        out.append(self._losses)
-                        logs.append(self._numbers(returned))
+                    for part, first in zip(parts, (None, 0, 1)):
+                        self._records = None  # set where the call traces
+                        at = None if first is None else tf.constant(first)
+                        losses, numbers, outputs = self._traced(part, at)
+                        records = self._records or records  # else the last's
+                        self.leading.append(records[0])
+                        self.drawn.append(records[1])
+                        out, logs = out + [losses], logs + [numbers]
+                        kept += outputs
         keys = set.intersection(*(set(numbers) for numbers in logs))
         logs = [{k: v for k, v in numbers.items() if k in keys} for numbers in logs]
-        return out, logs, list(kept)
+        return out, logs, kept
+
+    def _part(self, part: tuple, first: Any) -> tuple:
+        """The work on ``part``: example ``first`` alone (None: the two)."""
+        (x, y, sw), work = part, self.work or getattr(self.model, self.hook)
+        kept = getattr(work, "kept", [])
+        del kept[:]
+        self._losses, self._leading = [], []
+        self._batch = tf.nest.flatten(part, True)
+        rows = places.size_of(x)  # a unit's or two's
+        whole = 2 * rows if first is not None else rows
+        at = 0 if first is None else rows * first
+        # Every variable mapped: a weight regulariser reads it through the scope.
+        mapping = [(v, v.value) for v in self.model.variables]
+        scope = keras.StatelessScope(mapping, collect_losses=True)
+        with scope, places.rows_of(part, at, whole, self.rows) as tower:
+            returned = work(keras.utils.pack_x_y_sample_weight(x, y, sw))
+            self._records = (self._leading, list(tower.drawn))
+        return self._losses, self._numbers(returned), list(kept)
 
     def _numbers(self, logs: Any) -> dict[str, tf.Tensor]:
         """The step's returned float numbers by key (nested dicts' entries by
@@ -382,7 +373,7 @@ class _Recorder:
 
     def _gradient(self, target: Any, sources: Any, own: Any) -> Any:
         loss = tf.convert_to_tensor(target)
-        self.leading[-1].append(loss.shape[0] if loss.shape.rank else None)
+        self._leading.append(loss.shape[0] if loss.shape.rank else None)
         free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
         self._losses.append(_with_free(tf.reduce_sum(loss), free))
         flat = tf.nest.flatten(sources)
