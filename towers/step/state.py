@@ -12,9 +12,10 @@ once::
     "mean"                sum_t n_t v_t / sum_t n_t  one device's value of a
                                                      statistic of the batch
     "only_first_replica"  v_0
-    "none" (Keras' default)  v_0 where every tower's value reads none of its
-                          rows and no draw (a count of steps, a kernel
-                          masked): one value; refused by name otherwise
+    "none" (Keras' default)  v_0 where every tower's value has one form, of
+                          none of its rows and no draw (a count of steps,
+                          a kernel masked: :func:`form_of`); refused by
+                          name otherwise
 
 In a cluster the workers' changes meet in the step's sum, "mean" weighted by
 every worker's examples; "none" and "only_first_replica" take the chief's.
@@ -32,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import is_seed_state
+from towers._runtime import called_graph
 from towers.combine import in_dtype
 
 RULES = ("sum", "mean", "only_first_replica", "none")
@@ -156,7 +158,8 @@ def refused(path: str, rule: str) -> ValueError:
     return ValueError(
         f"the variable {path!r} is assigned a value that differs from tower "
         f"to tower (aggregation={rule!r}): it reads the tower's rows of the "
-        "batch or a random draw, where one device would assign it once, from "
+        "batch (their values or their number) or a random draw, where one "
+        "device would assign it once, from "
         "the whole batch. Create the variable with aggregation='sum' (the "
         "towers' changes add up: a count of examples), 'mean' (their values "
         "weighted by their examples), 'only_first_replica' (the first "
@@ -232,10 +235,9 @@ CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 class Reads:
     """Whether a traced tensor reads any of ``batch``'s tensors, through the
-    functions it calls: by its shape too (``shapes``), or by a random op
-    (``draws``). The one home of the rule, for a slice's rows
-    (``grad_rules.py``), a loss's batch-free terms (``loss_kinds.py``) and
-    a pass's assigned state (``tower.py``).
+    functions it calls, by its shape too (``shapes``): the one home of the
+    rule, for a slice's rows (``grad_rules.py``) and a loss's batch-free
+    terms (``loss_kinds.py``).
 
     >>> found = []
     >>> @tf.function
@@ -249,10 +251,10 @@ class Reads:
     [False, True]
     """
 
-    def __init__(self, batch: list[Any], shapes: bool = True, draws: bool = False):
+    def __init__(self, batch: list[Any], shapes: bool = True):
         leaves = tf.nest.flatten(batch, expand_composites=True)
         self.batch = {t.ref() for t in leaves if tf.is_tensor(t)}
-        self.shapes, self.draws = shapes, draws
+        self.shapes = shapes
         self.found: dict[tuple, bool] = {}  # (calls, tensor) -> reads
 
     def __call__(self, tensor: tf.Tensor) -> bool:
@@ -285,16 +287,14 @@ class Reads:
         op = tensor.op
         if not calls and tensor.ref() in self.batch:
             return True
-        if (not self.shapes and op.type in SHAPE_OPS) or (
-            self.draws and "Random" in op.type
-        ):
-            return op.type not in SHAPE_OPS
+        if not self.shapes and op.type in SHAPE_OPS:
+            return False
         if op.type in CALLS:  # into the function, from the output read
-            body = tensor.graph._get_function(op.get_attr("f").name).graph
+            body = called_graph(op.graph, op.name)
             return [((*calls, op), body.outputs[tensor.value_index])]
         if op.type == "Placeholder" and calls:  # out, to the argument
             call = calls[-1]
-            body = call.graph._get_function(call.get_attr("f").name).graph
+            body = called_graph(call.graph, call.name)
             where = [i for i, t in enumerate(body.inputs) if t is tensor]
             return [(calls[:-1], call.inputs[i]) for i in where]
         return [(calls, t) for t in op.inputs]
