@@ -212,8 +212,6 @@ def form_of(
             forms[t.ref()] = ("input", places.get(id(t), op.name))
         else:
             attrs = attributes(op)
-            if op.type in CALLS:  # a function's name is its trace's
-                attrs.pop("f", None)
             inputs = tuple(forms[i.ref()] for i in op.inputs)
             attrs = tuple(sorted(attrs.items()))
             forms[t.ref()] = (op.type, t.value_index, attrs, inputs)
@@ -221,10 +219,12 @@ def form_of(
 
 
 def attributes(op: Any) -> dict:
-    """``op``'s attributes as bytes, by name; those whose names start "_"
-    are TensorFlow's own bookkeeping (colocation), left out."""
+    """``op``'s attributes as bytes, by name; left out: those whose names
+    start "_" (TensorFlow's bookkeeping: colocation) and the functions it
+    calls (a call's, a ``cond``'s branches: their names are their trace's)."""
     return {k: v.SerializeToString() for k, v in op.node_def.attr.items()
-            if not k.startswith("_")}  # fmt: skip
+            if not k.startswith("_") and not v.HasField("func")
+            and not (v.HasField("list") and v.list.func)}  # fmt: skip
 
 
 # Ops that read a tensor's shape, not its values, and the ops that call a
