@@ -377,3 +377,17 @@ def test_the_probe_traces_the_step_once_for_each_shape_of_its_parts():
 
     assert found.losses == ["sum"]
     assert traced == [2, 1]
+
+
+def test_a_loss_zero_on_the_first_two_examples_is_read_on_the_next_two():
+    # Both readings fit a loss of 0: the probe tries the next pair, through
+    # the traces it made for the first.
+    from towers.step import probe
+
+    form = lambda m, x, y, sw: ops.sum(squares(m, x, y) * x[:, :1])  # noqa: E731
+    x, y = regression(8)
+    x[:2, 0] = 0.0  # examples 0 and 1 add nothing
+
+    found = probe.probe(own_loss(form), (x, y, None), "train_step")
+
+    assert found.losses == ["sum"]

@@ -278,6 +278,7 @@ class _Recorder:
         self._losses: list[tf.Tensor] | None = None
         self._leading: list[Any] = []  # the part's, while traced
         self._records: tuple | None = None  # a trace's leading and drawn
+        self._traces: dict[bool, tuple] = {}  # the last, of two / of one
         self._traced: Any = None  # a part's work, as a tf.function
         self.drawn: list[list[Any]] = []  # per part, its draws' row counts
         self._batch: list[tf.Tensor] = []
@@ -312,7 +313,7 @@ class _Recorder:
         """Each part's losses, numbers and kept outputs; one trace serves
         the parts of one shape (each example alone)."""
         out, logs, kept, steady = [], [], [], Steady(self.model)
-        self.drawn, self.leading, records = [], [], None
+        self.drawn, self.leading = [], []
         with setting(recorder=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
                 drawing = draws.drawing(None, [self.model], 2, self.hook)
@@ -321,7 +322,9 @@ class _Recorder:
                         self._records = None  # set where the call traces
                         at = None if first is None else tf.constant(first)
                         losses, numbers, outputs = self._traced(part, at)
-                        records = self._records or records  # else the last's
+                        # A call that did not trace: its trace's records.
+                        records = self._records or self._traces[first is None]
+                        self._traces[first is None] = records
                         self.leading.append(records[0])
                         self.drawn.append(records[1])
                         out, logs = out + [losses], logs + [numbers]
