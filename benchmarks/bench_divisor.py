@@ -1,5 +1,5 @@
 """Why, without XLA, a divisor from sample weights traces the towers one by one
-(``towers/step/cut.py``'s ``Recording`` does not serve the sum in ``"once"``).
+(``towers/step/recording.py``'s ``Recording`` does not serve the sum in ``"once"``).
 
 Keras' ``mean_with_sample_weight`` divides by the batch's sum of sample
 weights, which no tower knows alone. The one trace for every tower can be cut

@@ -25,13 +25,8 @@ from towers.placement.update import Update
 from towers.step import outputs, xla
 from towers.step.batchnorm import MovingStatistics
 from towers.step.coupled import CoupledLosses
-from towers.step.custom import (
-    CustomStep,
-    custom_hooks,
-    kinds_of,
-    overrides,
-    refuse_with_hooks,
-)
+from towers.step.custom import CustomStep
+from towers.step.hooks import custom_hooks, kinds_of, overrides, refuse_with_hooks
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.step import Step

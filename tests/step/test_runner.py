@@ -12,6 +12,7 @@ from tests.step.test_gathered_loss import clip
 from tests.step.test_gathered_loss import data as clip_data
 from tests.test_equivalence import devices
 from towers import Towers
+from towers.step import meetings
 from towers.step import runner as runner_module
 from towers.step.runner import Runner
 
@@ -83,13 +84,29 @@ def test_towers_own_steps_take_the_way_the_runner_decides(
     }
 
 
-def test_a_models_own_train_step_takes_turns(ways):
-    engine = Towers(guide_model(), devices=devices(2))
+@pytest.mark.parametrize("examples, traces", [(12, 1), (11, 2)])
+def test_a_models_own_train_step_is_traced_once_a_shard_shape_and_cut(
+    ways, monkeypatch, examples, traces
+):
+    model = guide_model()
+    seats = []  # the seat of each trace of its train_step in a tower
+    train_step = type(model).train_step
+
+    def counted(self, data):
+        seats.append(type(meetings.current()).__name__)
+        return train_step(self, data)
+
+    monkeypatch.setattr(type(model), "train_step", counted)
+    engine = Towers(model, devices=devices(3))
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((10, 5)), rng.standard_normal((10, 2))
-    run_all(engine, x, y)
+    x, y = rng.standard_normal((examples, 5)), rng.standard_normal((examples, 2))
+    engine.fit(x, y, batch_size=examples, epochs=1, verbose=0)
     # test_step is the model's own too; predict_step is towers'.
-    assert by_kind(ways) == {"own": {"turns"}, "predict": {"once"}}
+    assert by_kind(ways)["own"] == {"phases"}
+    # 4 + 4 + 4 rows: one trace for the three towers; 4 + 4 + 3: two. (The
+    # probe and the first step's check call it alone: Alone seats.)
+    assert seats.count("Recording") == traces
+    assert "Seat" not in seats  # no tower traced in turns
 
 
 def test_a_gathered_loss_takes_turns_in_training_and_evaluation(ways):

@@ -96,7 +96,7 @@ class Applies:
         if tf.convert_to_tensor(target).shape.rank == 0:
             target = tf.convert_to_tensor(target)
             if kind == "sum":  # its batch-free terms set apart
-                free = loss_kinds.batch_free(target, self.batch)
+                free = loss_kinds.batch_free(target, here.inputs or self.batch)
             [self.means[target.ref()]] = loss_kinds.as_mean([target], [free], share)
         free_grads = [None] * len(flat)
         if free is not None:
@@ -108,8 +108,8 @@ class Applies:
     def _kind(self, here: Any) -> loss_kinds.Kind:
         """The kind of the tower's next loss, as the probe found it by its
         place in the tower's calls."""
-        place = self._calls.get(here.rank, 0)
-        self._calls[here.rank] = place + 1
+        place = self._calls.get(here, 0)  # by seat: a tower, a trace
+        self._calls[here] = place + 1
         if self.whole_batch:
             return "mean"
         if self.kinds is not None and place < len(self.kinds):
@@ -163,16 +163,18 @@ class Applies:
             return apply(grads, variables)
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
-        handed = here.everyone((optimizer, variables or [], grads, here.weight))
-        copies = len(self.placement.models) > 1
-        check_same(handed, copies)
-        if here.first:
-            self.names.append(optimizer.name)
-        elif not copies:
-            return None
-        with seated(None):  # the optimizer's own apply may call apply again
-            if copies:  # each tower applies to its own copy
+        handed = (optimizer, variables or [], grads, here.weight)
+        if len(self.placement.models) > 1:  # each tower applies to its own copy
+            handed = here.everyone(handed)
+            check_same(handed, True)
+            if here.first:
+                self.names.append(optimizer.name)
+            with seated(None):  # the optimizer's own apply may call apply again
                 return self._apply_each(here, handed, apply)
+
+        def once(handed: list) -> None:
+            check_same(handed)
+            self.names.append(optimizer.name)
             # Out of tower 0's scope ("x/" names a scope from the top), each
             # variable's sum where the placement combines it.
             listed = variables or optimizer_variables(optimizer)
@@ -187,7 +189,9 @@ class Applies:
                         workers, mine = self.across.workers, self.mine
                         grads, _ = workers.weighted_sum(grads, mine, first=first)
                 with tf.name_scope("apply/"):
-                    return self._apply(optimizer, grads, variables, apply)
+                    self._apply(optimizer, grads, variables, apply)
+
+        return here.once(handed, once)
 
     def _apply(self, optimizer: Any, grads: list, variables: Any, apply: Any) -> Any:
         """``grads`` applied by the optimizer's :class:`Update`: the engine's

@@ -47,6 +47,7 @@ from towers.step.state import aggregate, form_of, refused, rule_of
 # on every tower. Kept while a step's towers are traced (``routed``); the
 # towers' threads take turns, so one dict serves them all.
 _MARKS: dict[Any, Any] = {}
+_FORMS: dict[Any, Any] = {}  # the forms found, by tensor (state.form_of)
 
 
 @contextlib.contextmanager
@@ -124,6 +125,7 @@ class Assignments:
         self._metric_place = {id(m): i for model in self.models
                               for i, m in enumerate(_every_metric(model))}  # fmt: skip
         _MARKS.clear()
+        _FORMS.clear()
         try:
             with (
                 Patch(lambda: tracked_calls(self._normalising)).applied(),
@@ -135,6 +137,7 @@ class Assignments:
                 yield
         finally:
             _MARKS.clear()
+            _FORMS.clear()
 
     def is_result(self, value: Any) -> bool | None:
         """Whether ``value`` (one the step returns) is a metric's
@@ -143,6 +146,12 @@ class Assignments:
             return None
         leaves = tf.nest.flatten(value)
         return bool(leaves) and all(id(leaf) in self._results for leaf in leaves)
+
+    def note(self, value: Any, result: bool | None) -> None:
+        """``value`` (a log the step returned, as run) is a metric's result
+        where ``result`` (:meth:`is_result` of it as traced)."""
+        if result:
+            self._results[id(value)] = (None, value)
 
     def _result(self, metric: Any, result: Any, args: tuple, kwargs: dict) -> Any:
         value = result(*args, **kwargs)
@@ -162,12 +171,18 @@ class Assignments:
             self.assigned.append(variable.path)
         if len(self.models) > 1:
             return self._assign_copies(here, variable, value, assign)
-        handed = here.everyone((variable, value, here.weight))
-        _check_same(handed, variable)
-        if not here.first:
-            return value
-        with tf.name_scope("assignments/"):
-            return assign(self._combine(variable, handed))
+
+        def once(handed: list) -> Any:
+            _check_same(handed, variable)
+            values = [value for _, value, _, _ in handed]
+            shares = [share for *_, share, _ in handed]
+            same = _same([form for *_, form in handed])
+            with tf.name_scope("assignments/"):
+                return assign(self._combine(variable, values, shares, same))
+
+        form = here.form(value, _MARKS, _FORMS)
+        done = here.once((variable, value, here.weight, form), once, [variable])
+        return value if done is None else done
 
     def _assign_copies(self, here: Any, variable: Any, value: Any, assign: Any):
         """With a copy per tower: the copies' corresponding variables take one
@@ -177,28 +192,28 @@ class Assignments:
             return assign(value)
         handed = here.everyone((place, value, here.weight))
         _check_same(handed, place)
-        corresponding = _corresponding(self.models)
+        values = [value for _, value, _ in handed]
+        shares = [share for *_, share in handed]
+        same = alike(values, _corresponding(self.models))
         combined = here.from_first(
-            lambda: self._combine(variable, handed, corresponding)
+            lambda: self._combine(variable, values, shares, same)
         )
         with tf.name_scope("assignments/"):
             return assign(combined)
 
     def _combine(
-        self, variable: Any, handed: list[tuple], corresponding: Any = None
+        self, variable: Any, values: list, shares: list, same: bool
     ) -> tf.Tensor:
-        """What ``variable`` takes from the towers' ``(variable, value,
-        share)``, by its aggregation (the module docstring)."""
-        values = [value for _, value, _ in handed]
+        """What ``variable`` takes from the towers' ``values`` (of ``shares``
+        of the batch; ``same``: every one's form the first's), by its
+        aggregation (the module docstring)."""
         rule = rule_of(variable)
         if len(values) == 1 and self.across is None:
             return values[0]
-        same = rule == "none" and alike(values, corresponding)
-        if rule == "only_first_replica" or same:
+        if rule == "only_first_replica" or (rule == "none" and same):
             return values[0]  # in a cluster, the same on every worker
         if rule in ("sum", "mean"):  # state.py's rules, over every worker's
             before = tf.convert_to_tensor(variable)
-            shares = [share for *_, share in handed]
             change, weight = aggregate(rule, before, values, shares)
             change = over_workers(self.across, change, rule == "mean")
             if rule == "mean":
@@ -213,44 +228,68 @@ class Assignments:
             return update(*args, **kwargs)
         if here.quiet:
             return None
-        variables = metric.variables
-        before = [tf.convert_to_tensor(v) for v in variables]
+        variables, own = list(metric.variables), self._own
         value = self.as_mean(_batch_number(args, kwargs))
         copies = len(self.models) > 1
         if isinstance(metric, keras.metrics.Mean) and value is not None:
             # The batch's number: the towers' weighted, in one update (with
             # copies, of the first's copy; custom_copies.py gathers it).
             what = self._metric_place[id(metric)] if copies else metric
-            handed = here.everyone((what, tf.convert_to_tensor(value), here.weight))
-            _check_same(handed, what)
-            if not here.first:
-                return None
-            dtype = handed[0][1].dtype
-            value = tf.add_n([in_dtype(w, dtype) * v for _, v, w in handed])
-            after = metric.stateless_update_state(before, value)
-            weight = 1.0 if self.across is None else self.across.weight
-            changes = [in_dtype(weight, old.dtype) * (tf.convert_to_tensor(new) - old)
-                       for new, old in zip(after, before)]  # fmt: skip
-        elif copies:  # each copy's own, their changes added (custom_copies.py)
+
+            def weighted(handed: list) -> None:
+                _check_same(handed, what)
+                dtype = handed[0][1].dtype
+                value = tf.add_n([in_dtype(w, dtype) * v for _, v, w in handed])
+                before = _read(variables)
+                after = metric.stateless_update_state(before, value)
+                weight = 1.0 if self.across is None else self.across.weight
+                after = [tf.convert_to_tensor(new) for new in after]
+                changes = [in_dtype(weight, old.dtype) * (new - old)
+                           for new, old in zip(after, before)]  # fmt: skip
+                _moved(own, variables, before, changes)
+
+            handed = (what, tf.convert_to_tensor(value), here.weight)
+            here.once(handed, weighted, variables)
+            return None
+        if copies:  # each copy's own, their changes added (custom_copies.py)
             return update(*args, **kwargs)
-        else:
-            after = metric.stateless_update_state(before, *args, **kwargs)
-            after = [tf.convert_to_tensor(a) for a in after]
-            handed = here.everyone((metric, after, here.weight))
+        after = metric.stateless_update_state(_read(variables), *args, **kwargs)
+        after = [tf.convert_to_tensor(a) for a in after]
+        forms = [here.form(a, _MARKS, _FORMS) for a in after]
+
+        def added(handed: list) -> None:
             _check_same(handed, metric)
-            if not here.first:
-                return None
-            changes = _changes([values for _, values, _ in handed], before)
-        with tf.name_scope("metrics/"):
-            for variable, old, change in zip(variables, before, changes):
-                self._own(variable, old + change)
+            before = _read(variables)
+            changes = _changes([values for _, values, _, _ in handed],
+                               [forms for *_, forms in handed], before)  # fmt: skip
+            _moved(own, variables, before, changes)
+
+        here.once((metric, after, here.weight, forms), added, variables)
         return None
 
 
-def _changes(afters: list[list[tf.Tensor]], before: list[tf.Tensor]) -> list:
-    """Each variable's change from every tower's ``afters``: the first's when
-    every variable's is the same on every tower, else their sum."""
-    same = all(alike([after[i] for after in afters]) for i in range(len(before)))
+def _read(variables: list[Any]) -> list[tf.Tensor]:
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+def _moved(assign: Any, variables: list, before: list, changes: list) -> None:
+    """Each of a metric's ``variables`` moved by its change."""
+    with tf.name_scope("metrics/"):
+        for variable, old, change in zip(variables, before, changes):
+            assign(variable, old + change)
+
+
+def _same(forms: list[Any]) -> bool:
+    """Whether every tower's value has the first's form, one of none of its
+    rows and no draw (``state.form_of``)."""
+    return forms[0].of is not None and all(f == forms[0] for f in forms)
+
+
+def _changes(afters: list[list], forms: list[list], before: list) -> list:
+    """Each variable's change from every tower's ``afters`` (of ``forms``):
+    the first's when every variable's is the same on every tower, else their
+    sum."""
+    same = all(_same([f[i] for f in forms]) for i in range(len(before)))
     if same:
         return [new - old for new, old in zip(afters[0], before)]
     return [tf.add_n([after[i] - old for after in afters])

@@ -173,12 +173,15 @@ class MovingStatistics:
     def _move_at_once(self, layer, index: int, moments: tuple, device: Any) -> None:
         """Hands this tower's ``moments`` to the others; the first tower moves
         ``layer``'s statistics from every tower's."""
-        seat = meetings.current()
-        handed = seat.everyone(tf.nest.map_structure(tf.stop_gradient, moments))
-        if seat.first:
+        epsilon = self._epsilons[index]
+
+        def move(handed: list) -> None:
             with tf.device(device), tf.name_scope("moving_statistics/"):
-                stat = self._statistics(handed, self._epsilons[index], layer)
-                _move(layer, *stat)
+                _move(layer, *self._statistics(handed, epsilon, layer))
+
+        moments = tf.nest.map_structure(tf.stop_gradient, moments)
+        moving = None if layer.renorm else [layer.moving_mean, layer.moving_variance]
+        meetings.current().once(moments, move, moving)  # renorm's: any
 
     def _statistics(
         self, per_tower: list[tuple], epsilon: float, layer: Any

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-import warnings
 from typing import Any
 
 import keras
@@ -30,45 +29,14 @@ from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, examples_of
-from towers.step import draws, loss_kinds, probe, xla
+from towers.step import draws, loss_kinds, probe
 from towers.step.applies import INSTANCES_PER_APPLY, Applies
 from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import gather_metrics, level_metrics
 from towers.step.gathered import concat_rows, whole_batch_loss
+from towers.step.meetings import current
 from towers.step.runner import Runner
-
-# The hooks a model overrides that make towers run Keras' steps.
-HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
-
-
-def overrides(model: Any, name: str) -> bool:
-    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook).
-
-    >>> class Own(keras.Model):
-    ...     def compute_loss(self, *args, **kwargs):
-    ...         return super().compute_loss(*args, **kwargs)
-    >>> overrides(Own(), "compute_loss"), overrides(keras.Sequential(), "compute_loss")
-    (True, False)
-    """
-    return getattr(type(model), name, None) is not getattr(keras.Model, name)
-
-
-def custom_hooks(model: keras.Model) -> list[str]:
-    """The Keras step hooks ``model`` overrides (``HOOKS``)."""
-    return [hook for hook in HOOKS if overrides(model, hook)]
-
-
-def kinds_of(hooks: list[str]) -> frozenset[str]:
-    """The steps (``"train"``, ``"evaluate"``, ``"predict"``) that run Keras'
-    own for a model overriding ``hooks``; the others are towers' own, which
-    are Keras' defaults (``compute_metrics`` is called by Keras' train and
-    test steps)."""
-    steps = {"train_step": "train", "test_step": "evaluate", "predict_step": "predict"}
-    kinds = {steps[hook] for hook in hooks if hook in steps}
-    if "compute_metrics" in hooks:
-        kinds |= {"train", "evaluate"}
-    return frozenset(kinds)
 
 
 class CustomStep:
@@ -193,12 +161,28 @@ class CustomStep:
         tower order."""
         working = self.placement.working_towers(shards)
         self.applies.begin(self._across, self._batch)
+        self._free: dict[Any, tf.Tensor] = {}  # a log's batch-free terms
+        sums = "sum" in self._logs_found.get(hook, {}).values()
 
         def step(model: keras.Model, x, y, sample_weight, examples) -> Any:
             del examples  # the step's own loss divides by its shard's
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
             with self._moving_at_once(working):
-                return getattr(model, hook)(data)
+                logs = getattr(model, hook)(data)
+            if hook == "predict_step":
+                return logs
+            # What the logs are as traced (the run's tensors are another
+            # trace's, a cut's): metrics' results, losses taken as sums, and
+            # where the probe found a sum, its batch-free terms.
+            noted = []
+            for leaf in tf.nest.flatten(logs):
+                free = None
+                if sums and _is_float(leaf) and self.applies.as_mean(leaf) is leaf:
+                    batch = current().inputs or self._batch
+                    free = loss_kinds.batch_free(tf.convert_to_tensor(leaf), batch)
+                result = assignments.is_result(leaf)
+                noted.append((result, self.applies.as_mean(leaf), free))
+            return logs, noted
 
         assignments = Assignments(
             self.placement.models,
@@ -219,7 +203,16 @@ class CustomStep:
                 seats = (weights, self._across)
                 results = self.runner.each(shards, step, "own", seats)
             self.applies.refuse_raise(sorted(set(assignments.assigned)))
-            return results
+            if hook == "predict_step":
+                return results
+            for logs, noted in results:
+                for leaf, (result, mean, free) in zip(tf.nest.flatten(logs), noted):
+                    assignments.note(leaf, result)
+                    if mean is not leaf:
+                        self.applies.means[leaf.ref()] = mean
+                    if free is not None:
+                        self._free[leaf.ref()] = free
+            return [logs for logs, _ in results]
         except threading.BrokenBarrierError as error:
             raise ValueError(
                 f"the towers' {hook} did not make the same applies on every "
@@ -260,7 +253,7 @@ class CustomStep:
         if self._across is not None:
             worker = in_dtype(self._across.weight, value.dtype)
             share = in_dtype(share, value.dtype) * worker
-        free = loss_kinds.batch_free(value, self._batch) if apart else None
+        free = self._free.get(value.ref()) if apart else None
         return loss_kinds.as_mean([value], [free], share)[0]
 
     def _read_logs(
@@ -341,49 +334,6 @@ class CustomStep:
 # A number of the step's logs: its place among the numbers summed, its key
 # and the last tower's value (whether it is a metric's result).
 _Number = collections.namedtuple("_Number", "index key value")
-
-
-def refuse_with_hooks(
-    hooks: list[str],
-    placement: Placement,
-    options: dict[str, Any],
-    jit: Any,
-) -> None:
-    """Refuses, by name and before any step, what a model's own steps cannot
-    run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
-
-    Raises:
-      ValueError: with the model's own train step, ``jit_compile=True``; with
-        a copy per tower, micro-batches or a non-finite policy.
-    """
-    model = type(placement.model).__name__
-    if "train" not in kinds_of(hooks):  # evaluation or prediction alone
-        jit = xla.OFF  # nothing trains in them
-        options = {"accumulate_steps": 1, "on_nonfinite": "ignore"}
-    copies = f"placement={placement.name!r}" if len(placement.models) > 1 else ""
-    refused = [
-        (copies and options["accumulate_steps"] > 1, "accumulate_steps="
-         f"{options['accumulate_steps']} with {copies}", "each copy's optimizer "
-         "is built before the first step; use placement='central'"),
-        (copies and options["on_nonfinite"] != "ignore", "on_nonfinite="
-         f"{options['on_nonfinite']!r} with {copies}", "each copy applies its "
-         "own; use placement='central'"),
-        (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
-         "stops at its applies; pass jit_compile=False"),
-    ]  # fmt: skip
-    for refuse, what, why in refused:
-        if refuse:
-            raise ValueError(
-                f"a {model} that overrides {', '.join(hooks)} runs on every "
-                f"tower, meeting at its applies; received {what}: {why}."
-            )
-    if jit.enabled:
-        warnings.warn(
-            f"a {model} that overrides {', '.join(hooks)} runs without XLA "
-            "(jit_compile='auto' chose XLA): each tower's step stops at its "
-            "applies.",
-            stacklevel=2,
-        )
 
 
 def _share(shards: Shards, t: int) -> Any:

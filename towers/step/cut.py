@@ -20,55 +20,12 @@ import tensorflow as tf
 
 from towers import _runtime
 from towers.step import meetings, xla
+from towers.step.recording import Exchange, Once, Recording
 
 # An op of no inputs that is copied into every phase that reads it.
 _COPIED = ("Const",)
 # Stateful ops that change nothing: run only where a result reads them.
 _READS = ("ReadVariableOp", "VarHandleOp", "Placeholder")
-
-
-@dataclasses.dataclass
-class Exchange:
-    """One sum over the towers, as a traced tower's pass made it.
-
-    Attributes:
-      value: what the tower hands in (a tensor of the traced graph).
-      result: the placeholder that stands for every tower's sum.
-      backward: ``value`` is an upstream gradient (see ``meetings.total``).
-      phase: the phase whose ops read ``result``.
-    """
-
-    value: tf.Tensor
-    result: tf.Tensor
-    backward: bool
-    phase: int = 0
-
-
-class Recording(meetings.Alone):
-    """The seat of a tower's pass traced alone to be cut: each sum over the
-    towers becomes a placeholder, recorded as an :class:`Exchange`; rows
-    and code on one tower it cannot serve. ``meets``: the towers were sent
-    to meet; else a sum is not served either (the runner then traces them
-    one by one, whose steady steps beat the cut's: bench_divisor.py)."""
-
-    def __init__(self, meets: bool) -> None:
-        self.exchanges: list[Exchange] = []
-        self.meets = meets
-
-    def everyone(self, value: Any) -> list[Any]:
-        raise meetings.Unserved("the towers' pass gathers rows")
-
-    def from_first(self, compute: Callable[[], Any]) -> Any:
-        raise meetings.Unserved("the towers' pass runs code on one tower")
-
-    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
-        if not self.meets:
-            raise meetings.Unserved("the towers' pass meets at a sum")
-        result = tf.raw_ops.Placeholder(
-            dtype=value.dtype, shape=value.shape, name="towers_sum"
-        )
-        self.exchanges.append(Exchange(value, result, backward))
-        return result
 
 
 @dataclasses.dataclass
@@ -116,19 +73,22 @@ def trace(
     jit: bool = True,
     inline: bool = True,
     meets: bool = True,
+    own: bool = False,
 ) -> Plan:
     """``work(*args)`` traced alone and cut into phases.
 
     ``args``: a nest of tensors (and None); the plan serves any call with
     tensors of the same shapes and dtypes. Each phase is an ``xla.function``
-    (``inline``: inlined into the step's graph); ``meets``: :class:`Recording`'s.
+    (``inline``: inlined into the step's graph); ``meets``, ``own``:
+    :class:`Recording`'s.
     """
-    recording = Recording(meets)
+    recording = Recording(meets, own)
     with _runtime.pass_graph("tower_pass", jit) as graph:
         placeholders = [
             tf.raw_ops.Placeholder(dtype=a.dtype, shape=a.shape, name="arg")
             for a in tensors_of(args)
         ]
+        recording.graph, recording.inputs = graph, placeholders
         fed = iter(placeholders)
         inner = tf.nest.pack_sequence_as(
             args,
@@ -149,7 +109,7 @@ def trace(
         inputs=[t.name for t in inputs],
         captured=[external for external, _ in graph.captures],
         phases=[
-            cut.phase_function(k, library, jit, inline) if cut.outputs[k] else None
+            cut.phase_function(k, library, jit, inline) if cut.by_phase[k] else None
             for k in range(len(cut.outputs))
         ],
         exchanges=recording.exchanges,
@@ -157,7 +117,7 @@ def trace(
         results=[t.name for t in results],
         constants={
             t.name: tf.constant(tf.make_ndarray(t.op.get_attr("value")))
-            for t in results + [e.value for e in recording.exchanges]
+            for t in results + cut.handed
             if cut.kind(t.op) == "constant"
         },
     )
@@ -180,13 +140,26 @@ class _Cut:
     def __init__(self, graph, inputs, exchanges, results):
         self.graph = graph
         self.fed = {t.op.name for t in inputs}
-        self.sums = {e.result.op.name: e for e in exchanges}
-        self.needed = self._needed([t.op for t in results] + self._effects())
+        self.sums = {e.result.op.name: e for e in exchanges if isinstance(e, Exchange)}
+        self.onces = [e for e in exchanges if isinstance(e, Once)]
+        # What the towers hand in: each sum's value, each action's tensors.
+        self.handed = [e.value for e in exchanges if isinstance(e, Exchange)]
+        self.handed += [t for e in self.onces for t in tensors_of(e.value)]
+        roots = [t.op for t in results] + self._effects()
+        self.needed = self._needed(roots + [t.op for t in self.handed])
+        self.ops = graph.get_operations()
+        self.made = {op.name: i for i, op in enumerate(self.ops)}
+        self.touched = [_touched(graph, once.writes) for once in self.onces]
+        handles = set().union(*self.touched)
+        self.reads = {op.name: {t.name for t in op.inputs if t.name in handles}
+                      for op in self.ops} if handles else {}  # fmt: skip
         ordered = self._in_order()
         self.phase: dict[str, int] = {}
         for op in ordered:
             self.phase[op.name] = self._phase_of(op)
-        count = max(self.phase.values()) + 1
+        for k in range(len(self.onces)):
+            self._place(k)  # an action after the pass's last op
+        count = max([*self.phase.values(), *(o.phase for o in self.onces)]) + 1
         # The needed ops each phase runs, in trace order.
         self.by_phase: list[list[tf.Operation]] = [[] for _ in range(count)]
         for op in ordered:
@@ -194,7 +167,8 @@ class _Cut:
                 self.by_phase[self.phase[op.name]].append(op)
         # What each phase gives: what later phases, the sums and the result read.
         wanted = list(results)
-        wanted += [e.value for e in exchanges if e.result.op.name in self.needed]
+        wanted += [e.value for name, e in self.sums.items() if name in self.needed]
+        wanted += [t for once in self.onces for t in tensors_of(once.value)]
         for k, ops in enumerate(self.by_phase):
             wanted += [t for op in ops for t in op.inputs if self.phase[t.op.name] != k]
         self.outputs: list[list[str]] = [[] for _ in range(count)]
@@ -203,6 +177,9 @@ class _Cut:
             if self.kind(tensor.op) == "op" and tensor.name not in given:
                 given.add(tensor.name)
                 self.outputs[self.phase[tensor.op.name]].append(tensor.name)
+        for exchange in self.sums.values():
+            if exchange.result.op.name not in self.needed:
+                exchange.phase = -1  # nothing reads it: never summed
 
     def check_compilable(self) -> None:
         """Raises ``meetings.Unserved`` where a value one XLA computation could
@@ -287,7 +264,40 @@ class _Cut:
             )
         before = [self.phase[t.op.name] for t in op.inputs]
         before += [self.phase[c.name] for c in op.control_inputs]
+        # After each action met before it that changes what it reads.
+        made = self.made[op.name]
+        for k, once in enumerate(self.onces):
+            if once.made > made:
+                break
+            if once.writes is None or self._touches(op, self.touched[k]):
+                before.append(self._place(k))
         return max(before, default=0)
+
+    def _place(self, k: int) -> int:
+        """Action ``k``'s phase, once the ops made before it have theirs:
+        after its value, after every needed op made before it that touches
+        what it changes (any, when that is not known), and not before the
+        action met before it (the actions run in the order met)."""
+        once = self.onces[k]
+        if once.phase:
+            return once.phase
+        latest = [self.phase.get(t.op.name, 0) for t in tensors_of(once.value)]
+        for op in self.ops[: once.made]:
+            if (
+                op.name in self.needed
+                and self.kind(op) == "op"
+                and (once.writes is None or self._touches(op, self.touched[k]))
+            ):
+                if op.name not in self.phase:  # made before, phased after
+                    raise meetings.Unserved("the towers' pass reorders its ops")
+                latest.append(self.phase[op.name])
+        if k:
+            latest.append(self._place(k - 1) - 1)
+        once.phase = max(latest, default=0) + 1
+        return once.phase
+
+    def _touches(self, op: tf.Operation, handles: set[str]) -> bool:
+        return bool(handles and self.reads.get(op.name, set()) & handles)
 
     def _in_order(self) -> list[tf.Operation]:
         """The graph's ops in the order traced, each after what it reads (a
@@ -337,6 +347,14 @@ class _Cut:
             if op.name in self.sums:
                 stack.append(self.sums[op.name].value.op)
         return needed
+
+
+def _touched(graph: Any, variables: list[Any] | None) -> set[str]:
+    """The names of ``graph``'s captured handles of ``variables``."""
+    if variables is None:
+        return set()
+    handles = {id(v.handle) for v in variables}
+    return {inner.name for outer, inner in graph.captures if id(outer) in handles}
 
 
 def _without_inputs(node_def: Any) -> Any:

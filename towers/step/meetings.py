@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from towers._keras.current import setting, this_tower
 from towers.combine import in_dtype
+from towers.step.state import Form, form_of
 
 T = TypeVar("T")
 
@@ -35,8 +36,9 @@ class Unserved(Exception):
 class Seat:
     """Tower ``rank``'s place at ``meet``, with its verbs: :meth:`total` (a
     sum over the towers and workers, with its backward), :meth:`everyone`
-    (every tower's value in rank order) and :meth:`from_first` (the first
-    tower computes, every tower reads).
+    (every tower's value in rank order), :meth:`from_first` (the first
+    tower computes, every tower reads) and :meth:`once` (an action run once
+    with every tower's value: an apply, an assignment).
 
     ``weight``: the tower's share when its loss is a mean over its own shard
     (a model's own step): a backward sum then weighs each tower's upstream
@@ -49,6 +51,7 @@ class Seat:
         self.meet, self.rank, self.weight, self.own = meet, rank, weight, own
         self.quiet = False  # what the own step assigns is dropped (assignments.py)
         self.summing = False
+        self.inputs: Any = ()  # the tower's own inputs, apart from the step's
 
     @property
     def first(self) -> bool:
@@ -88,6 +91,21 @@ class Seat:
         """``compute()`` run by the first tower only; every tower reads it."""
         return self.meet.exchange(self.rank, compute() if self.first else None)[0]
 
+    def once(self, value: Any, action: Callable[[list], T], writes=None) -> T | None:
+        """Hands in ``value``; ``action(every tower's)`` runs once, for all,
+        as the first tower (what it returns, there; None on the others).
+        ``writes``: the variables it changes (a cut pass orders by them)."""
+        handed = self.everyone(value)
+        if not self.first:
+            return None
+        with seated(None):
+            return action(handed)
+
+    def form(self, value: Any, marks: dict, forms: dict) -> Any:
+        """``value``'s form (``state.form_of``), to compare with the other
+        towers': each tower's ops are its own in the one graph."""
+        return Form(form_of(value, (), marks, None, forms))
+
 
 class Alone:
     """The seat of a tower that meets nobody (one tower, no cluster; or
@@ -95,6 +113,7 @@ class Alone:
 
     rank, first, worker, across, weight, own = 0, True, None, None, None, False
     quiet = summing = False
+    inputs: Any = ()
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
         return summed([value])
@@ -104,6 +123,13 @@ class Alone:
 
     def from_first(self, compute: Callable[[], T]) -> T:
         return compute()
+
+    def once(self, value: Any, action: Callable[[list], T], writes=None) -> T:
+        with seated(None):
+            return action([value])
+
+    def form(self, value: Any, marks: dict, forms: dict) -> Any:
+        return Form(form_of(value, (), marks, None, forms))
 
 
 ALONE = Alone()

@@ -78,8 +78,9 @@ class Runner:
         meets = self.meets(working)
         if self.tower.coupled.gathered and self.tower.jit.enabled:  # "auto"
             self.tower.jit = xla.without("the model's compute_loss gathers the batch")
-        if kind == "own":
-            return "turns"
+        if kind == "own":  # cut at its meetings where one trace serves all
+            shared = segments.shareable(self.placement, shards, working)
+            return "phases" if shared else "turns"
         gathered = meets and self.tower.coupled.gathered
         if kind != "train":
             if gathered and kind == "evaluate":
@@ -165,10 +166,16 @@ class Runner:
             model = self.placement.model_of(working[0])
             work = xla.function(partial(work, model), False, self.tower.inline)
             run = partial(_run_shared, self.placement, shards, work, kind)
+        weights, across = seats or (None, self.across("eval"))
+        if way == "phases":  # a model's own step (its sums, its actions)
+            try:
+                args = (self.placement, shards, working, work, weights, across)
+                return segments.own(*args, self.tower.inline)
+            except meetings.Unserved:
+                way = "turns"  # it gathers rows, or a trace per shard differs
         works = [run(t) for t in working]
         if way != "turns":
             return [work() for work in works]
-        weights, across = seats or (None, self.across("eval"))
         meet = lockstep.meeting(len(works), self.placement, across)
         return lockstep.in_lockstep(works, meet, weights, seats is not None)
 

@@ -16,13 +16,17 @@ Every call starts from the step's seed states (``draws.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import tensorflow as tf
 
+from towers.combine import in_dtype
 from towers.split import Shards, batch_size_of
 from towers.step import cut, draws, meetings, places, xla
 from towers.step.cut import Plan
+from towers.step.recording import Once
+from towers.step.state import Form
 from towers.step.tower import Tower, TowerResult
 
 
@@ -66,6 +70,13 @@ def run(
             known.update(zip(phase.outputs, outputs))
         for c, exchange in enumerate(plans[0].exchanges):
             if exchange.phase != k + 1:
+                continue
+            if isinstance(exchange, Once):  # run once, as the first tower
+                handed = [_handed(plan.exchanges[c].value, plan, known)
+                          for plan, known in zip(plans, values)]  # fmt: skip
+                with tf.device(devices[0]), tf.name_scope(f"tower_{ranks[0]}"):
+                    with meetings.seated(None):
+                        exchange.action(handed)
                 continue
             handed = [_value(plan, known, plan.exchanges[c].value.name)
                       for plan, known in zip(plans, values)]  # fmt: skip
@@ -133,6 +144,49 @@ def compute(
     return [result for result, _ in outputs]
 
 
+def own(
+    placement: Any,
+    shards: Shards,
+    working: list[int],
+    work: Callable[..., Any],
+    weights: list[Any],
+    across: Any,
+    inline: bool,
+) -> list[Any]:
+    """A model's own step, ``work(model, x, y, sw, B)``, on every working
+    tower (``weights``: their shares), traced once per shard shape and cut
+    where the towers meet: each action run once (an apply, an assignment,
+    a metric update: ``meetings.Seat.once``) and each sum.
+
+    Raises:
+      meetings.Unserved: the step meets otherwise (the runner takes turns).
+    """
+    model = placement.model_of(working[0])
+    firsts = places.first_rows(shards)
+    plans: dict[tuple, Plan] = {}
+    chosen, calls = [], []
+    for t, weight in zip(working, weights):
+        x, y, sample_weight = shards.parts[t]
+        with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
+            share = in_dtype(weight, tf.float64)  # a float64 model's digits
+            args = (x, y, sample_weight, tf.cast(firsts[t], tf.int32), share)
+            key = xla.signature(args)
+            if key not in plans:
+                step = partial(_own_pass, model, work, shards.normaliser)
+                plans[key] = cut.trace(step, args, False, inline, own=True)
+        chosen.append(plans[key])
+        calls.append(args)
+    devices = [placement.devices[t] for t in working]
+    return run(chosen, calls, devices, working, across)
+
+
+def _own_pass(model, work, examples, x, y, sample_weight, first, share) -> Any:
+    """A tower's own step as traced to be cut: its seat's share, its rows."""
+    meetings.current().weight = share
+    with places.rows_of((x, y, sample_weight), first, places.batch_rows()):
+        return work(model, x, y, sample_weight, examples)
+
+
 def tower_pass(
     tower: Tower,
     model: Any,
@@ -170,6 +224,14 @@ def _value(plan: Plan, known: dict[str, Any], name: str) -> Any:
     return plan.constants[name] if name in plan.constants else known[name]
 
 
+def _handed(value: Any, plan: Plan, known: dict[str, Any]) -> Any:
+    """What a tower hands an action in the run: ``value`` (as traced) with
+    each tensor's value."""
+    flat = tf.nest.flatten(value, expand_composites=True)
+    run = [_value(plan, known, a.name) if cut.is_tensor(a) else a for a in flat]
+    return tf.nest.pack_sequence_as(value, run, expand_composites=True)
+
+
 def _sums(
     handed: list[tf.Tensor],
     devices: list[str],
@@ -187,9 +249,17 @@ def _sums(
 
 
 def _check_alike(plans: list[Plan]) -> None:
-    first = [(e.phase, e.backward, e.value.dtype) for e in plans[0].exchanges]
+    def key(e: Any) -> tuple:
+        if isinstance(e, Once):  # the same objects, tensors of one dtype
+            flat = tf.nest.flatten(e.value, expand_composites=True)
+            return e.phase, tuple(a.dtype if cut.is_tensor(a) else
+                                  "form" if isinstance(a, Form) else id(a)
+                                  for a in flat)  # fmt: skip
+        return e.phase, e.backward, e.value.dtype
+
+    first = [key(e) for e in plans[0].exchanges]
     for plan in plans[1:]:
-        other = [(e.phase, e.backward, e.value.dtype) for e in plan.exchanges]
+        other = [key(e) for e in plan.exchanges]
         if other != first:
             raise meetings.Unserved(
                 "the towers' passes meet by sums (global batch statistics, a "

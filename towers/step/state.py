@@ -218,6 +218,14 @@ def form_of(
     return forms[tensor.ref()]
 
 
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """A value's form (:func:`form_of`) as one leaf of what a tower hands
+    in (a nest keeps it whole)."""
+
+    of: Any
+
+
 def attributes(op: Any) -> dict:
     """``op``'s attributes as bytes, by name; left out: those whose names
     start "_" (TensorFlow's bookkeeping: colocation) and the functions it

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import compute_loss, compute_output_spec
-from towers.step.custom import overrides
+from towers.step.hooks import overrides
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

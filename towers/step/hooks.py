@@ -1,0 +1,89 @@
+"""Which of Keras' step hooks a model overrides, and what towers runs with
+them: the steps that are the model's own (``towers/step/custom.py``), and
+the options refused before any step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+
+from towers.placement.base import Placement
+from towers.step import xla
+
+# The hooks a model overrides that make towers run Keras' steps.
+HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
+
+
+def overrides(model: Any, name: str) -> bool:
+    """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook).
+
+    >>> class Own(keras.Model):
+    ...     def compute_loss(self, *args, **kwargs):
+    ...         return super().compute_loss(*args, **kwargs)
+    >>> overrides(Own(), "compute_loss"), overrides(keras.Sequential(), "compute_loss")
+    (True, False)
+    """
+    return getattr(type(model), name, None) is not getattr(keras.Model, name)
+
+
+def custom_hooks(model: keras.Model) -> list[str]:
+    """The Keras step hooks ``model`` overrides (``HOOKS``)."""
+    return [hook for hook in HOOKS if overrides(model, hook)]
+
+
+def kinds_of(hooks: list[str]) -> frozenset[str]:
+    """The steps (``"train"``, ``"evaluate"``, ``"predict"``) that run Keras'
+    own for a model overriding ``hooks``; the others are towers' own, which
+    are Keras' defaults (``compute_metrics`` is called by Keras' train and
+    test steps)."""
+    steps = {"train_step": "train", "test_step": "evaluate", "predict_step": "predict"}
+    kinds = {steps[hook] for hook in hooks if hook in steps}
+    if "compute_metrics" in hooks:
+        kinds |= {"train", "evaluate"}
+    return frozenset(kinds)
+
+
+def refuse_with_hooks(
+    hooks: list[str],
+    placement: Placement,
+    options: dict[str, Any],
+    jit: Any,
+) -> None:
+    """Refuses, by name and before any step, what a model's own steps cannot
+    run with yet; warns that an XLA step ``"auto"`` chose runs without XLA.
+
+    Raises:
+      ValueError: with the model's own train step, ``jit_compile=True``; with
+        a copy per tower, micro-batches or a non-finite policy.
+    """
+    model = type(placement.model).__name__
+    if "train" not in kinds_of(hooks):  # evaluation or prediction alone
+        jit = xla.OFF  # nothing trains in them
+        options = {"accumulate_steps": 1, "on_nonfinite": "ignore"}
+    copies = f"placement={placement.name!r}" if len(placement.models) > 1 else ""
+    refused = [
+        (copies and options["accumulate_steps"] > 1, "accumulate_steps="
+         f"{options['accumulate_steps']} with {copies}", "each copy's optimizer "
+         "is built before the first step; use placement='central'"),
+        (copies and options["on_nonfinite"] != "ignore", "on_nonfinite="
+         f"{options['on_nonfinite']!r} with {copies}", "each copy applies its "
+         "own; use placement='central'"),
+        (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
+         "stops at its applies; pass jit_compile=False"),
+    ]  # fmt: skip
+    for refuse, what, why in refused:
+        if refuse:
+            raise ValueError(
+                f"a {model} that overrides {', '.join(hooks)} runs on every "
+                f"tower, meeting at its applies; received {what}: {why}."
+            )
+    if jit.enabled:
+        warnings.warn(
+            f"a {model} that overrides {', '.join(hooks)} runs without XLA "
+            "(jit_compile='auto' chose XLA): each tower's step stops at its "
+            "applies.",
+            stacklevel=2,
+        )
