@@ -57,11 +57,16 @@ def test_each_worker_gets_the_cluster_and_its_index():
     assert {line.split()[4] for line in lines} == {"2"}
 
 
-def test_a_failed_worker_stops_the_others_and_sets_the_status():
+def test_a_failed_worker_stops_the_others_and_sets_the_status(tmp_path):
+    # Worker 1 fails once worker 0 is up (a file it leaves): on a busy machine
+    # worker 0 could otherwise be stopped before it printed.
+    marker = str(tmp_path / "up")
     script = (
         "import json, os, sys, time; "
         "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
         "print('up', flush=True); "
+        f"open({marker!r}, 'w').close() if i == 0 else None; "
+        f"[time.sleep(0.05) for _ in range(600) if not os.path.exists({marker!r})]; "
         "sys.exit(7) if i == 1 else time.sleep(600)"
     )
     # The sleeper would outlive the 60 s timeout; the launcher must stop it.
