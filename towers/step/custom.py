@@ -1,8 +1,9 @@
 """A model's own ``train_step``, ``test_step`` and ``predict_step``, run by
 every tower on its shard (only the steps a model overrides: ``kinds_of``).
 
-Each tower calls the model's step under its device, the towers traced in
-turns (``towers/step/lockstep.py``), and meets the others at each
+Each tower calls the model's step under its device (the step traced once
+per shard shape and cut where the towers meet, ``segments.own``, or the
+towers traced in turns, ``lockstep.py``), and meets the others at each
 ``optimizer.apply`` (``applies.py``), each assignment and metric update
 (``assignments.py``) and each call of a BatchNormalization layer in training
 mode, so everything the step changes changes once, as on one device, and a

@@ -1,8 +1,8 @@
 """Towers traced side by side, meeting wherever they need each other's values.
 
 Where a pass cannot be traced once and cut (``segments.py``), and for every
-meeting that is not a sum (gathered rows, a model's own step's applies and
-assignments), the towers take turns: one Python thread per working tower,
+meeting that is neither a sum nor an action run once (gathered rows, a copy
+per tower's applies), the towers take turns: one Python thread per working tower,
 each tracing its own ops (its device, its name scope) into the one graph,
 meeting at a :class:`Rendezvous` where each hands in a value and takes
 everyone's. The threads only trace, one at a time in rank order (a graph's

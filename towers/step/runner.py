@@ -65,8 +65,9 @@ class Runner:
     def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
         """How the working towers run a ``kind`` step: the one decision.
 
-        A model's own step meets at whatever it applies, assigns and updates:
-        turns. A pass that gathers a loss's rows (a coupled ``compute_loss``)
+        A model's own step meets at whatever it applies, assigns and updates,
+        each an action run once: phases where one trace serves every tower
+        (one model, shard sizes known), else turns. A pass that gathers a loss's rows (a coupled ``compute_loss``)
         meets in turns, without XLA (``True`` was refused by the probe). A training
         pass whose towers meet by sums (global batch statistics, a mixture of
         experts' terms), or any under XLA (a computation per model and shard
