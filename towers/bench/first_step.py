@@ -13,7 +13,8 @@ would find Keras' and TensorFlow's caches warm), from the engine's construction
   is ``global``'s time less this;
 - ``own`` and ``own_unchecked``: the model inside a model whose own
   ``train_step`` is the fit guide's (tape, ``compute_loss``, one apply),
-  checked and not;
+  checked and not; ``own_tower``: that step with tower statistics, beside
+  ``tower``;
 - ``tower_call``: towers with tower statistics and
   ``tower_functions="call"`` (each tower's pass a call of its own, not
   inlined into one graph of T copies for TensorFlow to optimise);
@@ -54,7 +55,7 @@ from towers.bench.timing import ratio, round_order
 
 CONTENDERS = (
     "keras", "tower", "tower_call", "global", "unchecked", "own", "own_unchecked",
-    "xla", "xla_cached", "mirrored", "floor",
+    "own_tower", "xla", "xla_cached", "mirrored", "floor",
 )  # fmt: skip
 # keras.applications models at 32x32 (their smallest input), random weights.
 MODELS = {"MobileNetV2": {"alpha": 0.35}, "ResNet50": {}}

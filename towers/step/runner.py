@@ -67,7 +67,7 @@ class Runner:
 
         A model's own step meets at whatever it applies, assigns and updates,
         each an action run once: phases where one trace serves every tower
-        (one model, shard sizes known), else turns. A pass that gathers a
+        (one model, shard sizes known; not in a cluster), else turns. A pass that gathers a
         loss's rows (a coupled ``compute_loss``) meets in turns, without XLA
         (``True`` was refused by the probe). A training
         pass whose towers meet by sums (global batch statistics, a mixture of
@@ -82,7 +82,10 @@ class Runner:
             self.tower.jit = xla.without("the model's compute_loss gathers the batch")
         if kind == "own":  # cut at its meetings where one trace serves all
             shared = segments.shareable(self.placement, shards, working)
-            return "phases" if shared else "turns"
+            # In a cluster every worker makes the step's collectives in one
+            # order: in turns, the trace's (a cut orders them by phase, and a
+            # worker whose towers cannot share a trace would take turns alone).
+            return "phases" if shared and self.workers is None else "turns"
         gathered = meets and self.tower.coupled.gathered
         if kind != "train":
             if gathered and kind == "evaluate":
