@@ -67,10 +67,10 @@ class Runner:
 
         A model's own step meets at whatever it applies, assigns and updates,
         each an action run once: phases where one trace serves every tower
-        (one model, shard sizes known; not in a cluster), else turns. A pass that gathers a
-        loss's rows (a coupled ``compute_loss``) meets in turns, without XLA
-        (``True`` was refused by the probe). A training
-        pass whose towers meet by sums (global batch statistics, a mixture of
+        (one model, shard sizes known, no cluster), else turns. A pass that
+        gathers a loss's rows (a coupled ``compute_loss``) meets in turns,
+        without XLA (``True`` was refused by the probe). A training pass
+        whose towers meet by sums (global batch statistics, a mixture of
         experts' terms), or any under XLA (a computation per model and shard
         shape), is cut into phases. A pass nobody meets in is traced once for
         every tower when they share a model and the shard sizes are known;
