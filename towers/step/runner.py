@@ -67,7 +67,8 @@ class Runner:
 
         A model's own step meets at whatever it applies, assigns and updates,
         each an action run once: phases where one trace serves every tower
-        (one model, shard sizes known, no cluster), else turns. A pass that
+        (one model, shard sizes known; in a cluster, one tower too), else
+        turns. A pass that
         gathers a loss's rows (a coupled ``compute_loss``) meets in turns,
         without XLA (``True`` was refused by the probe). A training pass
         whose towers meet by sums (global batch statistics, a mixture of
@@ -81,11 +82,12 @@ class Runner:
         if self.tower.coupled.gathered and self.tower.jit.enabled:  # "auto"
             self.tower.jit = xla.without("the model's compute_loss gathers the batch")
         if kind == "own":  # cut at its meetings where one trace serves all
-            shared = segments.shareable(self.placement, shards, working)
-            # In a cluster every worker makes the step's collectives in one
-            # order: in turns, the trace's (a cut orders them by phase, and a
-            # worker whose towers cannot share a trace would take turns alone).
-            return "phases" if shared and self.workers is None else "turns"
+            # In a cluster every worker cuts, one tower working or more: the
+            # workers' collectives come in the cut's order (by phase) on each.
+            alone = self.workers is not None and len(working) == 1
+            shared = alone or segments.shareable(self.placement, shards, working)
+            sized = shards.sizes is not None
+            return "phases" if shared and sized else "turns"
         gathered = meets and self.tower.coupled.gathered
         if kind != "train":
             if gathered and kind == "evaluate":
