@@ -142,11 +142,12 @@ class _Cut:
         self.fed = {t.op.name for t in inputs}
         self.sums = {e.result.op.name: e for e in exchanges if isinstance(e, Exchange)}
         self.onces = [e for e in exchanges if isinstance(e, Once)]
-        # What the towers hand in: each sum's value, each action's tensors.
-        self.handed = [e.value for e in exchanges if isinstance(e, Exchange)]
-        self.handed += [t for e in self.onces for t in tensors_of(e.value)]
-        roots = [t.op for t in results] + self._effects()
-        self.needed = self._needed(roots + [t.op for t in self.handed])
+        # What the towers hand in: each sum's value, each action's tensors
+        # (an action runs for what it does: what it is handed is needed).
+        acted = [t for e in self.onces for t in tensors_of(e.value)]
+        self.handed = [e.value for e in self.sums.values()] + acted
+        roots = [t.op for t in results + acted] + self._effects()
+        self.needed = self._needed(roots)
         self.ops = graph.get_operations()
         self.made = {op.name: i for i, op in enumerate(self.ops)}
         self.touched = [_touched(graph, once.writes) for once in self.onces]
@@ -168,7 +169,7 @@ class _Cut:
         # What each phase gives: what later phases, the sums and the result read.
         wanted = list(results)
         wanted += [e.value for name, e in self.sums.items() if name in self.needed]
-        wanted += [t for once in self.onces for t in tensors_of(once.value)]
+        wanted += acted
         for k, ops in enumerate(self.by_phase):
             wanted += [t for op in ops for t in op.inputs if self.phase[t.op.name] != k]
         self.outputs: list[list[str]] = [[] for _ in range(count)]
