@@ -10,7 +10,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.combine import in_dtype
 from towers.step import meetings
 from towers.step.state import Form, form_of
 
@@ -76,15 +75,12 @@ class Recording(meetings.Alone):
     def from_first(self, compute: Callable[[], Any]) -> Any:
         raise meetings.Unserved("the towers' pass runs code on one tower")
 
-    def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+    # A tower's share weighs a backward sum as at a Seat (a model's own step).
+    total = meetings.Seat.total
+
+    def _total(self, value: tf.Tensor, backward: bool) -> tf.Tensor:
         if not self.meets:
             raise meetings.Unserved("the towers' pass meets at a sum")
-        if backward and self.weight is not None and not self.summing:
-            weight = in_dtype(self.weight, value.dtype)  # as Seat.total
-            return self._sum(value * weight, True) / weight
-        return self._sum(value, backward and not self.summing)
-
-    def _sum(self, value: tf.Tensor, backward: bool) -> tf.Tensor:
         result = tf.raw_ops.Placeholder(
             dtype=value.dtype, shape=value.shape, name="towers_sum"
         )
