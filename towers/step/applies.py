@@ -163,24 +163,26 @@ class Applies:
             return apply(grads, variables)
         # None: the variables the optimizer was built with (Keras' rule).
         variables = None if variables is None else list(variables)
-        handed = (optimizer, variables or [], grads, here.weight)
         if len(self.placement.models) > 1:  # each tower applies to its own copy
-            handed = here.everyone(handed)
+            handed = here.everyone((optimizer, variables or [], grads, here.weight))
             check_same(handed, True)
             if here.first:
                 self.names.append(optimizer.name)
             with seated(None):  # the optimizer's own apply may call apply again
                 return self._apply_each(here, handed, apply)
 
+        listed = variables or optimizer_variables(optimizer)
+        # Weighed on the tower's device, as the built-in step's gradients are
+        # (in a cut pass, traced once for every tower).
+        handed = (optimizer, variables or [], _weighted(grads, listed, here.weight))
+
         def once(handed: list) -> None:
             check_same(handed)
             self.names.append(optimizer.name)
             # Out of tower 0's scope ("x/" names a scope from the top), each
             # variable's sum where the placement combines it.
-            listed = variables or optimizer_variables(optimizer)
             with tf.name_scope("combine/"):
-                with tf.device(self.placement.variable_device):
-                    weighted = [_weighted(g, listed, w) for _, _, g, w in handed]
+                weighted = [grads for _, _, grads in handed]
                 grads = combined(self.placement, weighted, self.batch, listed)
             with tf.device(self.placement.variable_device):
                 if self.across is not None:  # the workers' mean, by examples
