@@ -337,16 +337,27 @@ def test_a_gan_whose_loss_sums_over_drawn_rows_trains_as_keras_fit():
         )
 
 
-def test_the_probe_traces_the_step_once_for_each_shape_of_its_parts():
-    # Two examples together, then each alone: the two of one example share
-    # a trace (the second example's draws placed by a tensor, not a constant).
+@pytest.mark.parametrize("draws", [None, "a number of rows", "the data's rows"])
+def test_the_probe_traces_the_step_once_unless_a_draw_asks_for_a_number_of_rows(
+    draws,
+):
+    # Two examples together, then each alone: one trace for parts of any
+    # rows serves the three, where no draw asks for a number of rows (whose
+    # place in one device's draw the parts' own rows tell); else one trace
+    # per shape, the two of one example sharing theirs (the second example's
+    # draws placed by a tensor, not a constant).
     from towers.step import probe
 
     traced = []
 
     class Counted(OwnLoss):
         def train_step(self, data):
-            traced.append(keras.ops.shape(data[0])[0])
+            rows = data[0].shape[0]
+            traced.append(rows)
+            if draws == "a number of rows":
+                keras.random.normal((rows or 1, 1), seed=1)
+            elif draws == "the data's rows":
+                keras.random.normal((keras.ops.shape(data[0])[0], 1), seed=1)
             return super().train_step(data)
 
     inputs = keras.Input((5,))
@@ -357,7 +368,7 @@ def test_the_probe_traces_the_step_once_for_each_shape_of_its_parts():
     found = probe.probe(model, (x, y, None), "train_step")
 
     assert found.losses == ["sum"]
-    assert traced == [2, 1]
+    assert traced == ([None, 2, 1] if draws == "a number of rows" else [None])
 
 
 def test_a_loss_zero_on_the_first_two_examples_is_read_on_the_next_two():

@@ -1,8 +1,9 @@
 """The one probe: how a step's tower work reads its batch, found before the
 first step.
 
-The work runs on two examples together and on each alone, traced once and
-run, nothing applied or kept: a model's own ``train_step`` or ``test_step``
+The work runs on two examples together and on each alone, traced once for
+parts of any rows (once per part's shape where a draw asks for a number of
+rows) and run, nothing applied or kept: a model's own ``train_step`` or ``test_step``
 (:func:`probe`), or the built-in step's forward pass and its loss terms
 (:func:`probe_terms`). Each number is read less its terms that read no
 example (``loss_kinds.batch_free``, read from its graph): a mean takes the
@@ -19,7 +20,9 @@ class (``coupled.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -28,7 +31,7 @@ import tensorflow as tf
 from towers._keras import call_model, compute_loss, layers_of, own_losses
 from towers._keras.current import setting, this_tower
 from towers._keras.patches import routed_applies, routed_gradients
-from towers.split import take_rows, units_of
+from towers.split import examples_of, take_rows, units_of
 from towers.step import draws, places
 from towers.step.batchnorm import Steady
 from towers.step.loss_kinds import (
@@ -277,9 +280,9 @@ class _Recorder:
         self.gathers = False  # the step called towers.gather
         self._losses: list[tf.Tensor] | None = None
         self._leading: list[Any] = []  # the part's, while traced
-        self._records: tuple | None = None  # a trace's leading and drawn
-        self._traces: dict[bool, tuple] = {}  # the last, of two / of one
+        self._drawn: dict[Any, list] = {}  # a trace's draws, by its parts' rows
         self._traced: Any = None  # a part's work, as a tf.function
+        self._whole: Any = None  # the two examples' rows
         self.drawn: list[list[Any]] = []  # per part, its draws' row counts
         self._batch: list[tf.Tensor] = []
 
@@ -294,6 +297,7 @@ class _Recorder:
             if self._traced is None:
                 places.learn(self.model, self.hook, None, reading)
                 self._traced = tf.function(self._part, autograph=False)
+                self._relax(parts)
             try:
                 out = self.run(*parts)
             except ValueError as error:
@@ -309,47 +313,84 @@ class _Recorder:
             return out
         raise AssertionError("both readings returned or raised")
 
-    def run(self, *parts: tuple) -> tuple:
-        """Each part's losses, numbers and kept outputs; one trace serves
-        the parts of one shape (each example alone)."""
-        out, logs, kept, steady = [], [], [], Steady(self.model)
-        self.drawn, self.leading = [], []
+    def _relax(self, parts: list[tuple]) -> None:
+        """Traces the work once for parts of any rows, where every leaf has
+        the two examples' rows and no draw asks for a number of rows (one read
+        from the data is the part's, as traced apart). Else, or where that
+        trace fails, each part's shape is traced at its first call."""
+        rows = {
+            places.size_of(leaf)
+            for leaf in tf.nest.flatten(parts[0])
+            if leaf is not None
+        }
+        self._whole = rows.pop() if len(rows) == 1 else None
+        if self._whole is None:
+            return
+
+        def relaxed(leaf: Any) -> Any:
+            if leaf is None:
+                return None
+            return tf.TensorSpec([None, *leaf.shape[1:]], leaf.dtype)
+
+        spec = tf.nest.map_structure(relaxed, parts[0])
+        with self._routed():
+            try:
+                self._traced.get_concrete_function(spec, tf.TensorSpec([], tf.int32))
+                drawn = self._drawn.pop(None)
+            except Exception:  # noqa: BLE001  the parts' own traces say what
+                drawn = [0]
+        if any(isinstance(n, int) for n in drawn):
+            self._traced = tf.function(self._part, autograph=False)
+        else:  # each draw over the part's rows, as learned from parts apart
+            self._drawn = {self._whole: drawn, self._whole // 2: []}
+
+    @contextlib.contextmanager
+    def _routed(self) -> Iterator[None]:
+        """Within, the work's gradients, applies and draws are the probe's."""
+        steady = Steady(self.model)
         with setting(recorder=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
                 drawing = draws.drawing(None, [self.model], 2, self.hook)
                 with drawing, places.steady(), steady.patched():
-                    for part, first in zip(parts, (None, 0, 1)):
-                        self._records = None  # set where the call traces
-                        at = None if first is None else tf.constant(first)
-                        losses, numbers, outputs = self._traced(part, at)
-                        # A call that did not trace: its trace's records.
-                        records = self._records or self._traces[first is None]
-                        self._traces[first is None] = records
-                        self.leading.append(records[0])
-                        self.drawn.append(records[1])
-                        out, logs = out + [losses], logs + [numbers]
-                        kept += outputs
+                    yield
+
+    def run(self, *parts: tuple) -> tuple:
+        """Each part's losses, numbers and kept outputs; one trace serves
+        the parts of one shape (each example alone), or of every shape
+        (:meth:`_relax`)."""
+        out, logs, kept = [], [], []
+        self.drawn, self.leading = [], []
+        self._whole = places.size_of(parts[0][0])
+        with self._routed():
+            for part, first in zip(parts, (0, 0, 1)):
+                losses, leading, numbers, outputs = self._traced(
+                    part, tf.constant(first)
+                )
+                self.leading.append([int(n) if n >= 0 else None for n in leading])
+                self.drawn.append(self._drawn[places.size_of(part[0])])
+                out, logs = out + [losses], logs + [numbers]
+                kept += outputs
         keys = set.intersection(*(set(numbers) for numbers in logs))
         logs = [{k: v for k, v in numbers.items() if k in keys} for numbers in logs]
         return out, logs, kept
 
-    def _part(self, part: tuple, first: Any) -> tuple:
-        """The work on ``part``: example ``first`` alone (None: the two)."""
+    def _part(self, part: tuple, first: tf.Tensor) -> tuple:
+        """The work on ``part``, the two examples' units from ``first`` on
+        (0 and a part of two: both); with each loss's first axis (-1: none)."""
         (x, y, sw), work = part, self.work or getattr(self.model, self.hook)
         kept = getattr(work, "kept", [])
         del kept[:]
         self._losses, self._leading = [], []
         self._batch = tf.nest.flatten(part, True)
-        rows = places.size_of(x)  # a unit's or two's
-        whole = 2 * rows if first is not None else rows
-        at = 0 if first is None else rows * first
+        at = first * examples_of(x)  # its first row of the two examples'
         # Every variable mapped: a weight regulariser reads it through the scope.
         mapping = [(v, v.value) for v in self.model.variables]
         scope = keras.StatelessScope(mapping, collect_losses=True)
-        with scope, places.rows_of(part, at, whole, self.rows) as tower:
+        with scope, places.rows_of(part, at, self._whole, self.rows) as tower:
             returned = work(keras.utils.pack_x_y_sample_weight(x, y, sw))
-            self._records = (self._leading, list(tower.drawn))
-        return self._losses, self._numbers(returned), list(kept)
+            self._drawn[places.size_of(x)] = list(tower.drawn)
+        leading = tf.stack(self._leading) if self._leading else tf.zeros([0], tf.int32)
+        return self._losses, leading, self._numbers(returned), list(kept)
 
     def _numbers(self, logs: Any) -> dict[str, tf.Tensor]:
         """The step's returned float numbers by key (nested dicts' entries by
@@ -376,7 +417,7 @@ class _Recorder:
 
     def _gradient(self, target: Any, sources: Any, own: Any) -> Any:
         loss = tf.convert_to_tensor(target)
-        self._leading.append(loss.shape[0] if loss.shape.rank else None)
+        self._leading.append(tf.shape(loss)[0] if loss.shape.rank else -1)
         free = batch_free(loss, self._batch) if loss.shape.rank == 0 else None
         self._losses.append(_with_free(tf.reduce_sum(loss), free))
         flat = tf.nest.flatten(sources)
