@@ -292,12 +292,19 @@ def _weighted(grads: list, variables: list, share: Any) -> list:
     """A tower's gradients times its share of the batch, as the built-in
     step's are; a value in place of a gradient as it is (``grad_rules.py``)."""
 
+    shares: dict[tf.DType, tf.Tensor] = {}  # one cast a dtype
+
+    def times_share(value: tf.Tensor) -> tf.Tensor:
+        if value.dtype not in shares:
+            shares[value.dtype] = in_dtype(share, value.dtype)
+        return value * shares[value.dtype]
+
     def scaled(grad: Any, variable: Any) -> Any:
         if grad is None or getattr(variable, "overwrite_with_gradient", False):
             return grad
         if isinstance(grad, tf.IndexedSlices):
-            values = grad.values * in_dtype(share, grad.values.dtype)
+            values = times_share(grad.values)
             return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-        return grad * in_dtype(share, grad.dtype)
+        return times_share(grad)
 
     return [scaled(g, v) for g, v in zip(grads, variables)]
