@@ -165,6 +165,41 @@ def test_lazily_built_model_is_built_on_the_variable_device():
     } == {"CPU:2"}
 
 
+class Counting(keras.Model):
+    """A subclassed model whose call moves a counter (Keras' own callback
+    test's): built lazily, from the first batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.add_variable(shape=(), initializer="zeros", trainable=False)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        self.calls.assign_add(1.0)
+        return self.dense(inputs)
+
+
+@pytest.mark.parametrize("placement", ["central", "replicated"])
+def test_a_lazily_built_models_call_runs_only_in_its_steps(placement):
+    # Built from the first batch's shapes, as Keras' fit builds it, not by a
+    # call that runs: after each batch the counter reads what Keras' reads.
+    def counts(fit, model):
+        seen = []
+        read = keras.callbacks.LambdaCallback(
+            on_batch_end=lambda batch, logs: seen.append(float(model.calls))
+        )
+        fit.fit(*mlp_batch(), batch_size=2, callbacks=[read], verbose=0)
+        return seen
+
+    reference = Counting()
+    reference.compile(optimizer="sgd", loss="mse")
+    engine = Towers(Counting, "mse", keras.optimizers.SGD, devices=["/cpu:0", "/cpu:1"],
+                    placement=placement)  # fmt: skip
+
+    expected = counts(reference, reference)
+    assert counts(engine, engine.model) == expected == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_built_model_off_the_variable_device_is_refused():
     with tf.device("/cpu:1"):
         model = build_mlp()

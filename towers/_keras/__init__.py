@@ -226,6 +226,21 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     return arguments
 
 
+def build_symbolically(model: Any, sample: Any) -> None:
+    """Builds ``model``'s variables from ``sample``'s shapes and dtypes
+    without running its call, as Keras' fit builds an unbuilt model
+    (``Trainer._symbolic_build``): an assignment in the call changes nothing
+    (a counter a subclassed model's call moves starts where Keras' does)."""
+
+    def spec(leaf: Any) -> Any:
+        if leaf is None:
+            return None
+        sparse = isinstance(leaf, tf.SparseTensor)
+        return keras.KerasTensor(leaf.shape, leaf.dtype, sparse=sparse)
+
+    compute_output_spec(model, tf.nest.map_structure(spec, sample), training=False)
+
+
 def built_symbolically(model: Any) -> bool:
     """Whether ``model`` was built from symbolic inputs (a functional model, a
     ``Sequential`` given an ``Input``): its layers are built, variables or not."""

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras import build_symbolically
 from towers.placement.base import variable_bytes
 
 
@@ -72,7 +73,7 @@ def build_balanced(
 def _make(build: Callable[[], keras.Model], sample: Any) -> keras.Model:
     model = build()
     if sample is not None and not model.variables:
-        model(sample, training=False)
+        build_symbolically(model, sample)
     return model
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import layers_of, trainable_capable
+from towers._keras import build_symbolically, layers_of, trainable_capable
 from towers.options import refuse_unsupported
 from towers.placement.base import Placement, check_on, needs_builder, slot_variables
 from towers.placement.collective import AllReduce
@@ -44,7 +44,7 @@ class Copies(Placement):
     def build_from(self, sample: Any) -> None:
         for model, device in zip(self.models, self.devices):
             with tf.device(device):
-                model(sample, training=False)
+                build_symbolically(model, sample)
 
     def build_slots(self) -> None:
         """Creates every copy's slots, then makes every copy equal to copy 0."""

@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import trainable_capable
+from towers._keras import build_symbolically, trainable_capable
 from towers.combine import combine_gradients
 from towers.devices import same_device
 from towers.placement.balance import build_balanced, updates_where_variables_live
@@ -159,7 +159,7 @@ class Central(SharedVariables):
 
     def build_from(self, sample: Any) -> None:
         with tf.device(self.variable_device):
-            self.model(sample, training=False)
+            build_symbolically(self.model, sample)
 
 
 class Balanced(SharedVariables):
