@@ -60,6 +60,40 @@ def readings(together: float, one: float, other: float) -> set[str]:
     }
 
 
+def less_free(pairs: list) -> tuple[list[float], bool]:
+    """A number's values on the three parts less its batch-free terms, and
+    whether those terms were set apart: not where they differ from part to
+    part (they moved with the rows after all)."""
+    whole = [float(value) for value, _ in pairs]
+    free = [float(free) for _, free in pairs]
+    if max(free) - min(free) > 1e-6 * max(map(abs, free)) + 1e-12:
+        return whole, False
+    return [w - f for w, f in zip(whole, free)], True
+
+
+def kind_of(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
+    """The kind of the ``k``-th loss (None: a number the step returns) from
+    :func:`less_free`'s values (None: either fits; a returned number that
+    is neither)."""
+    (together, alone0, alone1), apart = value
+    fits = readings(together, alone0, alone1)
+    if len(fits) == 1:
+        kind = fits.pop()
+        return kind if kind == "mean" or apart else "whole_sum"
+    if fits or k is None:
+        return None
+    raise ValueError(
+        f"{type(model).__name__}.train_step on towers: the loss of its "
+        f"tape.gradient call {k + 1}, less its terms that read no example, is "
+        f"{together:.6g} on two examples together and {alone0:.6g} and "
+        f"{alone1:.6g} on each alone: neither a mean nor a sum over the "
+        "examples, so the towers cannot add their gradients up to one "
+        "device's. A loss over the whole batch's rows (a contrastive loss) "
+        "takes them with towers.gather; else train on one device. Nothing was "
+        "updated."
+    )
+
+
 def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
     """The sum of the additive terms of the scalar ``target`` that read no
     tensor of ``batch`` (None: there are none). Terms are followed through

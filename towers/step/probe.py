@@ -38,6 +38,8 @@ from towers.step.loss_kinds import (
     PROBE_ATOL,
     Kind,
     batch_free,
+    kind_of,
+    less_free,
     may_add_terms,
     nothing,
     readings,
@@ -117,13 +119,13 @@ def probe(model: keras.Model, batch: tuple, hook: Any = "train_step") -> Found:
         parts = [_rows(batch, first, first + 2)]
         parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
         losses, returned, kept = recorder.recorded(parts)
-        losses = [_less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
+        losses = [less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
         for key in returned[0] if first == 0 else []:
             pairs = [variant[key].numpy() for variant in returned]
             together, one, other = (float(value) for value, _ in pairs)
             found.measured[key] = Measured(key, together, (one + other) / 2)
-            less, apart = _less_free(pairs)
-            kind = _kind(model, (less, apart), None)
+            less, apart = less_free(pairs)
+            kind = kind_of(model, (less, apart), None)
             if kind:
                 found.logs[key] = kind
             elif not readings(*less):
@@ -132,7 +134,7 @@ def probe(model: keras.Model, batch: tuple, hook: Any = "train_step") -> Found:
         if recorder.gathers:  # the whole batch's loss on every tower
             return Found(["mean"] * len(losses), {})
         read = [  # a value per row the tape sums, unless its values say else
-            _kind(model, value, k) or ("sum" if rows else None)
+            kind_of(model, value, k) or ("sum" if rows else None)
             for k, (rows, value) in enumerate(zip(recorder.per_row(), losses))
         ]
         kinds = [old or new for old, new in zip(kinds, read)] if kinds else read
@@ -233,40 +235,6 @@ def _rows(batch: tuple, start: int, stop: int) -> tuple:
     return tf.nest.pack_sequence_as(batch, taken)
 
 
-def _less_free(pairs: list) -> tuple[list[float], bool]:
-    """A number's values on the three parts less its batch-free terms, and
-    whether those terms were set apart: not where they differ from part to
-    part (they moved with the rows after all)."""
-    whole = [float(value) for value, _ in pairs]
-    free = [float(free) for _, free in pairs]
-    if max(free) - min(free) > 1e-6 * max(map(abs, free)) + 1e-12:
-        return whole, False
-    return [w - f for w, f in zip(whole, free)], True
-
-
-def _kind(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
-    """The kind of the ``k``-th loss (None: a number the step returns) from
-    :func:`_less_free`'s values (None: either fits; a returned number that
-    is neither)."""
-    (together, alone0, alone1), apart = value
-    fits = readings(together, alone0, alone1)
-    if len(fits) == 1:
-        kind = fits.pop()
-        return kind if kind == "mean" or apart else "whole_sum"
-    if fits or k is None:
-        return None
-    raise ValueError(
-        f"{type(model).__name__}.train_step on towers: the loss of its "
-        f"tape.gradient call {k + 1}, less its terms that read no example, is "
-        f"{together:.6g} on two examples together and {alone0:.6g} and "
-        f"{alone1:.6g} on each alone: neither a mean nor a sum over the "
-        "examples, so the towers cannot add their gradients up to one "
-        "device's. A loss over the whole batch's rows (a contrastive loss) "
-        "takes them with towers.gather; else train on one device. Nothing was "
-        "updated."
-    )
-
-
 class _Recorder:
     """The work run on each of three parts (two examples, then each alone),
     nothing applied or kept; per part, each loss it takes the gradient of
@@ -318,14 +286,10 @@ class _Recorder:
         the two examples' rows and no draw asks for a number of rows (one read
         from the data is the part's, as traced apart). Else, or where that
         trace fails, each part's shape is traced at its first call."""
-        rows = {
-            places.size_of(leaf)
-            for leaf in tf.nest.flatten(parts[0])
-            if leaf is not None
-        }
-        self._whole = rows.pop() if len(rows) == 1 else None
-        if self._whole is None:
-            return
+        sizes = {places.size_of(v) for v in tf.nest.flatten(parts[0]) if v is not None}
+        if len(sizes) != 1 or None in sizes:
+            return  # leaves of other rows: each part's shape traced apart
+        self._whole = sizes.pop()
 
         def relaxed(leaf: Any) -> Any:
             if leaf is None:
