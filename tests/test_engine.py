@@ -179,7 +179,7 @@ class Counting(keras.Model):
         return self.dense(inputs)
 
 
-@pytest.mark.parametrize("placement", ["central", "replicated"])
+@pytest.mark.parametrize("placement", ["central", "balanced", "replicated"])
 def test_a_lazily_built_models_call_runs_only_in_its_steps(placement):
     # Built from the first batch's shapes, as Keras' fit builds it, not by a
     # call that runs: after each batch the counter reads what Keras' reads.
@@ -198,6 +198,9 @@ def test_a_lazily_built_models_call_runs_only_in_its_steps(placement):
 
     expected = counts(reference, reference)
     assert counts(engine, engine.model) == expected == [1.0, 2.0, 3.0, 4.0]
+    if placement == "balanced":  # built in place (its compile kept), by the plan
+        placed = {v.handle.device[-5:] for v in engine.model.dense.weights}
+        assert placed <= {"CPU:0", "CPU:1"}
 
 
 def test_built_model_off_the_variable_device_is_refused():

@@ -50,29 +50,34 @@ def balance(sizes: Sequence[int], devices: Sequence[str]) -> list[str]:
 
 
 def build_balanced(
-    build: Callable[[], keras.Model], devices: Sequence[str], sample: Any = None
+    build: Callable[[], keras.Model],
+    devices: Sequence[str],
+    sample: Any = None,
+    model: Any = None,
 ) -> keras.Model:
     """Builds a model with its variables balanced over ``devices`` by bytes.
 
     The model is built twice: once to learn its variables' sizes in creation
     order (that build is thrown away), once with each variable created on its
-    planned device.
+    planned device. With ``sample`` (a batch, for a model built lazily), the
+    variables its shapes make are placed so in ``model`` itself, its compile
+    kept.
 
     Args:
       build: a zero-arg function that makes the model.
       devices: the devices to spread the variables over.
-      sample: a batch to call the model on if it is built lazily.
+      sample: a batch whose shapes build ``model``.
+      model: the lazily built model ``build`` made (with ``sample``).
     """
+    if sample is None:
+        with _recording_sizes() as sizes:
+            build()
+        with _creating_on(balance(sizes, devices)):
+            return build()
+    thrown = build()
     with _recording_sizes() as sizes:
-        _make(build, sample)
-    plan = balance(sizes, devices)
-    with _creating_on(plan):
-        return _make(build, sample)
-
-
-def _make(build: Callable[[], keras.Model], sample: Any) -> keras.Model:
-    model = build()
-    if sample is not None and not model.variables:
+        build_symbolically(thrown, sample)
+    with _creating_on(balance(sizes, devices)):
         build_symbolically(model, sample)
     return model
 

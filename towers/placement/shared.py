@@ -175,9 +175,9 @@ class Balanced(SharedVariables):
         self.optimizers = [self._optimizer(optimizer)]
 
     def build_from(self, sample: Any) -> None:
-        # The plan needs every variable's size: build it again, placed.
+        # The plan needs the sizes of the variables the shapes make.
         with tf.device(self.variable_device):
-            self.models = [build_balanced(self.builder, self.devices, sample)]
+            build_balanced(self.builder, self.devices, sample, self.model)
 
     def groups(self, variables: list) -> list[tuple[str, list[int]]]:
         groups: dict[str, list[int]] = {}
