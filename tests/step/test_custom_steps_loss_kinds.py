@@ -337,28 +337,28 @@ def test_a_gan_whose_loss_sums_over_drawn_rows_trains_as_keras_fit():
         )
 
 
-@pytest.mark.parametrize("draws", [None, "a number of rows", "the data's rows"])
-def test_the_probe_traces_the_step_once_unless_a_draw_asks_for_a_number_of_rows(
-    draws,
-):
+@pytest.mark.parametrize("draws", [None, "the data's rows", "blocks of them"])
+def test_the_probe_traces_the_step_once_where_it_draws_nothing(draws):
     # Two examples together, then each alone: one trace for parts of any
-    # rows serves the three, where no draw asks for a number of rows (whose
-    # place in one device's draw the parts' own rows tell); else one trace
-    # per shape, the two of one example sharing theirs (the second example's
-    # draws placed by a tensor, not a constant).
+    # rows serves the three where the step draws nothing; a draw's place in
+    # one device's draw needs the parts' rows (a draw over two blocks of the
+    # data's rows reads as the part's where they are unknown), so each shape
+    # is then traced, the two of one example sharing theirs (the second
+    # example's draws placed by a tensor, not a constant).
     from towers.step import probe
 
     traced = []
 
     class Counted(OwnLoss):
         def train_step(self, data):
-            rows = data[0].shape[0]
-            traced.append(rows)
-            if draws == "a number of rows":
-                keras.random.normal((rows or 1, 1), seed=1)
-            elif draws == "the data's rows":
-                keras.random.normal((keras.ops.shape(data[0])[0], 1), seed=1)
-            return super().train_step(data)
+            x, y = data
+            traced.append(x.shape[0])
+            if draws is not None:  # noise over the rows, or two blocks of them
+                rows = keras.ops.shape(x)[0]
+                blocks = 2 if draws == "blocks of them" else 1
+                noise = keras.random.normal((blocks * rows, 5), seed=1)
+                x = x + 0.1 * noise[:rows] + 0.1 * noise[(blocks - 1) * rows :]
+            return super().train_step((x, y))
 
     inputs = keras.Input((5,))
     model = Counted(inputs, keras.layers.Dense(2)(inputs), form=FORMS["sum"])
@@ -368,7 +368,7 @@ def test_the_probe_traces_the_step_once_unless_a_draw_asks_for_a_number_of_rows(
     found = probe.probe(model, (x, y, None), "train_step")
 
     assert found.losses == ["sum"]
-    assert traced == ([None, 2, 1] if draws == "a number of rows" else [None])
+    assert traced == ([None] if draws is None else [None, 2, 1])
 
 
 def test_a_loss_zero_on_the_first_two_examples_is_read_on_the_next_two():

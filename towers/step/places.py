@@ -47,6 +47,11 @@ class _Step:
 _step = _Step()
 
 
+class RowsUnknown(Exception):
+    """A draw in the probe's trace for parts of any rows: where it sits in
+    one device's draw, only the parts' own rows tell (``probe._Recorder``)."""
+
+
 @contextlib.contextmanager
 def rows(
     size: Any, first: Any, total: Any = None, others: Any = (), batch: Any = None
@@ -106,6 +111,8 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     ((4, 8, 16, 1), (4, 8, 16, 4))
     """
     tower = this_tower()
+    if getattr(tower.recorder, "relaxed", False):
+        raise RowsUnknown(draw)
     size, first, total, others, batch = tower.rows
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
     if whole and not steadied():

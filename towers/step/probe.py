@@ -2,8 +2,8 @@
 first step.
 
 The work runs on two examples together and on each alone, traced once for
-parts of any rows (once per part's shape where a draw asks for a number of
-rows) and run, nothing applied or kept: a model's own ``train_step`` or ``test_step``
+parts of any rows (once per part's shape where it draws) and run, nothing
+applied or kept: a model's own ``train_step`` or ``test_step``
 (:func:`probe`), or the built-in step's forward pass and its loss terms
 (:func:`probe_terms`). Each number is read less its terms that read no
 example (``loss_kinds.batch_free``, read from its graph): a mean takes the
@@ -251,6 +251,7 @@ class _Recorder:
         self._drawn: dict[Any, list] = {}  # a trace's draws, by its parts' rows
         self._traced: Any = None  # a part's work, as a tf.function
         self._whole: Any = None  # the two examples' rows
+        self.relaxed = False  # while traced for parts of any rows
         self.drawn: list[list[Any]] = []  # per part, its draws' row counts
         self._batch: list[tf.Tensor] = []
 
@@ -283,9 +284,9 @@ class _Recorder:
 
     def _relax(self, parts: list[tuple]) -> None:
         """Traces the work once for parts of any rows, where every leaf has
-        the two examples' rows and no draw asks for a number of rows (one read
-        from the data is the part's, as traced apart). Else, or where that
-        trace fails, each part's shape is traced at its first call."""
+        the two examples' rows and the work draws nothing (a draw's place in
+        one device's draw needs the parts' rows). Else, or where that trace
+        fails, each part's shape is traced at its first call."""
         sizes = {places.size_of(v) for v in tf.nest.flatten(parts[0]) if v is not None}
         if len(sizes) != 1 or None in sizes:
             return  # leaves of other rows: each part's shape traced apart
@@ -297,16 +298,16 @@ class _Recorder:
             return tf.TensorSpec([None, *leaf.shape[1:]], leaf.dtype)
 
         spec = tf.nest.map_structure(relaxed, parts[0])
-        with self._routed():
-            try:
+        self.relaxed = True  # a draw stops it (places.RowsUnknown)
+        try:
+            with self._routed():
                 self._traced.get_concrete_function(spec, tf.TensorSpec([], tf.int32))
-                drawn = self._drawn.pop(None)
-            except Exception:  # noqa: BLE001  the parts' own traces say what
-                drawn = [0]
-        if any(isinstance(n, int) for n in drawn):
+        except Exception:  # noqa: BLE001  the parts' own traces say what
             self._traced = tf.function(self._part, autograph=False)
-        else:  # each draw over the part's rows, as learned from parts apart
-            self._drawn = {self._whole: drawn, self._whole // 2: []}
+            return
+        finally:
+            self.relaxed = False
+        self._drawn = {self._whole: [], self._whole // 2: []}
 
     @contextlib.contextmanager
     def _routed(self) -> Iterator[None]:
