@@ -15,7 +15,7 @@ import tensorflow as tf
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import probe as probe_module
+from towers.step import loss_terms
 
 EXAMPLES = 10
 
@@ -215,9 +215,9 @@ def test_the_probe_calls_a_model_only_where_a_term_may_be_added(
     monkeypatch, layer, probed
 ):
     called = []
-    probe = probe_module.probe
+    probe = loss_terms.probe
     monkeypatch.setattr(
-        probe_module, "probe", lambda *args: called.append(1) or probe(*args)
+        loss_terms, "probe", lambda *args: called.append(1) or probe(*args)
     )
     x, y = data()
     build = keras.Sequential([keras.Input((6,)), layer(), keras.layers.Dense(4)])
@@ -272,3 +272,91 @@ def test_a_deep_float32_networks_own_step_is_found_a_mean_and_trains_as_keras_fi
     ):
         apart = np.linalg.norm((a - w) - (b - w)) / np.linalg.norm(b - w)
         assert apart < 1e-3, v.path
+
+
+class PairMeans(keras.layers.Layer):
+    """Each pair of rows (0 and 1, 2 and 3, ...) replaced by its mean: a
+    forward pass that needs two rows, and couples only the rows of a pair."""
+
+    def call(self, inputs):
+        pairs = keras.ops.reshape(inputs, (-1, 2, inputs.shape[-1]))
+        means = keras.ops.mean(pairs, axis=1, keepdims=True)
+        return keras.ops.reshape(keras.ops.repeat(means, 2, axis=1), (-1, 8))
+
+
+class TopTwoShift(keras.layers.Layer):
+    """Its inputs less the mean of each feature's two largest values over the
+    batch: ``top_k`` with k = 2 along the batch axis needs two rows."""
+
+    def call(self, inputs):
+        top, _ = keras.ops.top_k(keras.ops.transpose(inputs), k=2)
+        return inputs - 0.0 * keras.ops.mean(top, axis=1)
+
+
+class OwnStep(keras.Model):
+    """The fit guide's own train_step."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def rows_needed(layer, own_step=False):
+    def build():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = layer()(keras.layers.Dense(8, activation="tanh")(inputs))
+        model = (OwnStep if own_step else keras.Model)(
+            inputs, keras.layers.Dense(4)(hidden)
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["built_in", "own_step"])
+@pytest.mark.parametrize("layer", [PairMeans, TopTwoShift])
+def test_a_forward_pass_that_needs_more_rows_than_one_trains_as_keras_fit(
+    layer, own_step
+):
+    # The probe's parts of one example fail in the model (a reshape into
+    # pairs, top_k over fewer rows than k); it probes parts of a tower's
+    # share instead, and the pairs, within a share, train as one device's.
+    EXAMPLES_HERE = 8
+    x, y = (a[:EXAMPLES_HERE] for a in data())
+    build = rows_needed(layer, own_step)
+    engine = Towers(build(), devices=devices(2))
+    reference = build()
+    before = reference.get_weights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # probed, so nothing left unsaid
+        engine.fit(x, y, batch_size=EXAMPLES_HERE, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=EXAMPLES_HERE, shuffle=False, verbose=0)
+    for got, want, variable in zip(
+        updates(engine.model, before), updates(reference, before), reference.weights
+    ):
+        np.testing.assert_allclose(
+            got,
+            want,
+            rtol=EQUIVALENCE_RTOL,
+            atol=EQUIVALENCE_ATOL,
+            err_msg=variable.path,
+        )
+
+
+def test_a_forward_pass_that_no_share_fits_is_named_not_a_raw_error():
+    # Rows in pairs, 6 examples on 4 towers: shares of 2, 2, 1 and 1 rows.
+    # Neither one example nor a share of one fits; towers' step on the
+    # shares cannot run, and says so before any update.
+    x, y = (a[:6] for a in data())
+    engine = Towers(rows_needed(PairMeans, own_step=True)(), devices=devices(4))
+    with pytest.warns(UserWarning, match="probe of how OwnStep's train_step"):
+        with pytest.raises(ValueError, match="share") as raised:
+            engine.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+    assert int(engine.optimizer.iterations) == 0
+    assert "[2, 2, 1, 1] rows" in str(raised.value)

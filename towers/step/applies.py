@@ -63,6 +63,7 @@ class Applies:
         # The kinds of the step's losses, in call order (probe.probe).
         self.kinds: list[loss_kinds.Kind] | None = None
         self.whole_batch = False  # every loss the whole batch's (gathered)
+        self.unprobed = False  # the probe could not run: means, then checked
         self.begin(None, [])
 
     def begin(self, across: Any, batch: list[tf.Tensor]):
@@ -110,7 +111,7 @@ class Applies:
         place in the tower's calls."""
         place = self._calls.get(here, 0)  # by seat: a tower, a trace
         self._calls[here] = place + 1
-        if self.whole_batch:
+        if self.whole_batch or self.unprobed:
             return "mean"
         if self.kinds is not None and place < len(self.kinds):
             return self.kinds[place]

@@ -32,7 +32,8 @@ from towers._keras import layers_of, patches
 from towers.split import batch_size_of
 from towers.step.balancing import load_balancing_over_towers
 from towers.step.loss_kinds import shares_of_terms
-from towers.step.probe import Measured, probe_terms
+from towers.step.loss_terms import probe_terms
+from towers.step.probe import Measured
 
 # keras_hub's mixture-of-experts blocks, and the attribute of their
 # load-balancing loss's coefficient.
@@ -213,7 +214,7 @@ class CoupledLosses:
             return
         if self.terms and not self.exact and training:
             self._warn_per_tower(model, batch[0], device)
-        probed = probe_terms(model, batch, own_loss, device, training)
+        probed = probe_terms(model, batch, own_loss, device, training, self.towers)
         self._check_sums(probed.sums)
         found = probed.coupled
         named = "; ".join(str(term) for term in found)

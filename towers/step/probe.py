@@ -5,7 +5,7 @@ The work runs on two examples together and on each alone, traced once for
 parts of any rows (once per part's shape where it draws) and run, nothing
 applied or kept: a model's own ``train_step`` or ``test_step``
 (:func:`probe`), or the built-in step's forward pass and its loss terms
-(:func:`probe_terms`). Each number is read less its terms that read no
+(``loss_terms.probe_terms``). Each number is read less its terms that read no
 example (``loss_kinds.batch_free``, read from its graph): a mean takes the
 mean of its values alone, a sum their sum; one that is neither couples the
 examples (a contrastive loss, a variance over the batch), gathered or
@@ -22,32 +22,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from towers._keras import call_model, compute_loss, layers_of, own_losses
 from towers._keras.current import setting, this_tower
 from towers._keras.patches import routed_applies, routed_gradients
 from towers.split import examples_of, take_rows, units_of
 from towers.step import draws, places
 from towers.step.batchnorm import Steady
+from towers.step.hooks import own_hook
 from towers.step.loss_kinds import (
     PROBE_ATOL,
     Kind,
     batch_free,
     kind_of,
     less_free,
-    may_add_terms,
     nothing,
     readings,
-    rows_match,
 )
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,40 +86,68 @@ class Found:
     measured: dict[str, Measured] = dataclasses.field(default_factory=dict)
     neither: set[str] = dataclasses.field(default_factory=set)
     outputs: list[Any] = dataclasses.field(default_factory=list)
+    unprobed: str | None = None  # why the work ran on no part, if it did not
 
 
-@dataclasses.dataclass
-class Probed:
-    """What :func:`probe_terms` found: the terms neither a mean nor a sum
-    over the examples (``coupled``); the ``add_loss`` terms that sum over
-    them, as ``(layer path, index)`` (each tower's adds up to the batch's
-    unweighted); whether the outputs on two examples are not the outputs
-    on each alone (the forward pass couples them: SigLIP's logits)."""
-
-    coupled: list[Measured]
-    sums: list[tuple[str, int]]
-    outputs_coupled: bool = False
-
-
-def probe(model: keras.Model, batch: tuple, hook: Any = "train_step") -> Found:
+def probe(
+    model: keras.Model, batch: tuple, hook: Any = "train_step", towers: int = 2
+) -> Found:
     """How ``hook`` reads ``batch``: the model's ``train_step`` or
     ``test_step`` by name, or a function of the packed data (``(name,
     work)``) returning numbers by key (and, in ``work.kept``, what to keep).
     A loss with a value per example is a sum (the tape sums it); a vector of
     another length (a mean per output) is read as its sum.
 
+    Parts of one example each come first; a work that does not run on them
+    (a ``top_k`` over the batch, rows paired by a reshape) is probed on
+    parts of a shard's rows of ``towers`` (what the towers will run), and
+    one that runs on neither is not probed: ``unprobed`` says why, and the
+    first-step check decides (``training/check.py``).
+
     Raises:
-      ValueError: a loss that is neither a mean nor a sum over the examples.
+      ValueError: a loss that is neither a mean nor a sum over the examples;
+        a towers' refusal raised while the work ran (a draw it cannot place).
     """
     size = units_of(batch)[0]  # a part's rows each (towers/split.py)
-    if size < 2:
+    shard = size // max(towers, 1)
+    tried = sorted({1, shard} - {0}) if size >= 2 else []
+    failed = None
+    for unit in tried:
+        try:
+            return _probe(model, batch, hook, size, unit)
+        except Exception as error:  # noqa: BLE001 - the model's, or ours: below
+            if _ours(error):
+                raise
+            failed = failed or error
+    if failed is None:
         return Found(None, {})
+    named = misfit(model, hook if isinstance(hook, str) else hook[0], failed)
+    if named is not None:
+        raise named from failed
+    first = (str(failed).strip().splitlines() or [""])[0][:160]
+    why = f"{type(failed).__name__}: {first}"
+    name = hook if isinstance(hook, str) else "forward pass"
+    warnings.warn(
+        f"towers' probe of how {type(model).__name__}'s {name} reads its batch "
+        f"did not run on one example, nor on a tower's share ({why}): whether "
+        "its towers' step is one device's is left to the first-step check "
+        "(check_first_step=True).",
+        stacklevel=3,
+    )
+    return Found(None, {}, unprobed=why)
+
+
+def _probe(model: keras.Model, batch: tuple, hook: Any, size: int, unit: int) -> Found:
+    """:func:`probe` on parts of ``2 * unit`` units together and ``unit``
+    alone."""
     recorder = _Recorder(model, hook, places.size_of(batch[0]))
     kinds: list[Any] = []
     found = Found([], {})
-    for first in range(0, min(size - 1, 2 * PAIRS), 2):
-        parts = [_rows(batch, first, first + 2)]
-        parts += [_rows(batch, first + i, first + i + 1) for i in (0, 1)]
+    for first in range(0, size - 2 * unit + 1, 2 * unit)[:PAIRS]:
+        parts = [_rows(batch, first, first + 2 * unit)]
+        parts += [
+            _rows(batch, first + i * unit, first + (i + 1) * unit) for i in (0, 1)
+        ]
         losses, returned, kept = recorder.recorded(parts)
         losses = [less_free([pair.numpy() for pair in part]) for part in zip(*losses)]
         for key in returned[0] if first == 0 else []:
@@ -144,62 +174,11 @@ def probe(model: keras.Model, batch: tuple, hook: Any = "train_step") -> Found:
     return found
 
 
-def probe_terms(
-    model: keras.Model,
-    batch: tuple[Any, Any, Any],
-    own_loss: bool,
-    device: str,
-    training: bool = True,
-) -> Probed:
-    """The built-in step's loss terms that are not a mean over the examples
-    of ``batch`` (x, y, sample_weight), by :func:`probe` on ``device``:
-    every layer's ``add_loss`` terms and, with ``own_loss``, the model's
-    ``compute_loss`` (called with ``training``: True as Keras' fit calls it,
-    False as its evaluate does). An ``add_loss`` term that sums over the
-    examples is a sum (each tower's adds up to one device's, unweighted); a
-    ``compute_loss`` that sums couples them (it is weighted by the shares).
-
-    A model of Keras' own layers only, none with an activity regulariser,
-    and no ``compute_loss`` of its own adds no term: it is not called.
-
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> probe_terms(model, (np.ones((3, 2)), None, None), False, "/CPU:0")
-    Probed(coupled=[], sums=[], outputs_coupled=False)
-    """
-    if not own_loss and not may_add_terms(model):
-        return Probed([], [])
-    keys: dict[str, tuple] = {}
-
-    def terms(data: Any) -> dict[str, tf.Tensor]:
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = call_model(model, x, False)
-        terms.kept.append(y_pred)
-        values = {}
-        for layer in layers_of(model):
-            own = own_losses(layer)
-            for i, term in enumerate(own):
-                key = f"layer {layer.path}'s add_loss term" + f" {i}" * (len(own) > 1)
-                keys[key], values[key] = (layer.path, i), tf.reduce_sum(term)
-        if own_loss:
-            loss = compute_loss(model, x, y, y_pred, sample_weight, training)
-            values[f"{type(model).__name__}.compute_loss"] = loss
-        return values
-
-    terms.kept = []
-    with tf.device(device):
-        found = probe(model, batch, ("call", terms))
-    if found.losses is None:
-        return Probed([], [])
-    probed = Probed([], [], not rows_match(*found.outputs))
-    for key, measured in found.measured.items():
-        sums = found.logs.get(key) in ("sum", "whole_sum")
-        if key in keys and sums:
-            probed.sums.append(keys[key])
-        elif sums or key in found.neither:  # a compute_loss that sums: weighted
-            probed.coupled.append(
-                dataclasses.replace(measured, own_loss=key not in keys)
-            )
-    return probed
+def _ours(error: Exception) -> bool:
+    """Whether ``error`` is towers' own (raised in the package: a refusal by
+    name), not the model's work failing on a part."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
 def gathered() -> None:
@@ -274,10 +253,7 @@ class _Recorder:
                 failed = failed or error
                 if places.learn(self.model, self.hook, None) and reading:
                     continue  # read as blocks
-                named = misfit(self.model, self.hook, failed)
-                if named is None:
-                    raise failed from (None if failed is error else error)
-                raise named from failed
+                raise failed from (None if failed is error else error)
             places.learn(self.model, self.hook, self.drawn)
             return out
         raise AssertionError("both readings returned or raised")
@@ -342,7 +318,7 @@ class _Recorder:
     def _part(self, part: tuple, first: tf.Tensor) -> tuple:
         """The work on ``part``, the two examples' units from ``first`` on
         (0 and a part of two: both); with each loss's first axis (-1: none)."""
-        (x, y, sw), work = part, self.work or getattr(self.model, self.hook)
+        (x, y, sw), work = part, self.work or own_hook(self.model, self.hook)
         kept = getattr(work, "kept", [])
         del kept[:]
         self._losses, self._leading = [], []

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import compute_loss, compute_output_spec
+from towers.split import examples_of, split_sizes
 from towers.step.hooks import overrides
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -100,11 +101,12 @@ def check_fits(model: keras.Model, batch: tuple, argument: str = "", shown: Any 
 
 @contextlib.contextmanager
 def named_misfits(
-    model: keras.Model, batch: tuple, shown: Any = None
+    model: keras.Model, batch: tuple, shown: Any = None, towers: int = 1
 ) -> Iterator[None]:
     """Within, a ValueError from a step on ``batch`` becomes ``misfit``'s
     message (the shapes of ``shown``, default ``batch``) when the batch does
-    not fit the model; any other is raised as it is.
+    not fit the model; where it does and the step ran on ``towers`` shares,
+    one naming the shares; any other is raised as it is.
 
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> with named_misfits(model, (np.zeros((4, 5)), None, None)):
@@ -118,6 +120,17 @@ def named_misfits(
         if _raised_here(error):
             raise  # towers' own checks name what they found already
         message = misfit(model, batch, shown=shown)
+        rows = examples_of(batch[0])
+        if message is None and towers > 1 and isinstance(rows, int):
+            shares = split_sizes(rows, towers)
+            message = (
+                f"towers runs the step on each tower's share of the batch "
+                f"({shares} rows), and the model failed on a share where the "
+                f"whole batch fits it. Keras: {keras_words(error)} A forward "
+                "pass that takes rows in groups (pairs by a reshape, a top_k "
+                "over the batch) needs shares it can take: a batch size that "
+                "splits so, or fewer towers. Nothing was updated."
+            )
         if message is None:
             raise
         raise ValueError(message) from error
