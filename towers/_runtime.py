@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -257,3 +258,14 @@ def lazy_optional() -> tf.experimental.Optional:
 def fix_spec(empty: tf.experimental.Optional, like: tf.experimental.Optional) -> None:
     """Gives ``empty`` (:func:`lazy_optional`) the element spec of ``like``."""
     empty._element_spec = like.element_spec
+
+
+def xla_body(function: Any) -> Any:
+    """The Python function of a ``tf.function(jit_compile=True)`` (its
+    ``_jit_compile``, with no public name), or None for any other: a model's
+    own step decorated so is traced in each tower's step, where one XLA
+    computation could not read variables on the variable device."""
+    if isinstance(function, tf.types.experimental.PolymorphicFunction):
+        if getattr(function, "_jit_compile", None):
+            return function.python_function
+    return None

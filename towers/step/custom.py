@@ -36,6 +36,7 @@ from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import gather_metrics, level_metrics
 from towers.step.gathered import concat_rows, whole_batch_loss
+from towers.step.hooks import own_hook
 from towers.step.meetings import current
 from towers.step.runner import Runner
 
@@ -97,7 +98,10 @@ class CustomStep:
         alone = len(self.placement.devices) == 1 and self.workers is None
         if self.applies.whole_batch or alone:
             return
-        found = probe.probe(self.model, batch, hook)
+        found = probe.probe(self.model, batch, hook, len(self.placement.devices))
+        if found.unprobed:  # read as means; the first-step check decides
+            self._logs_found[hook] = {}
+            self.applies.unprobed |= training
         if found.losses is not None:
             self._logs_found[hook] = found.logs
             if training:
@@ -116,7 +120,7 @@ class CustomStep:
         devices = self.placement.devices if len(models) > 1 else [
             self.placement.variable_device]  # fmt: skip
         for model, device in zip(models, devices):
-            step = getattr(model, hook)
+            step = own_hook(model, hook)
             with tf.device(device), routed_applies(loss_kinds.nothing):
                 traced = tf.function(step, autograph=False)
                 traced.get_concrete_function(keras.utils.pack_x_y_sample_weight(*batch))
@@ -169,7 +173,7 @@ class CustomStep:
             del examples  # the step's own loss divides by its shard's
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
             with self._moving_at_once(working):
-                logs = getattr(model, hook)(data)
+                logs = own_hook(model, hook)(data)
             if hook == "predict_step":
                 return logs
             # What the logs are as traced (the run's tensors are another

@@ -10,6 +10,7 @@ from typing import Any
 
 import keras
 
+from towers import _runtime
 from towers.placement.base import Placement
 from towers.step import xla
 
@@ -27,6 +28,24 @@ def overrides(model: Any, name: str) -> bool:
     (True, False)
     """
     return getattr(type(model), name, None) is not getattr(keras.Model, name)
+
+
+def own_hook(model: Any, name: str) -> Any:
+    """``model.<name>``, the model's own step; one it made an XLA
+    ``tf.function`` is its Python function, traced in each tower's step
+    (whose variables live on the variable device), said once."""
+    hook = getattr(model, name)
+    body = _runtime.xla_body(hook)
+    if body is None:
+        return hook
+    warnings.warn(  # once: Python's filter shows a warning once a place
+        f"{type(model).__name__}.{name} is a tf.function(jit_compile=True): "
+        "on towers it runs without XLA, traced in each tower's step, whose "
+        "variables live on the variable device (one XLA computation reads "
+        "only its own device's).",
+        stacklevel=2,
+    )
+    return body
 
 
 def custom_hooks(model: keras.Model) -> list[str]:
@@ -71,8 +90,8 @@ def refuse_with_hooks(
         (copies and options["on_nonfinite"] != "ignore", "on_nonfinite="
          f"{options['on_nonfinite']!r} with {copies}", "each copy applies its "
          "own; use placement='central'"),
-        (jit.enabled and jit.strict, "jit_compile=True", "each tower's step "
-         "stops at its applies; pass jit_compile=False"),
+        (jit.enabled and jit.strict and not jit.compiled, "jit_compile=True",
+         "each tower's step stops at its applies; pass jit_compile=False"),
     ]  # fmt: skip
     for refuse, what, why in refused:
         if refuse:
@@ -81,9 +100,10 @@ def refuse_with_hooks(
                 f"tower, meeting at its applies; received {what}: {why}."
             )
     if jit.enabled:
+        chose = "its compile's jit_compile=True" if jit.compiled else (
+            "jit_compile='auto' chose XLA")  # fmt: skip
         warnings.warn(
             f"a {model} that overrides {', '.join(hooks)} runs without XLA "
-            "(jit_compile='auto' chose XLA): each tower's step stops at its "
-            "applies.",
+            f"({chose}): each tower's step stops at its applies.",
             stacklevel=2,
         )

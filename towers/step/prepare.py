@@ -52,7 +52,9 @@ class Preparing:
         own = self.owns("train" if training else "evaluate")
         if not own:
             check_targets(self.tower.loss, y)
-        if not own or y is not None:  # else built by the step, as in Keras' fit
+        # Else built by the step, as in Keras' fit; a model with no call()
+        # is never called to build them (keras.io's forward-forward).
+        if not own or (y is not None and overrides(self.placement.model, "call")):
             self.metrics.build(x, y, sample_weight)
         if self.custom is not None:  # a copy per tower: each copy's too
             build_copies(self.placement, x, y, sample_weight)

@@ -41,10 +41,13 @@ class Jit:
       enabled: each tower's pass is one XLA computation.
       strict: an op XLA cannot compile is an error (``True`` was asked for);
         otherwise the engine warns and runs without XLA.
+      compiled: the choice is the compiled model's (``compile(jit_compile=
+        True)``), which Keras takes as a wish where the step cannot compile.
     """
 
     enabled: bool = False
     strict: bool = False
+    compiled: bool = dataclasses.field(default=False, repr=False, compare=False)
 
 
 OFF = Jit()
@@ -63,8 +66,8 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
       >>> resolve("auto", model, ["/cpu:0"]), resolve(True, model, ["/cpu:0"])
       (Jit(enabled=False, strict=False), Jit(enabled=True, strict=True))
     """
+    compiled = option is None and getattr(model, "compiled", False)
     if option is None:
-        compiled = isinstance(model, keras.Model) and getattr(model, "compiled", False)
         option = model.jit_compile if compiled else "auto"
     if option not in (True, False, "auto") or not isinstance(option, (bool, str)):
         raise ValueError(
@@ -84,7 +87,7 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
                 f"layers that do not (supports_jit=False): {refusing}. Pass "
                 "jit_compile=False, or 'auto' to compile where Keras would."
             )
-        return Jit(enabled=True, strict=True)
+        return Jit(enabled=True, strict=True, compiled=bool(compiled))
     kinds = {tf.DeviceSpec.from_string(d).device_type for d in devices}
     if "CPU" in kinds or _runtime.op_determinism():  # as Keras' "auto"
         return OFF

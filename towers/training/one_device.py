@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from towers._keras import optimizer_variables
 from towers._keras.patches import routed_applies
+from towers.step.hooks import own_hook
 
 # Stateful TensorFlow random ops: a second run draws other numbers.
 STATEFUL_DRAWS = frozenset(
@@ -61,8 +62,8 @@ class OneDevice:
 
         def step(data: Any) -> tuple:
             self._applied, self._graph = {}, tf.compat.v1.get_default_graph()
-            with routed_applies(self._record):
-                logs = model.train_step(data)
+            with routed_applies(self._record):  # as towers runs it (no XLA)
+                logs = own_hook(model, "train_step")(data)
             return logs, self._applied
 
         self.traced = jit or unbuilt or len(self._data) > 1
