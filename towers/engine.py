@@ -17,7 +17,7 @@ from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.xla import JitCompile
-from towers.training.check import FirstStepCheck
+from towers.training.check_schedule import SPOT_CHECKS, FirstStepCheck
 from towers.training.compiled import Compiled
 from towers.training.compiling import FROM_COMPILE
 from towers.training.fits import named_misfits
@@ -61,8 +61,9 @@ class Towers(Trainer, FirstStepCheck, Explaining):
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
         fastest steps) or a ``"call"`` of its own: quicker to a first step with
         many towers, slower after (step/segments.py, docs/sync-cost.md).
-      check_first_step: before the first update, refuse by name what moves
-        unlike one device's step on the batch (``training/check.py``); or not.
+      check_first_step, spot_checks: before the first update and each new
+        trace's, refuse by name a step unlike one device's on its batch
+        (``training/check.py``); and every ``spot_checks`` steps (None: not).
 
     Attributes:
       model, optimizer, metrics: the Keras model, optimizer (tower 0's), metrics.
@@ -108,12 +109,14 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         steps_per_execution: int | None = None,
         tower_functions: Literal["inline", "call"] = "inline",
         check_first_step: bool = True,
+        spot_checks: int | None = SPOT_CHECKS,
     ):
         # First: a cluster's runtime must start before TensorFlow initialises.
         self.cluster = join_cluster(cluster, model, optimizer)
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device, "variable_device")
         self.reducer = get_reducer(reducer)
+        self.schedule_checks(check_first_step, spot_checks)
         options = dict(
             metrics=metrics, weighted_metrics=weighted_metrics,
             loss_weights=loss_weights, moving_statistics=moving_statistics,
@@ -129,7 +132,6 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         self.moving_statistics = self.step.moving_statistics
         self.model, self.optimizer = self.placement.model, self.placement.optimizer
         self._compiled = Compiled(self.step)
-        self.unchecked = check_first_step  # the first step still to check
         remember_compile(self, locals())  # what a later compile changes
         if self.model.built and self.model.variables:
             self.step.start()  # else the first batch builds the model first
@@ -179,9 +181,8 @@ class Towers(Trainer, FirstStepCheck, Explaining):
 
         Raises:
           ValueError: x, y and sample_weight disagree on B, B == 0, the batch
-            does not fit the model (``towers/training/fits.py``), or a term
-            couples the examples (``step/probe.py``), or the first step moves
-            unlike one device's (``training/check.py``); nothing is updated.
+            does not fit (``training/fits.py``), a term couples the examples
+            (``step/probe.py``), or a checked step is unlike one device's.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 
@@ -215,11 +216,10 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         >>> [round(float(out[key]["loss"]), 4) for key in ("logs", "reported")]
         [0.64, 0.82]"""
         prepared = [self._training_batch("train_step", *b) for b in batches]
-        with named_misfits(self.model, prepared[0]):
-            return self._run_checked(prepared)  # the first: check.py
+        with named_misfits(self.model, prepared[0], towers=self.num_towers):
+            return self._run_checked(prepared)  # where due: check_schedule.py
 
-    def _run_steps(self, prepared: list[tuple]) -> dict:
-        """Trains on ``prepared`` batches, unchecked (``Compiled.train_on``)."""
+    def _run_steps(self, prepared: list[tuple]) -> dict:  # unchecked
         return self._compiled.train_on(prepared, self._call)
 
     def evaluate_step(

@@ -278,3 +278,85 @@ def test_keras_ios_collaborative_filtering_trains_as_keras_fit_on_one_tower():
     x, y = ratings()
     mine, model = recommender_twins()
     assert_same_fit(Towers(mine, devices=devices(1)), model, x, y, batch_size=10)
+
+
+class CentredWhenOn(keras.layers.Layer):
+    """Centres over the batch once its Python flag is on: what a trace of
+    the step reads from the layer's state, fixed until the step retraces."""
+
+    on = False
+
+    def call(self, x):
+        return x - keras.ops.mean(x, axis=0, keepdims=True) if self.on else x
+
+
+def centring_when_on():
+    inputs = keras.Input((4,))
+    hidden = CentredWhenOn()(keras.layers.Dense(6, activation="tanh")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def test_a_new_trace_of_the_step_is_checked_on_its_first_batch(float64):
+    x, y = regression()
+    model = twins(centring_when_on, sgd_mse)[0]
+    engine = Towers(model, devices=devices(3))
+    engine.fit(x[:20], y[:20], batch_size=10, epochs=1, verbose=0, shuffle=False)
+    model.layers[2].on = True  # the next trace couples the batch
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(ValueError, match="not one device's") as refused:
+        # 12 examples: a new shape, so a new trace, checked before its update.
+        engine.fit(x[:12], y[:12], batch_size=12, epochs=1, verbose=0)
+    assert "step 3 (a new trace of the step" in str(refused.value)
+    for var, value in zip(model.variables, before):  # nothing was updated
+        np.testing.assert_array_equal(var.numpy(), value, err_msg=var.path)
+    assert engine.steps_done == 2
+
+
+class CentredAfter(keras.layers.Layer):
+    """Centres over the batch from its fourth call on: a coupling a step
+    counter switches on after the first step was checked."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="calls"
+        )
+
+    def call(self, x, training=False):
+        if training:
+            self.calls.assign_add(1.0)
+        centred = x - keras.ops.mean(x, axis=0, keepdims=True)
+        return keras.ops.where(self.calls > 3.0, centred, x)
+
+
+def centring_after():
+    inputs = keras.Input((4,))
+    hidden = CentredAfter()(keras.layers.Dense(6, activation="tanh")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def test_a_spot_check_stops_a_step_that_changed_since_the_first(float64):
+    x, y = regression(count=60)
+    model = twins(centring_after, sgd_mse)[0]
+    engine = Towers(model, devices=devices(3), spot_checks=5)
+    with pytest.raises(ValueError, match="not one device's") as refused:
+        engine.fit(x, y, batch_size=10, epochs=1, verbose=0, shuffle=False)
+    assert "step 5 (a spot check, every 5 steps)" in str(refused.value)
+    # Steps 1-4 trained (the first checked, the coupling off until the 4th
+    # call), step 5 was put back whole.
+    assert engine.steps_done == 4 and int(engine.optimizer.iterations) == 4
+    assert float(model.layers[2].calls.numpy()) == 4.0
+
+
+def test_without_spot_checks_the_switched_coupling_trains_on():
+    x, y = regression(count=60)
+    engine = Towers(twins(centring_after, sgd_mse)[0], devices=devices(3),
+                    spot_checks=None)  # fmt: skip
+    engine.fit(x, y, batch_size=10, epochs=1, verbose=0, shuffle=False)
+    assert engine.steps_done == 6
+
+
+@pytest.mark.parametrize("every", [0, -3, 2.5, True, "often"])
+def test_spot_checks_take_a_number_of_steps_or_none(every):
+    with pytest.raises(ValueError, match=f"received {every!r}"):
+        Towers(centring, loss="mse", optimizer="sgd", devices=devices(2),
+               spot_checks=every)  # fmt: skip

@@ -138,14 +138,16 @@ class Comparison:
             lines.append(f"{d.path:<{width}}  {d.relative:.3g}{mark}")
         return "\n".join(lines)
 
-    def refusal(self, coupling: str | None = None) -> str:
+    def refusal(self, coupling: str | None = None, when: str = "its first step") -> str:
         """The error naming each variable that differs, its layer and by how
-        much; ``coupling``: the layer whose outputs couple the examples."""
+        much, at ``when`` (the step, and why it was checked); ``coupling``:
+        the layer whose outputs couple the examples."""
         named = "; ".join(
             f"{d.path} ({d.whose}) {d.relative:.3g} relative" for d in self.differs[:5]
         )
         more = len(self.differs) - 5
         named += f"; and {more} more" if more > 0 else ""
+        owners = list(dict.fromkeys(d.whose for d in self.differs))
         why = (
             f" Its forward pass couples the batch's examples from layer "
             f"{coupling!r} on (its outputs on two examples together are not its "
@@ -154,11 +156,17 @@ class Comparison:
             "(as MirroredStrategy does: the update then differs from one "
             "device's; warned), or train on one device."
             if coupling
-            else " Towers.check(x, y) prints every variable; a rule towers lacks "
-            "is a bug to report. check_first_step=False trains anyway."
+            else f" No rule towers has explains it: the forward pass does not "
+            "couple two examples, and no draw or assignment was named; what "
+            f"differs is in {', '.join(owners[:4])}"
+            + (" and more" if len(owners) > 4 else "")
+            + ". Train this model on one device, or pass check_first_step=False "
+            "to train on towers anyway (to other weights than one device's); "
+            "Towers.check(x, y) prints every variable, which a report of the "
+            "model to towers should carry."
         )
         return (
-            "towers' first step is not one device's on this model: checked "
+            f"towers' step at {when} is not one device's on this model: checked "
             "against the model's own train_step on the whole batch on one "
             f"device, these variables moved differently: {named}. Nothing was "
             f"updated.{why}"
@@ -241,48 +249,17 @@ def _eps(dtype: str) -> float:
     return 2.0**-7 if dtype == "bfloat16" else float(np.finfo(dtype).eps)
 
 
-class FirstStepCheck:
-    """For an engine (``Towers``): its first training step checked against
-    one device's (:func:`checked`), and :meth:`check` on any batch. The
-    engine runs its steps in ``_run_steps(prepared batches)`` and says in
-    ``unchecked`` whether its first step is still to check."""
-
-    unchecked = True
-
-    def _run_checked(self, batches: list[tuple]) -> dict:
-        """``_run_steps(batches)``, the first time checked (``keep``)."""
-        if not self.unchecked:
-            return self._run_steps(batches)
-        out, comparison = checked(self, batches, lambda: self._run_steps(batches))
-        self.unchecked = False
-        if comparison.skipped:
-            warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
-        return out
-
-    def check(self, x: Any, y: Any = None, sample_weight: Any = None) -> Comparison:
-        """Compares towers' step on one batch with the model's own
-        ``train_step`` on one device: every variable's relative difference;
-        nothing is kept, every variable is put back. ``print`` it for a table.
-
-        >>> eng = make_engine()
-        >>> x, y = np.ones((5, 3), "f4"), np.zeros((5, 1), "f4")
-        >>> comparison = eng.check(x, y)
-        >>> [d.path.rsplit("/")[-1] for d in comparison.differences]
-        ['kernel', 'bias', 'iteration', 'learning_rate', 'loss']
-        >>> comparison.differs  # none beyond rounding
-        []
-        >>> int(eng.optimizer.iterations), eng.steps_done  # nothing kept
-        (0, 0)
-        """
-        batch = [self._training_batch("check", x, y, sample_weight)]
-        run = lambda: self._run_steps(batch)  # noqa: E731
-        return checked(self, batch, run, keep=False)[1]
-
-
-def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = True):
+def checked(
+    engine: Any,
+    batches: list,
+    run: Callable[[], Any],
+    keep: bool = True,
+    when: str = "its first step",
+):
     """Runs towers' ``run()`` (its step on ``batches``) checked against the
     model's own ``train_step`` on one device. Returns ``(run's output, the
-    Comparison)``; ``keep`` False: every variable put back after, as before.
+    Comparison)``; ``keep`` False: every variable put back after, as before;
+    ``when``: the step and why it is checked, for the refusal.
 
     Raises:
       ValueError: ``keep`` and a variable differs: named, everything put back.
@@ -328,13 +305,13 @@ def checked(engine: Any, batches: list, run: Callable[[], Any], keep: bool = Tru
     if not keep or comparison.differs:
         kept.restore()
     if keep and comparison.differs:
-        raise ValueError(comparison.refusal(_coupling(engine, batches[0][0])))
+        raise ValueError(comparison.refusal(_coupling(engine, batches[0][0]), when))
     if keep and comparison.reports_differ:
         named = ", ".join(
             f"{d.path} {d.relative:.3g} relative" for d in comparison.reports_differ
         )
         warnings.warn(
-            "towers' first step trained as one device does, but what it reports "
+            f"towers' step at {when} trained as one device does, but what it reports "
             f"differs from the model's own train_step on one device: {named}; "
             "Towers.check(x, y) prints every value",
             stacklevel=4,

@@ -62,6 +62,21 @@ class Compiled:
         self.train()
         return self._loops
 
+    def traces_anew(self, batches: list[tuple]) -> bool:
+        """Whether training on prepared ``batches`` traces the train step
+        anew (a new signature, or new trainable variables); traced here if
+        so, not run. A trace that fails counts as new (the run says why)."""
+        before = self.train_traces
+        try:
+            for run in runs(batches):
+                if len(batches) == 1 or not stackable(run[0]):
+                    self.train().get_concrete_function(*run[0])
+                else:
+                    self.train_steps().traced(*stack(run))
+        except Exception:  # noqa: BLE001 - the checked run traces it again
+            return True
+        return self.train_traces > before
+
     @property
     def train_traces(self) -> int:
         """How many times the train step has been traced (alone, or in a loop

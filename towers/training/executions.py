@@ -91,7 +91,7 @@ def any_count(function: Any) -> Callable[..., Any]:
     of batch: each call's leading axis (the run's length) relaxed to None."""
     concrete: dict[str, Any] = {}
 
-    def call(*stacked: Any) -> Any:
+    def traced(*stacked: Any) -> Any:
         specs = tf.nest.map_structure(
             lambda a: (
                 None if a is None else tf.TensorSpec([None, *a.shape[1:]], a.dtype)
@@ -101,8 +101,12 @@ def any_count(function: Any) -> Callable[..., Any]:
         key = repr(specs)
         if key not in concrete:
             concrete[key] = function.get_concrete_function(*specs)
-        return concrete[key](*stacked)
+        return concrete[key]
 
+    def call(*stacked: Any) -> Any:
+        return traced(*stacked)(*stacked)
+
+    call.traced = traced  # the trace for these stacked batches, made if new
     return call
 
 

@@ -1,0 +1,109 @@
+"""When the engine checks its step against one device's (``check.py``):
+its first step, the first batch of each new trace of the step (a new input
+signature, new trainable variables: the step may read the model anew), and
+spot checks through the run, where a step that changes after its first
+steps (a coupling a step counter switches on) is found."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from towers.training.check import Comparison, checked
+from towers.training.check_state import not_compared
+
+# A spot check every SPOT_CHECKS steps (and one at a tenth of it): one
+# device's step on that step's batch, from the same state, before its update
+# is kept (``Towers(spot_checks=)``).
+SPOT_CHECKS = 1000
+
+
+def spot_due(step: int, every: int | None) -> bool:
+    """Whether step ``step`` (counted from 1) is a spot check's.
+
+    >>> [s for s in range(1, 3001) if spot_due(s, 1000)]
+    [100, 1000, 2000, 3000]
+    """
+    return bool(every) and (step == every // 10 or step % every == 0)
+
+
+class FirstStepCheck:
+    """For an engine (``Towers``): its step checked against one device's
+    (:func:`checked`) at its first step, at each new trace of the step (a
+    new input signature, new trainable variables) and at spot checks, and
+    :meth:`check` on any batch. The engine runs its steps in
+    ``_run_steps(prepared batches)``; ``unchecked``: its first step is still
+    to check; ``check_traces``, ``spot_checks``: what else is."""
+
+    unchecked = True
+    check_traces = True
+    spot_checks: int | None = SPOT_CHECKS
+
+    def schedule_checks(self, first_step: bool, spot_checks: int | None) -> None:
+        """The first step and each new trace checked, or neither; a spot
+        check every ``spot_checks`` steps, or none (None)."""
+        self.unchecked = self.check_traces = first_step
+        self.spot_checks = spot_checks_of(spot_checks)
+
+    def _run_checked(self, batches: list[tuple]) -> dict:
+        """``_run_steps(batches)``, checked where :meth:`_check_due` says."""
+        when = self._check_due(batches)
+        if when is None:
+            return self._run_steps(batches)
+        run = lambda: self._run_steps(batches)  # noqa: E731
+        out, comparison = checked(self, batches, run, when=when)
+        if self.unchecked and comparison.skipped:
+            warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
+        self.unchecked = False
+        return out
+
+    def _check_due(self, batches: list[tuple]) -> str | None:
+        """Why the steps on ``batches`` are checked, or None."""
+        if self.unchecked:
+            return "its first step"
+        first = self.steps_done + 1
+        steps = range(first, first + len(batches))
+        where = f"step {first}" if len(steps) == 1 else f"steps {first}-{steps[-1]}"
+        if self.check_traces and not_compared(self) is None:
+            if self._compiled.traces_anew(batches):
+                return f"{where} (a new trace of the step: new shapes or trainables)"
+        if any(spot_due(s, self.spot_checks) for s in steps):
+            if not_compared(self) is None:
+                return f"{where} (a spot check, every {self.spot_checks} steps)"
+        return None
+
+    def check(self, x: Any, y: Any = None, sample_weight: Any = None) -> Comparison:
+        """Compares towers' step on one batch with the model's own
+        ``train_step`` on one device: every variable's relative difference;
+        nothing is kept, every variable is put back. ``print`` it for a table.
+
+        >>> eng = make_engine()
+        >>> x, y = np.ones((5, 3), "f4"), np.zeros((5, 1), "f4")
+        >>> comparison = eng.check(x, y)
+        >>> [d.path.rsplit("/")[-1] for d in comparison.differences]
+        ['kernel', 'bias', 'iteration', 'learning_rate', 'loss']
+        >>> comparison.differs  # none beyond rounding
+        []
+        >>> int(eng.optimizer.iterations), eng.steps_done  # nothing kept
+        (0, 0)
+        """
+        batch = [self._training_batch("check", x, y, sample_weight)]
+        run = lambda: self._run_steps(batch)  # noqa: E731
+        return checked(self, batch, run, keep=False)[1]
+
+
+def spot_checks_of(every: Any) -> int | None:
+    """``Towers``' ``spot_checks``, checked: a number of steps, or None.
+
+    >>> spot_checks_of(0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: spot_checks must be a number of steps >= 1, ...; received 0
+    """
+    if every is not None and (
+        isinstance(every, bool) or not isinstance(every, int) or every < 1
+    ):
+        raise ValueError(
+            "spot_checks must be a number of steps >= 1, or None to turn them "
+            f"off; received {every!r}"
+        )
+    return every
