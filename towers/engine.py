@@ -116,7 +116,7 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device, "variable_device")
         self.reducer = get_reducer(reducer)
-        self.schedule_checks(check_first_step, spot_checks)
+        self._schedule_checks(check_first_step, spot_checks)
         options = dict(
             metrics=metrics, weighted_metrics=weighted_metrics,
             loss_weights=loss_weights, moving_statistics=moving_statistics,

@@ -39,7 +39,7 @@ class FirstStepCheck:
     check_traces = True
     spot_checks: int | None = SPOT_CHECKS
 
-    def schedule_checks(self, first_step: bool, spot_checks: int | None) -> None:
+    def _schedule_checks(self, first_step: bool, spot_checks: int | None) -> None:
         """The first step and each new trace checked, or neither; a spot
         check every ``spot_checks`` steps, or none (None)."""
         self.unchecked = self.check_traces = first_step

@@ -120,9 +120,8 @@ def named_misfits(
         if _raised_here(error):
             raise  # towers' own checks name what they found already
         message = misfit(model, batch, shown=shown)
-        rows = examples_of(batch[0])
-        if message is None and towers > 1 and isinstance(rows, int):
-            shares = split_sizes(rows, towers)
+        shares = _shares(batch, towers) if message is None else None
+        if shares is not None:
             message = (
                 f"towers runs the step on each tower's share of the batch "
                 f"({shares} rows), and the model failed on a share where the "
@@ -134,6 +133,18 @@ def named_misfits(
         if message is None:
             raise
         raise ValueError(message) from error
+
+
+def _shares(batch: tuple, towers: int) -> list[int] | None:
+    """The towers' rows of ``batch``'s examples, where there are towers to
+    share them and their number is known."""
+    if towers < 2:
+        return None
+    try:
+        rows = examples_of(batch[0])
+    except ValueError:  # no tensor with a batch axis: nothing to share
+        return None
+    return split_sizes(rows, towers) if isinstance(rows, int) else None
 
 
 def check_validation(
