@@ -258,8 +258,7 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         0
         >>> eng.apply_accumulated()
         >>> int(eng.optimizer.iterations)
-        1
-        """
+        1"""
         self.step.flush()
 
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None, kind=""):
@@ -291,6 +290,7 @@ class Towers(Trainer, FirstStepCheck, Explaining):
         5.0
         """
         self.placement.after_restore()
+        self._steps_seen = None  # the restored counter, read at the next step
 
     def _run(self, kind: str, *batch: Any) -> Any:
         with named_misfits(self.model, (*batch, None, None)[:3]):

@@ -201,38 +201,51 @@ def compare(
         _kept(grads.get(e.key), b, floor * largest) if is_float else None
         for e, b, is_float in zip(entries, before, floats)
     ]
+    # Each float entry's kept elements once, in float64: (b, t, k, kept).
+    kept = [
+        None if keep is None else (*_elements(keep, b, t, k), keep)
+        for b, t, k, keep in zip(before, towers_after, keras_after, keeps)
+    ]
     # The largest change of each kind (layers', optimizers', metrics'): a
     # change of ATOL of it is rounding of its size wherever it lands.
     scale: dict[str, float] = {}
-    for e, b, k, keep in zip(entries, before, keras_after, keeps):
-        if keep is not None:
+    for e, values in zip(entries, kept):
+        if values is not None:
             kind = e.whose.split()[0]
-            change = np.abs(np.asarray(k, np.float64) - b)[keep].max(initial=0.0)
+            change = np.abs(values[2] - values[0]).max(initial=0.0)
             scale[kind] = max(scale.get(kind, 0.0), float(change))
     atol = ATOL.get(compute_dtype, ATOL["float32"])
     differences = []
-    for entry, b, t, k, keep in zip(entries, before, towers_after, keras_after, keeps):
+    for entry, b0, t, k, values in zip(
+        entries, before, towers_after, keras_after, kept
+    ):
         path, whose = entry.path, entry.whose
-        if keep is None:  # integers: seeds, counts
+        if values is None:  # integers: seeds, counts
             same = np.array_equal(t, k)
             differences.append(Difference(path, whose, 0.0 if same else 1.0, not same))
             continue
-        value_eps = _eps(str(b.dtype))
-        b, t, k = (np.asarray(a, np.float64) for a in (b, t, k))
-        off = np.abs(t - k)[keep]
-        change = np.abs(k - b)[keep].max(initial=0.0)
-        ulps = ULPS * value_eps * np.maximum(np.abs(b), np.abs(k))[keep]
+        b, t, k, keep = values
+        off, moved = np.abs(t - k), np.abs(k - b)
+        ulps = ULPS * _eps(str(b0.dtype)) * np.maximum(np.abs(b), np.abs(k))
         # Past each element's rounding, the rest as a norm against the
         # change's: a systematic difference shows, one noisy element of a
         # deep float32 network (a depthwise kernel's, 1e-3) does not.
         excess = np.maximum(off - ulps - atol * scale[whose.split()[0]], 0.0)
-        norm = float(np.linalg.norm(np.abs(k - b)[keep]))
-        worst = float(np.linalg.norm(off))
+        norm, worst = float(np.linalg.norm(moved)), float(np.linalg.norm(off))
         relative = worst / norm if norm > 0 else (0.0 if worst == 0 else np.inf)
         noise = int(keep.size - keep.sum())
         differs = bool(np.linalg.norm(excess) > rtol * norm)
         differences.append(Difference(path, whose, float(relative), differs, noise))
     return differences
+
+
+def _elements(keep: np.ndarray, *values: np.ndarray) -> list[np.ndarray]:
+    """``values``' elements that ``keep`` marks, flat, in float64."""
+    every = bool(keep.all())
+    return [
+        np.asarray(v, np.float64).ravel() if every else np.asarray(v, np.float64)[keep]
+        for v in values
+    ]
 
 
 def _kept(grad: Any, before: np.ndarray, floor: float) -> np.ndarray:
