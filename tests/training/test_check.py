@@ -306,7 +306,10 @@ def test_a_new_trace_of_the_step_is_checked_on_its_first_batch(float64):
     with pytest.raises(ValueError, match="not one device's") as refused:
         # 12 examples: a new shape, so a new trace, checked before its update.
         engine.fit(x[:12], y[:12], batch_size=12, epochs=1, verbose=0)
-    assert "step 3 (a new trace of the step" in str(refused.value)
+    message = str(refused.value)
+    assert "step 3 (a new trace of the step" in message
+    coupling = model.layers[2].name  # and the layer where the outputs couple
+    assert f"couples the batch's examples from layer {coupling!r}" in message
     for var, value in zip(model.variables, before):  # nothing was updated
         np.testing.assert_array_equal(var.numpy(), value, err_msg=var.path)
     assert engine.steps_done == 2
@@ -340,7 +343,9 @@ def test_a_spot_check_stops_a_step_that_changed_since_the_first(float64):
     engine = Towers(model, devices=devices(3), spot_checks=5)
     with pytest.raises(ValueError, match="not one device's") as refused:
         engine.fit(x, y, batch_size=10, epochs=1, verbose=0, shuffle=False)
-    assert "step 5 (a spot check, every 5 steps)" in str(refused.value)
+    message = str(refused.value)
+    assert "step 5 (a spot check, every 5 steps)" in message
+    assert f"from layer {model.layers[2].name!r}" in message
     # Steps 1-4 trained (the first checked, the coupling off until the 4th
     # call), step 5 was put back whole.
     assert engine.steps_done == 4 and int(engine.optimizer.iterations) == 4
@@ -360,3 +365,34 @@ def test_spot_checks_take_a_number_of_steps_or_none(every):
     with pytest.raises(ValueError, match=f"received {every!r}"):
         Towers(centring, loss="mse", optimizer="sgd", devices=devices(2),
                spot_checks=every)  # fmt: skip
+
+
+class GradientsByRows(keras.Model):
+    """An own train_step that scales its gradients by the rows it sees: no
+    rule of towers reads that, and its outputs couple nothing."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        rows = tf.cast(tf.shape(x)[0], loss.dtype) / 10.0
+        grads = [g * rows for g in tape.gradient(loss, self.trainable_variables)]
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_difference_no_rule_explains_names_its_layers_and_what_to_do(float64):
+    x, y = regression()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(6, activation="tanh", name="hidden")(inputs)
+    model = GradientsByRows(inputs, keras.layers.Dense(1, name="out")(hidden))
+    model.compile(**sgd_mse())
+    engine = Towers(model, devices=devices(2))
+    with pytest.raises(ValueError, match="No rule towers has explains it") as refused:
+        engine.fit(x, y, batch_size=10, epochs=1, verbose=0, shuffle=False)
+    message = str(refused.value)
+    assert "towers' step at its first step is not one device's" in message
+    assert "what differs is in layer hidden, layer out" in message, message
+    assert "Train this model on one device, or pass check_first_step=False" in message
+    assert int(engine.optimizer.iterations) == 0
