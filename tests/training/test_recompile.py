@@ -95,3 +95,47 @@ def test_an_engine_whose_model_is_not_compiled_again_is_kept(call):
     x, y = data()
     getattr(engine, call)(x, *([y] if call != "predict" else []), verbose=0)
     assert engine.step is step
+
+
+@pytest.mark.parametrize("placement", ["central", "replicated"])
+def test_a_frozen_layer_gets_no_slots_and_the_state_loads_in_keras(placement, tmp_path):
+    # Keras' fit builds the optimizer for the variables trainable then: a
+    # frozen encoder's get none (keras.io's masked language model froze a
+    # BERT and towers had built 36 slots for it), so a checkpoint saved
+    # after towers is Keras' own, variable for variable.
+    def frozen_base():
+        model = base_and_head()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    engine = Towers(frozen_base, devices=devices(2), placement=placement)
+    model, reference, x, y = engine.model, frozen_base(), *data()
+    engine.fit(x, y, **FIT)
+    reference.fit(x, y, **FIT)
+    # Keras' slots, one for one (their names carry each model's own name).
+    shapes = lambda m: [tuple(v.shape) for v in m.optimizer.variables]  # noqa: E731
+    assert shapes(model) == shapes(reference)
+    assert not any("base" in v.path for v in model.optimizer.variables)
+    for mine, theirs in zip(model.optimizer.variables, reference.optimizer.variables):
+        assert_close(mine.numpy(), theirs.numpy())
+    model.save(tmp_path / "towers.keras")
+    loaded = keras.saving.load_model(tmp_path / "towers.keras")
+    assert shapes(loaded) == shapes(reference)  # loaded as Keras' own
+    for mine, theirs in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+def test_a_layer_unfrozen_after_the_first_step_gets_its_slots_then():
+    # Keras' fit would need a new optimizer here; towers builds on the one
+    # it has: the unfrozen layer's slots start at zero, as built at first.
+    model = base_and_head()
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    engine = Towers(model, devices=devices(2))
+    x, y = data()
+    engine.fit(x, y, **FIT)
+    assert len(model.optimizer.variables) == 2 + 2 * 2  # the head's kernel, bias
+    model.get_layer("base").trainable = True
+    before = model.get_layer("base").get_weights()
+    engine.fit(x, y, **FIT)
+    assert len(model.optimizer.variables) == 2 + 2 * 4
+    assert not np.allclose(before[0], model.get_layer("base").get_weights()[0])

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import build_symbolically, layers_of, trainable_capable
+from towers._keras import build_optimizer, build_symbolically, layers_of
 from towers.options import refuse_unsupported
 from towers.placement.base import Placement, check_on, needs_builder, slot_variables
 from towers.placement.collective import AllReduce
@@ -47,12 +47,15 @@ class Copies(Placement):
                 build_symbolically(model, sample)
 
     def build_slots(self) -> None:
-        """Creates every copy's slots, then makes every copy equal to copy 0."""
+        """Creates every copy's slots, then (the first time) makes every copy
+        equal to copy 0; later, slots for the variables unfrozen since."""
+        first = not any(o is not None and o.built for o in self.optimizers)
         for model, optimizer, device in zip(self.models, self.optimizers, self.devices):
-            if optimizer is not None and not optimizer.built:
+            if optimizer is not None:
                 with tf.device(device):
-                    optimizer.build(trainable_capable(model))
-        self.sync()
+                    build_optimizer(optimizer, model.trainable_variables)
+        if first:
+            self.sync()
 
     def sync(self) -> None:
         """Copies copy 0's variables and optimizer state to every other copy

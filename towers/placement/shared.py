@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import build_symbolically, trainable_capable
+from towers._keras import build_optimizer, build_symbolically
 from towers.combine import combine_gradients
 from towers.devices import same_device
 from towers.placement.balance import build_balanced, updates_where_variables_live
@@ -33,10 +33,11 @@ class SharedVariables(Placement):
     """One set of variables, combined and applied once per step."""
 
     def build_slots(self) -> None:
-        if self.optimizer is not None and not self.optimizer.built:
+        if self.optimizer is not None:
             with tf.device(self.variable_device):
-                # Every variable a layer can train: one unfrozen later has slots.
-                self.optimizer.build(trainable_capable(self.model))
+                # The variables trainable now, as Keras' fit builds it (and
+                # those unfrozen since, at a later call).
+                build_optimizer(self.optimizer, self.model.trainable_variables)
 
     def refuse(self, update: Update, batch_norm: bool) -> None:
         # One set of variables and one apply: every update policy and

@@ -49,6 +49,8 @@ class Compiled:
         trainable = tuple(id(v) for v in model.trainable_variables)
         if trainable != self._trainable:
             self.step.placement.follow_trainable()
+            if self._trainable is not None and self.step.started:
+                self.step.placement.build_slots()  # a layer unfrozen: its slots
             self._retired = self.train_traces
             self._train = traced(self.step.train)
             self._trainable = trainable
