@@ -18,9 +18,8 @@ read another device's variable): each tower runs the model in a
 tower starts from (``step/draws.py``); any other assignment stays in the
 scope, assigned once by its aggregation (``step/state.py``).
 ``_trainable_variables`` tell a frozen layer's variables from moving
-statistics. An optimizer built as Keras' fit builds it, for the variables
-trainable then, and built on for a layer unfrozen later
-(``build_optimizer``: its build for the new ones, their slot lists joined).
+statistics. An optimizer's variables it applies to, and its build for a
+layer unfrozen later: ``towers/_keras/optimizers.py``.
 
 Keras' rules a model relies on: ``call()`` called with ``training`` only
 where it takes one (``Layer._call_has_training_arg``), a compile without a
@@ -323,42 +322,6 @@ def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
     """``evaluate``'s list: the results in the order of the model's metrics,
     the loss alone when it is the only one (Keras' own rule)."""
     return model._flatten_metrics_in_order(logs)
-
-
-def build_optimizer(optimizer: Any, variables: list[Any]) -> list[Any]:
-    """Builds ``optimizer`` for ``variables`` (the model's trainable ones),
-    as Keras' fit builds it; built already, its build runs for those it was
-    not built with (a layer unfrozen since), each slot list of theirs joined
-    to the one it holds (Keras has no call for it: its fit needs a new
-    optimizer there). Returns the variables it made."""
-    if not optimizer.built:
-        made = len(optimizer.variables)
-        optimizer.build(list(variables))
-        return optimizer.variables[made:]
-    known = optimizer._trainable_variables_indices
-    extra = [v for v in variables if optimizer._var_key(v) not in known]
-    if not extra:
-        return []
-    old, before = list(optimizer._trainable_variables), dict(vars(optimizer))
-    made = len(optimizer.variables)
-    optimizer.built = False
-    optimizer.build(extra)
-    for name, value in list(vars(optimizer).items()):
-        was = before.get(name)
-        if was is not value and isinstance(was, list) and len(was) == len(old):
-            if name != "_trainable_variables" and len(value) == len(extra):
-                # Untracked, as its build sets them: its store holds the slots.
-                object.__setattr__(optimizer, name, [*was, *value])
-    object.__setattr__(optimizer, "_trainable_variables", [*old, *extra])
-    for i, variable in enumerate(optimizer._trainable_variables):
-        known[optimizer._var_key(variable)] = i
-    return optimizer.variables[made:]
-
-
-def optimizer_variables(optimizer: Any) -> list[Any]:
-    """The variables a built optimizer applies to when ``apply`` is given
-    none (Keras keeps them privately)."""
-    return list(optimizer._trainable_variables)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import build_optimizer, build_symbolically, layers_of
+from towers._keras import build_symbolically, layers_of
+from towers._keras.optimizers import build_optimizer
 from towers.options import refuse_unsupported
 from towers.placement.base import Placement, check_on, needs_builder, slot_variables
 from towers.placement.collective import AllReduce

@@ -20,7 +20,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import build_optimizer, build_symbolically
+from towers._keras import build_symbolically
+from towers._keras.optimizers import build_optimizer
 from towers.combine import combine_gradients
 from towers.devices import same_device
 from towers.placement.balance import build_balanced, updates_where_variables_live

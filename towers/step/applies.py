@@ -22,7 +22,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers._keras import optimizer_variables
+from towers._keras.optimizers import optimizer_variables
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import Update
 from towers.step import loss_kinds

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import optimizer_variables
+from towers._keras.optimizers import optimizer_variables
 from towers._keras.patches import routed_applies
 from towers.step.hooks import own_hook
 
