@@ -102,6 +102,10 @@ def test_check_shows_every_variables_difference_and_keeps_nothing():
     named = {d.path for d in comparison.differs}
     first, last = model.layers[1], model.layers[-1]
     assert {first.kernel.path, first.bias.path, last.kernel.path} <= named, table
+    # At a prompt its value is the table, led by its verdict.
+    assert repr(comparison) == table
+    verdict = table.splitlines()[0]
+    assert verdict.startswith(f"NOT one device's step: {len(named)} variables"), table
     for var, value in zip(model.variables, before):
         np.testing.assert_array_equal(var.numpy(), value, err_msg=var.path)
     assert int(engine.optimizer.iterations) == 0 and engine.steps_done == 0
@@ -396,3 +400,11 @@ def test_a_difference_no_rule_explains_names_its_layers_and_what_to_do(float64):
     assert "what differs is in layer hidden, layer out" in message, message
     assert "Train this model on one device, or pass check_first_step=False" in message
     assert int(engine.optimizer.iterations) == 0
+
+
+def test_a_check_that_finds_nothing_says_so_first():
+    x, y = regression(count=10)
+    engine = Towers(twins(centring, sgd_mse)[0], devices=devices(1))
+    table = repr(engine.check(x, y))
+    assert table.startswith("one device's step, within rounding (largest: "), table
+    assert "DIFFERS" not in table

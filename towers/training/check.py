@@ -31,7 +31,6 @@ stateful random ops (each run draws anew), a draw towers named, a cluster
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +50,7 @@ from towers.training.check_state import (
     watched,
     with_slots,
 )
+from towers.training.comparison import Comparison, Difference
 from towers.training.one_device import OneDevice
 
 # How far one device's change and towers' may be apart, relative to the
@@ -80,97 +80,6 @@ MAX_NOISE = 1e-2
 ATOL = {"float64": 1e-8, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2,
         "float8": 5e-2}  # fmt: skip
 ULPS = 16  # of a value's own magnitude a change may differ by (b + Δ's rounding)
-
-
-@dataclasses.dataclass
-class Difference:
-    """One variable's change under towers against one device's.
-
-    Attributes:
-      path: the variable's path (``dense/kernel``); ``whose``: its layer,
-        metric or optimizer (``layer dense``).
-      relative: ``||Δ_towers - Δ_keras|| / ||Δ_keras||`` over the elements
-        compared (0.0 where both left it alone).
-      differs: beyond rounding (see the module docstring).
-      noise: how many elements were left out, their one-device gradient at
-        the noise of its sums.
-    """
-
-    path: str
-    whose: str
-    relative: float
-    differs: bool
-    noise: int = 0
-
-    @property
-    def reported(self) -> bool:
-        return self.whose.startswith("metric ")
-
-
-@dataclasses.dataclass
-class Comparison:
-    """Every compared variable's :class:`Difference`; ``skipped``: why the
-    check could not compare, or None."""
-
-    differences: list[Difference]
-    skipped: str | None = None
-
-    @property
-    def differs(self) -> list[Difference]:
-        """The variables that moved differently (what refuses a first step)."""
-        return [d for d in self.differences if d.differs and not d.reported]
-
-    @property
-    def reports_differ(self) -> list[Difference]:
-        """The metrics whose results differ (what fit reports, warned of)."""
-        return [d for d in self.differences if d.differs and d.reported]
-
-    def __str__(self) -> str:
-        if self.skipped:
-            return f"not compared: {self.skipped}"
-        width = max([len(d.path) for d in self.differences] + [8])
-        lines = [f"{'variable':<{width}}  relative difference (towers vs one device)"]
-        for d in self.differences:
-            mark = "  DIFFERS" if d.differs else ""
-            if d.noise:
-                left = "elements of a gradient at rounding's size left out"
-                mark += f"  ({d.noise} {left})"
-            lines.append(f"{d.path:<{width}}  {d.relative:.3g}{mark}")
-        return "\n".join(lines)
-
-    def refusal(self, coupling: str | None = None, when: str = "its first step") -> str:
-        """The error naming each variable that differs, its layer and by how
-        much, at ``when`` (the step, and why it was checked); ``coupling``:
-        the layer whose outputs couple the examples."""
-        named = "; ".join(
-            f"{d.path} ({d.whose}) {d.relative:.3g} relative" for d in self.differs[:5]
-        )
-        more = len(self.differs) - 5
-        named += f"; and {more} more" if more > 0 else ""
-        owners = list(dict.fromkeys(d.whose for d in self.differs))
-        why = (
-            f" Its forward pass couples the batch's examples from layer "
-            f"{coupling!r} on (its outputs on two examples together are not its "
-            "outputs on each alone), where the towers cannot meet. Pass "
-            "coupled_losses='per_tower' to take each tower's on its own shard "
-            "(as MirroredStrategy does: the update then differs from one "
-            "device's; warned), or train on one device."
-            if coupling
-            else f" No rule towers has explains it: the forward pass does not "
-            "couple two examples, and no draw or assignment was named; what "
-            f"differs is in {', '.join(owners[:4])}"
-            + (" and more" if len(owners) > 4 else "")
-            + ". Train this model on one device, or pass check_first_step=False "
-            "to train on towers anyway (to other weights than one device's); "
-            "Towers.check(x, y) prints every variable, which a report of the "
-            "model to towers should carry."
-        )
-        return (
-            f"towers' step at {when} is not one device's on this model: checked "
-            "against the model's own train_step on the whole batch on one "
-            f"device, these variables moved differently: {named}. Nothing was "
-            f"updated.{why}"
-        )
 
 
 def compare(

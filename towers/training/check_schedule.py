@@ -9,8 +9,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from towers.training.check import Comparison, checked
+from towers.training.check import checked
 from towers.training.check_state import not_compared
+from towers.training.comparison import Comparison
 
 # A spot check every SPOT_CHECKS steps (and one at a tenth of it): one
 # device's step on that step's batch, from the same state, before its update
