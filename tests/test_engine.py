@@ -1,5 +1,7 @@
 """Structure and contract of the Towers engine (exactness is test_equivalence.py)."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -336,3 +338,18 @@ def test_an_optimizer_by_name_is_keras_own_with_its_defaults(name, kind):
     assert float(engine.optimizer.learning_rate) == float(default.learning_rate)
     _ = engine.train_step(*mlp_batch())
     assert int(engine.optimizer.iterations.numpy()) == 1
+
+
+def test_a_first_batch_smaller_than_the_towers_warns_once_of_idle_towers():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    engine = Towers(model, devices=[f"/cpu:{t}" for t in range(4)])
+    x, y = np.ones((6, 3), "f4"), np.ones((6, 1), "f4")
+    with pytest.warns(
+        UserWarning, match=r"2 of them idle \(shards of \[1, 1, 0, 0\]\)"
+    ):
+        engine.fit(x, y, batch_size=2, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # said once
+        engine.fit(x, y, batch_size=2, verbose=0)
+    assert engine.steps_done == 6

@@ -5,9 +5,11 @@ compiled metrics built. :class:`towers.step.step.Step` takes them."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from towers._keras import built_symbolically, trainable_capable
+from towers.split import examples_of, split_sizes
 from towers.step.batches import check_sizes, check_targets, first_example, on_host
 from towers.step.custom_copies import build_copies
 from towers.step.hooks import overrides
@@ -97,4 +99,22 @@ class Preparing:
             self.placement.build_from(first_example(x))
         if not self.started:
             self.start()
+        self._say_idle(x)
         return x, y, sample_weight
+
+    def _say_idle(self, x: Any) -> None:
+        """Warns where the first batch leaves towers idle: fewer examples
+        than towers (an epoch's last, partial batch is not the batch size
+        chosen; in a cluster a worker's share may be small)."""
+        if self._sized:
+            return
+        self._sized = True
+        towers, rows = len(self.placement.devices), examples_of(x)
+        if self.workers is None and isinstance(rows, int) and rows < towers:
+            warnings.warn(
+                f"a batch of {rows} examples on {towers} towers leaves "
+                f"{towers - rows} of them idle (shards of "
+                f"{split_sizes(rows, towers)}): a step uses every tower from "
+                f"{towers} examples on (a batch_size of {towers} or more).",
+                stacklevel=4,
+            )

@@ -72,6 +72,7 @@ class Step(Preparing):
         self.runner = Runner(placement, tower, moving_statistics, workers)
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
+        self._sized = False  # the first batch looked at for idle towers
         self.custom: Any = None  # the model's own steps (custom.py), if any
         # What the towers' passes assign (state.py): variable path -> its rule.
         self.assigned: dict[str, str] = {}
