@@ -552,3 +552,25 @@ def test_a_checkpoint_dir_on_a_full_disk_is_refused_first(tmp_path):
         f"checkpoint_dir '{full / 'ckpt'}' cannot be written (No space left on device)"
         in stderr
     ), stderr[-2000:]
+
+
+def test_a_resumed_fit_says_where_it_goes_on_and_when_nothing_is_left(tmp_path, capsys):
+    from towers import Towers
+
+    def engine():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        return Towers(model, devices=["/cpu:0", "/cpu:1"])
+
+    x, y = np.ones((8, 3), "f4"), np.ones((8, 1), "f4")
+    fit = dict(batch_size=4, verbose=2, checkpoint_dir=str(tmp_path))
+    engine().fit(x, y, epochs=2, **fit)
+    assert "Resumed from" not in capsys.readouterr().out  # a fresh start
+    history = engine().fit(x, y, epochs=2, **fit)
+    said = capsys.readouterr().out
+    assert f"Resumed from {tmp_path}" in said, said
+    assert "its 2 epochs are the 2 asked for; nothing left to train" in said
+    assert history.history == {}
+    engine().fit(x, y, epochs=3, **fit)
+    assert "training goes on at epoch 3/3." in capsys.readouterr().out

@@ -244,6 +244,10 @@ class TrainingCheckpoint:
             return None
         return int(tf.train.load_variable(path, key))
 
+    def resumed_from(self) -> str | None:
+        """The checkpoint a fit resumes from, None for a fresh start."""
+        return self._resume_path() if self.directory is not None else None
+
     def _resume_path(self) -> str | None:
         """The checkpoint a resume restores (the newest that reads back whole),
         None for a fresh start; found once (every tensor is read to check it)."""

@@ -44,6 +44,7 @@ from towers.training.run import (
     make_callbacks,
     predict_loop,
     resume,
+    say_resumed,
 )
 from towers.training.summaries import TrainingLog
 
@@ -252,6 +253,7 @@ class Trainer(ModelMetrics, abc.ABC):
             source.seed = shuffle_seed(shuffle, checkpoint, self.workers)
         batches = Epochs(source, steps_per_epoch)
         start_epoch, start_step = resume(self, checkpoint, batches, initial_epoch)
+        say_resumed(checkpoint, start_epoch, start_step, epochs, verbose)
         history = History()
         steps = batches.steps
         callback_list = make_callbacks(

@@ -83,6 +83,24 @@ def resume(
     return epoch, step
 
 
+def say_resumed(
+    checkpoint: TrainingCheckpoint, epoch: int, step: int, epochs: int, verbose: Any
+) -> None:
+    """Prints, unless ``verbose`` is 0, where a fit resumed: its checkpoint,
+    the epoch and batch it goes on at, or that nothing is left to train."""
+    path = checkpoint.resumed_from()
+    if path is None or verbose == 0:
+        return
+    if epoch >= epochs:
+        print(f"Resumed from {path}: its {epoch} epochs are the {epochs} asked "
+              "for; nothing left to train (pass more epochs to go on).")  # fmt: skip
+        return
+    after = f", after its batch {step}" if step else ""
+    print(
+        f"Resumed from {path}: training goes on at epoch {epoch + 1}/{epochs}{after}."
+    )
+
+
 def fit_epoch(engine: Any, run: FitRun, epoch: int, first: int) -> dict[str, Any]:
     """One epoch from its step ``first`` on; returns its loss and metrics as
     the model's ``get_metrics_result`` gives them: read when the callbacks
