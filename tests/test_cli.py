@@ -114,3 +114,19 @@ def test_explain_draws_the_demo_models_step(tmp_path):
     assert list(report["ops"]["apply"]) == ["/device:CPU:0"]
     backward = report["ops"]["tower 1 backward"]
     assert max(backward, key=backward.get) == "/device:CPU:1"
+
+
+def test_version_names_the_distribution_the_index_has_for_us(capsys):
+    # The index's "towers" is another project; ours installs as tf-towers.
+    import configparser
+    import pathlib
+
+    import towers
+
+    setup = configparser.ConfigParser()
+    setup.read(pathlib.Path(towers.__file__).parent.parent / "setup.cfg")
+    assert setup["metadata"]["name"] == "tf-towers"
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tf-towers {towers.__version__}"

@@ -53,7 +53,7 @@ def __getattr__(name):
             raise
         raise ImportError(
             "towers needs TensorFlow. Install it with the extra for your machine: "
-            "pip install 'towers[cpu]' (CPU only) or 'towers[gpu]' (NVIDIA GPUs)."
+            "pip install 'tf-towers[cpu]' (CPU only) or 'tf-towers[gpu]' (NVIDIA GPUs)."
         ) from error
     value = getattr(module, name)
     globals()[name] = value  # later lookups (and pdoc) find it directly

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import metadata
 
 from towers.arguments import positive_float, positive_int
 from towers.bench.cli import add_bench_parser
@@ -72,11 +73,24 @@ Example: towers launch --workers 2 -- python train.py --epochs 3
 """
 
 
+def _version() -> str:
+    """The installed tf-towers' version, else the package's (a source tree)."""
+    try:
+        return metadata.version("tf-towers")
+    except metadata.PackageNotFoundError:
+        from towers import __version__  # here: importing towers starts TensorFlow
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="towers",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(  # the distribution's name: the index's "towers" is another
+        "--version", action="version", version=f"tf-towers {_version()}"
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True

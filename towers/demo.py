@@ -32,7 +32,7 @@ def load_digits(seed: int = 0):
     except ImportError as error:
         raise RuntimeError(
             "the demo needs scikit-learn for its bundled digits: "
-            "pip install 'towers[demo]'"
+            "pip install 'tf-towers[demo]'"
         ) from error
     digits = sklearn_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
