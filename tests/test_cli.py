@@ -130,3 +130,22 @@ def test_version_names_the_distribution_the_index_has_for_us(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"tf-towers {towers.__version__}"
+
+
+def test_docs_cli_names_every_flag_of_every_command():
+    import argparse
+    import pathlib
+
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    parser = build_parser()
+    commands = next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    missing = [
+        f"{name} {flag}"
+        for name, command in commands.choices.items()
+        for action in command._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help" and flag not in page
+    ]
+    assert missing == []
