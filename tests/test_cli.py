@@ -149,3 +149,16 @@ def test_docs_cli_names_every_flag_of_every_command():
         if flag.startswith("--") and flag != "--help" and flag not in page
     ]
     assert missing == []
+
+
+def test_a_command_starts_quietly_unless_asked():
+    def stderr(*flags):
+        run = subprocess.run(
+            [sys.executable, "-m", "towers.cli", *flags, "devices"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        return run.stderr
+
+    assert "oneDNN" not in stderr() and "absl" not in stderr()
+    assert "oneDNN" in stderr("--verbose")  # TensorFlow's own lines, when asked

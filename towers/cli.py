@@ -7,8 +7,10 @@ devices can only be made before TensorFlow initialises.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 
 from towers.arguments import positive_float, positive_int
@@ -73,6 +75,22 @@ Example: towers launch --workers 2 -- python train.py --epochs 3
 """
 
 
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """Within, what native code writes to stderr is dropped: TensorFlow's
+    start-up lines (oneDNN, absl's "All log messages before ...") ignore
+    TF_CPP_MIN_LOG_LEVEL. A Python error is raised after, as ever."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _version() -> str:
     """The installed tf-towers' version, else the package's (a source tree)."""
     try:
@@ -88,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="towers",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show TensorFlow's start-up lines (oneDNN, CPU features)",
     )
     parser.add_argument(  # the distribution's name: the index's "towers" is another
         "--version", action="version", version=f"tf-towers {_version()}"
@@ -297,6 +320,9 @@ def run_launch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
+    if not args.verbose and args.command != "launch":  # launch starts no TF
+        with _native_stderr_quiet():
+            import tensorflow  # noqa: F401 - its start-up lines, before absl's log
     try:
         return args.run(args)
     except (ValueError, RuntimeError) as error:
