@@ -311,7 +311,7 @@ def test_a_new_trace_of_the_step_is_checked_on_its_first_batch(float64):
         # 12 examples: a new shape, so a new trace, checked before its update.
         engine.fit(x[:12], y[:12], batch_size=12, epochs=1, verbose=0)
     message = str(refused.value)
-    assert "step 3 (a new trace of the step" in message
+    assert "step 3 (a new trace of the step: new shapes or trainables) is" in message
     coupling = model.layers[2].name  # and the layer where the outputs couple
     assert f"couples the batch's examples from layer {coupling!r}" in message
     for var, value in zip(model.variables, before):  # nothing was updated

@@ -210,10 +210,12 @@ def checked(
     grads = with_slots(grads, entries, placement.model.trainable_variables)
     out = run()
     unplaced = named_for(placement.model)
-    if unplaced:  # towers said so already: its numbers are not one device's
+    why = f"towers named draws it cannot make one device's: {unplaced}"
+    if not unplaced and not _finite(out):  # its policy, declared: not Keras'
+        why = "its gradients were not finite and towers applied nothing"
+    if unplaced or not _finite(out):  # towers said so already
         if not keep:
             kept.restore()
-        why = f"towers named draws it cannot make one device's: {unplaced}"
         return out, Comparison([], skipped=why)
     # What a layer assigns by a declared aggregation follows it, as under
     # tf.distribute (state.py): the user's choice, not one device's.
@@ -273,6 +275,14 @@ def _run_reference(engine: Any, batches: list, reference: Any, kept: Kept) -> di
         device = engine.variable_device
         traced = OneDevice(engine.model, batches, device, jit, unbuilt=True)
         return traced.run()[1]
+
+
+def _finite(out: Any) -> bool:
+    """Whether towers' run applied its steps: a non-finite one is skipped
+    by ``on_nonfinite`` or loss scaling, with what it assigned, where Keras'
+    step applies (or skips the apply alone)."""
+    finite = out.get("finite") if isinstance(out, dict) else None
+    return finite is None or bool(np.all(np.asarray(finite)))
 
 
 def _not_run(error: Exception) -> str:

@@ -69,8 +69,8 @@ class FirstStepCheck:
         # Traced here, before the run, outside a cluster's (never checked).
         if self.check_traces and self.cluster is None:
             if self._compiled.traces_anew(batches) and not_compared(self) is None:
-                return f"{self._steps(batches, True)} (a new trace of the step: "
-                "new shapes or trainables)"
+                steps = self._steps(batches, True)
+                return f"{steps} (a new trace of the step: new shapes or trainables)"
         # The steps counted here (reading the counter costs 0.6 % of a
         # small step); read again where one is a spot check's.
         if self._steps_seen is None:
