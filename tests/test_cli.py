@@ -160,5 +160,6 @@ def test_a_command_starts_quietly_unless_asked():
         assert run.returncode == 0, run.stderr
         return run.stderr
 
-    assert "oneDNN" not in stderr() and "absl" not in stderr()
+    quiet = stderr()
+    assert "oneDNN" not in quiet and "absl" not in quiet
     assert "oneDNN" in stderr("--verbose")  # TensorFlow's own lines, when asked
