@@ -226,11 +226,8 @@ def test_the_probe_calls_a_model_only_where_a_term_may_be_added(
     assert bool(called) is probed
 
 
-class DeepNormalised(keras.Model):
-    """Twenty Dense, BatchNormalization, ReLU6 blocks in float32 (a deep
-    network's depth: MobileNetV2 has 52 such layers), with the fit guide's
-    own train_step: the own step's probe runs it on two examples and each
-    alone."""
+class OwnStep(keras.Model):
+    """The fit guide's own train_step."""
 
     def train_step(self, data):
         x, y = data
@@ -239,6 +236,13 @@ class DeepNormalised(keras.Model):
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
         return {"loss": loss}
+
+
+class DeepNormalised(OwnStep):
+    """Twenty Dense, BatchNormalization, ReLU6 blocks in float32 (a deep
+    network's depth: MobileNetV2 has 52 such layers), with the fit guide's
+    own train_step: the own step's probe runs it on two examples and each
+    alone."""
 
 
 def deep_normalised():
@@ -291,18 +295,6 @@ class TopTwoShift(keras.layers.Layer):
     def call(self, inputs):
         top, _ = keras.ops.top_k(keras.ops.transpose(inputs), k=2)
         return inputs - 0.0 * keras.ops.mean(top, axis=1)
-
-
-class OwnStep(keras.Model):
-    """The fit guide's own train_step."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
-        return {"loss": loss}
 
 
 def rows_needed(layer, own_step=False):
