@@ -352,3 +352,25 @@ def test_a_forward_pass_that_no_share_fits_is_named_not_a_raw_error():
             engine.fit(x, y, batch_size=6, shuffle=False, verbose=0)
     assert int(engine.optimizer.iterations) == 0
     assert "[2, 2, 1, 1] rows" in str(raised.value)
+
+
+class RefusesTraining(keras.layers.Layer):
+    """A layer whose call refuses to train, whatever rows it is given."""
+
+    def call(self, inputs, training=False):
+        if training:
+            raise ValueError("this layer is for inference only")
+        return inputs
+
+
+def test_a_models_own_error_on_shares_that_fit_is_raised_as_it_is():
+    # Every share fits the model by shapes: the error is the model's own,
+    # not one of towers' shares, and reaches the user in its own words.
+    x, y = (a[:6] for a in data())
+    engine = Towers(rows_needed(RefusesTraining)(), devices=devices(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the probe cannot run it either
+        with pytest.raises(ValueError, match="inference only") as raised:
+            engine.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+    assert "share" not in str(raised.value)
+    assert int(engine.optimizer.iterations) == 0

@@ -105,8 +105,9 @@ def named_misfits(
 ) -> Iterator[None]:
     """Within, a ValueError from a step on ``batch`` becomes ``misfit``'s
     message (the shapes of ``shown``, default ``batch``) when the batch does
-    not fit the model; where it does and the step ran on ``towers`` shares,
-    one naming the shares; any other is raised as it is.
+    not fit the model; where it does but the smallest of ``towers`` shares
+    does not (run by shapes), one naming the shares; any other is raised as
+    it is.
 
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> with named_misfits(model, (np.zeros((4, 5)), None, None)):
@@ -120,7 +121,7 @@ def named_misfits(
         if _raised_here(error):
             raise  # towers' own checks name what they found already
         message = misfit(model, batch, shown=shown)
-        shares = _shares(batch, towers) if message is None else None
+        shares = _unfit_shares(model, batch, towers) if message is None else None
         if shares is not None:
             message = (
                 f"towers runs the step on each tower's share of the batch "
@@ -135,16 +136,26 @@ def named_misfits(
         raise ValueError(message) from error
 
 
-def _shares(batch: tuple, towers: int) -> list[int] | None:
+def _unfit_shares(model: keras.Model, batch: tuple, towers: int) -> Any:
     """The towers' rows of ``batch``'s examples, where there are towers to
-    share them and their number is known."""
-    if towers < 2:
-        return None
+    share them and the model's pass, by shapes, fails on the smallest share
+    that has rows; else None."""
     try:
-        rows = examples_of(batch[0])
+        rows = examples_of(batch[0]) if towers > 1 else None
     except ValueError:  # no tensor with a batch axis: nothing to share
         return None
-    return split_sizes(rows, towers) if isinstance(rows, int) else None
+    if not isinstance(rows, int):
+        return None
+    shares = split_sizes(rows, towers)
+    smallest = min(share for share in shares if share) if rows else 0
+    try:
+        x = keras.tree.map_structure(lambda v: _symbolic(v, smallest), batch[0])
+        compute_output_spec(model, x, training=False)
+    except ValueError:
+        return shares
+    except Exception:  # noqa: BLE001 - not a misfit this can name
+        return None
+    return None
 
 
 def check_validation(
@@ -265,11 +276,12 @@ def _shown(batch: tuple, shown: Any) -> tuple:
     return shown if leaves and all(hasattr(v, "shape") for v in leaves) else batch
 
 
-def _symbolic(value: Any) -> Any:
-    """A batch's leaf as Keras' symbolic tensor, its size unknown."""
+def _symbolic(value: Any, rows: int | None = None) -> Any:
+    """A batch's leaf as Keras' symbolic tensor of ``rows`` examples (None:
+    its size unknown)."""
     if value is None:
         return None
-    shape = [None, *tf.TensorShape(value.shape)[1:]]
+    shape = [rows, *tf.TensorShape(value.shape)[1:]]
     sparse = isinstance(value, (tf.SparseTensor, tf.SparseTensorSpec))
     ragged = isinstance(value, (tf.RaggedTensor, tf.RaggedTensorSpec))
     dtype = _dtype_name(value.dtype)
