@@ -5,6 +5,8 @@ the options refused before any step.
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from typing import Any
 
@@ -13,6 +15,8 @@ import keras
 from towers import _runtime
 from towers.placement.base import Placement
 from towers.step import xla
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
@@ -28,6 +32,17 @@ def overrides(model: Any, name: str) -> bool:
     (True, False)
     """
     return getattr(type(model), name, None) is not getattr(keras.Model, name)
+
+
+def raised_in_towers(error: BaseException) -> bool:
+    """Whether ``error`` was raised in towers' own code (a refusal by name),
+    not in the model's hooks, Keras' or TensorFlow's.
+
+    >>> raised_in_towers(ValueError("not raised"))
+    False
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
 def own_hook(model: Any, name: str) -> Any:

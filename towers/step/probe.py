@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +34,7 @@ from towers._keras.patches import routed_applies, routed_gradients
 from towers.split import examples_of, take_rows, units_of
 from towers.step import draws, places
 from towers.step.batchnorm import Steady
-from towers.step.hooks import own_hook
+from towers.step.hooks import own_hook, raised_in_towers
 from towers.step.loss_kinds import (
     PROBE_ATOL,
     Kind,
@@ -49,7 +47,6 @@ from towers.step.loss_kinds import (
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +113,7 @@ def probe(
         try:
             return _probe(model, batch, hook, size, unit)
         except Exception as error:  # noqa: BLE001 - the model's, or ours: below
-            if _ours(error):
+            if raised_in_towers(error):
                 raise
             failed = failed or error
     if failed is None:
@@ -172,13 +169,6 @@ def _probe(model: keras.Model, batch: tuple, hook: Any, size: int, unit: int) ->
             break
     found.losses = [kind or "mean" for kind in kinds]  # 0 on every pair: either
     return found
-
-
-def _ours(error: Exception) -> bool:
-    """Whether ``error`` is towers' own (raised in the package: a refusal by
-    name), not the model's work failing on a part."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
 def gathered() -> None:

@@ -19,9 +19,7 @@ training data does).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,9 +29,7 @@ import tensorflow as tf
 
 from towers._keras import compute_loss, compute_output_spec
 from towers.split import examples_of, split_sizes
-from towers.step.hooks import overrides
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from towers.step.hooks import overrides, raised_in_towers
 
 
 def misfit(
@@ -118,7 +114,7 @@ def named_misfits(
     try:
         yield
     except ValueError as error:
-        if _raised_here(error):
+        if raised_in_towers(error):
             raise  # towers' own checks name what they found already
         message = misfit(model, batch, shown=shown)
         shares = _unfit_shares(model, batch, towers) if message is None else None
@@ -256,13 +252,6 @@ def keras_words(error: BaseException) -> str:
         if line.strip() and not line.startswith("Exception encountered")
     ]
     return " ".join(lines)
-
-
-def _raised_here(error: BaseException) -> bool:
-    """Whether ``error`` was raised in towers' own code (not Keras' or
-    TensorFlow's)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
 def _shown(batch: tuple, shown: Any) -> tuple:
