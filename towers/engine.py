@@ -17,7 +17,7 @@ from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.xla import JitCompile
-from towers.training.check_schedule import SPOT_CHECKS, FirstStepCheck
+from towers.training.check_schedule import SPOT_CHECKS, CheckedSteps
 from towers.training.compiled import Compiled
 from towers.training.compiling import FROM_COMPILE
 from towers.training.fits import named_misfits
@@ -25,7 +25,7 @@ from towers.training.loop import Trainer
 from towers.training.recompile import remember_compile
 
 
-class Towers(Trainer, FirstStepCheck, Explaining):
+class Towers(Trainer, CheckedSteps, Explaining):
     """Data-parallel training with one tower per device and shared variables.
 
     Args:

@@ -28,7 +28,7 @@ def spot_due(step: int, every: int | None) -> bool:
     return bool(every) and (step == every // 10 or step % every == 0)
 
 
-class FirstStepCheck:
+class CheckedSteps:
     """For an engine (``Towers``): its step checked against one device's
     (:func:`checked`) at its first step, at each new trace of the step (a
     new input signature, new trainable variables) and at spot checks, and
