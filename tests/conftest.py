@@ -67,6 +67,11 @@ SLOW = {
     "tests/training/test_loop.py::test_sigkill_mid_epoch_then_resume_equals_an_"
     "uninterrupted_run": "a run killed and resumed in processes",
     "tests/step/test_xla_cache.py": "XLA compilations counted across towers",
+    "tests/cluster/test_workers.py::test_fit_shuffles_arrays_in_the_chiefs_order_"
+    "on_every_worker": "a cluster of worker processes",
+    "tests/test_cli.py::test_a_command_starts_quietly_unless_asked": (
+        "two CLI commands in fresh processes"
+    ),
     "tests/step/test_probe.py::test_a_deep_float32_networks_own_step_is_found_a_"
     "mean_and_trains_as_keras_fit": "twenty blocks traced in an own step",
     "tests/step/test_custom_steps.py::test_a_gan_resumed_from_its_checkpoint_"
@@ -111,9 +116,28 @@ SLOW = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the :data:`SLOW` tests ``slow``."""
+    """Marks the :data:`SLOW` tests ``slow``, and each case at more than two
+    towers whose two towers the fast tier runs (its other parameters alike)."""
+    at_two = {_case(item) for item in items if _towers(item) == 2}
     for item in items:
         if any(
             item.nodeid == key or item.nodeid.startswith(key + "::") for key in SLOW
-        ):
+        ) or ((_towers(item) or 0) > 2 and _case(item) in at_two):
             item.add_marker(pytest.mark.slow)
+
+
+_TOWERS = ("num_towers", "towers")
+
+
+def _towers(item) -> int | None:
+    """The tower count a parametrized test runs at, if it takes one."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    count = next((params[name] for name in _TOWERS if name in params), None)
+    return count if isinstance(count, int) else None
+
+
+def _case(item) -> tuple:
+    """A test and its parameters but the tower count."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    others = tuple(sorted((k, repr(v)) for k, v in params.items() if k not in _TOWERS))
+    return item.nodeid.split("[")[0], others
