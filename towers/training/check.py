@@ -17,7 +17,10 @@ times ``||Δ_keras||``. Rounding alone never raises it:
 an element whose gradient one device computes at the noise of its sums
 (below :data:`NOISE` times the largest gradient; an attention key's bias,
 a bias before BatchNormalization) takes a step of noise under Adam, and is
-left out (so are the optimizer slots that hold it). Integer state (seeds,
+left out (so are the optimizer slots that hold it). Where the model computes
+in less than float64 and a variable is apart enough for rounding to hide a
+mechanism, the same step is compared in the model's float64 twin
+(``twin.py``). Integer state (seeds,
 step counts) must be equal. A metric's result that differs is warned of (the
 weights trained as one device's, what fit reports does not). A variable a
 layer assigns by a declared aggregation follows it (``state.py``).
@@ -52,6 +55,7 @@ from towers.training.check_state import (
 )
 from towers.training.comparison import Comparison, Difference
 from towers.training.one_device import OneDevice
+from towers.training.twin import twin_comparison
 
 # How far one device's change and towers' may be apart, relative to the
 # change, by the dtype the model computes in. float64 leaves rounding at
@@ -226,6 +230,7 @@ def checked(
     comparison = Comparison(
         compare(entries, before, towers_after, keras_after, grads, dtype)
     )
+    comparison.twin = twin_comparison(engine, batches, kept, comparison)
     if not keep or comparison.differs:
         kept.restore()
     if keep and comparison.differs:

@@ -35,15 +35,29 @@ class Difference:
 @dataclasses.dataclass
 class Comparison:
     """Every compared variable's :class:`Difference`; ``skipped``: why the
-    check could not compare, or None."""
+    check could not compare, or None; ``twin``: the same step compared in
+    the model's float64 twin (``twin.py``), where it has one."""
 
     differences: list[Difference]
     skipped: str | None = None
+    twin: Comparison | None = None
 
     @property
     def differs(self) -> list[Difference]:
-        """The variables that moved differently (what refuses a first step)."""
+        """The variables that moved differently (what refuses a first step):
+        in the model's dtype, else in its float64 twin."""
+        return self._own() or self._twins()
+
+    @property
+    def in_twin(self) -> bool:
+        """Whether what differs was found in the float64 twin alone."""
+        return not self._own() and bool(self._twins())
+
+    def _own(self) -> list[Difference]:
         return [d for d in self.differences if d.differs and not d.reported]
+
+    def _twins(self) -> list[Difference]:
+        return self.twin.differs if self.twin is not None else []
 
     @property
     def reports_differ(self) -> list[Difference]:
@@ -65,6 +79,9 @@ class Comparison:
                     "there is rounding noise)"
                 )
             lines.append(f"{d.path:<{width}}  {d.relative:.3g}{mark}")
+        if self.twin is not None:
+            lines += ["", "In the model's float64 twin (rounding near 1e-13):"]
+            lines += str(self.twin).splitlines()
         return "\n".join(lines)
 
     __repr__ = __str__  # at a prompt, the table
@@ -72,9 +89,10 @@ class Comparison:
     def verdict(self) -> str:
         """One line: one device's within rounding, or what differs."""
         if self.differs:
+            where = " in the model's float64 twin" if self.in_twin else ""
             return (
                 f"NOT one device's step: {len(self.differs)} variables moved "
-                f"differently beyond rounding ({_listed(self.differs)})"
+                f"differently beyond rounding{where} ({_listed(self.differs)})"
             )
         largest = max(self.differences, key=lambda d: d.relative, default=None)
         within = "one device's step, within rounding" + (
@@ -113,11 +131,17 @@ class Comparison:
             "Towers.check(x, y) prints every variable, which a report of the "
             "model to towers should carry."
         )
+        twin = (
+            " in the model's float64 twin (its config rebuilt in float64, where "
+            "rounding is near 1e-13 and cannot hide a difference of this size)"
+            if self.in_twin
+            else ""
+        )
         return (
             f"towers' step at {when} is not one device's on this model: checked "
             "against the model's own train_step on the whole batch on one "
-            f"device, these variables moved differently: {named}. Nothing was "
-            f"updated.{why}"
+            f"device{twin}, these variables moved differently: {named}. Nothing "
+            f"was updated.{why}"
         )
 
 

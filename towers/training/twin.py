@@ -1,0 +1,227 @@
+"""The check's float64 twin (``check.py``): where a mechanism shows at its
+own size.
+
+In float32 and 16 bits, rounding through a deep network at random init
+reaches several per cent of a variable's change (a ReLU6 gate or a
+BatchNormalization channel tipped one way on one device and the other on
+the towers), so the check in the model's dtype can only refuse past that.
+In float64 the same rounding sits near 1e-13. So where the model computes in
+less, the check also runs on a twin: the model rebuilt from its config in
+float64, its variables and optimizer's cast from the model's, trained by an
+engine of the same towers and options, and compared with the twin's own
+``train_step`` on one device. A difference there past float64's tolerance is
+the towers' mechanism, not rounding, and refuses the step at its size (0.1 %
+of a change is named). A model its config cannot rebuild (a subclass
+without ``get_config``, a layer that takes no float64) is said so once, and
+checked in its dtype alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.saving import serialization_lib
+
+from towers.training.comparison import Comparison
+
+# A variable this far apart (relative to its change) in the model's dtype
+# may hide a mechanism of 0.1 % under rounding: the twin is asked. Nearer,
+# every variable is one device's to a tenth of that.
+TWIN_PAST = 1e-4
+# The dtypes (and policies) the twin computes in float64 instead.
+_LOW = frozenset(
+    {"float32", "float16", "bfloat16", "mixed_float16", "mixed_bfloat16"}
+)  # fmt: skip
+
+
+class Twin:
+    """``engine``'s model in float64, with an engine of the same towers.
+
+    Attributes:
+      engine: the twin's engine, or None where there is none (``why``).
+      why: why the model has no twin (its config does not rebuild it).
+    """
+
+    def __init__(self, engine: Any):
+        self.engine, self.why, self.step = None, None, engine.step
+        try:
+            self.engine = _twin_engine(engine)
+        except Exception as error:  # noqa: BLE001 - checked in its dtype alone
+            self.why = _said(error)
+            self.warn(engine)
+
+    def warn(self, engine: Any) -> None:
+        warnings.warn(
+            f"towers cannot check {type(engine.model).__name__}'s step in a "
+            f"float64 twin ({self.why}): it is checked in "
+            f"{engine.model.compute_dtype} alone, where rounding hides a "
+            "difference below the check's tolerance there (15 % of a change in "
+            "float32)",
+            stacklevel=5,
+        )
+
+    def compare(self, engine: Any, batches: list[tuple], before: Any) -> Comparison:
+        """The twin's step on ``batches`` (cast to float64) against its own
+        ``train_step`` on one device, from ``engine``'s state ``before`` (a
+        ``Kept``); nothing of either kept."""
+        twin = self.engine
+        _copy_state(engine, twin, before)
+        batch = keras.tree.map_structure(_float64, batches[0])
+        with _float64_policy(), _unsaid():  # a loss Keras makes lazily: float64
+            return twin.check(*batch)
+
+
+def twin_comparison(
+    engine: Any, batches: list[tuple], before: Any, comparison: Comparison
+) -> Comparison | None:
+    """The step on ``batches`` compared in ``engine``'s float64 twin (made
+    at its first check, again after a compile), from ``engine``'s state
+    ``before`` (a ``Kept``), where ``comparison`` (in the model's dtype)
+    leaves room for a mechanism rounding could hide: a variable
+    :data:`TWIN_PAST` apart, and none beyond rounding there already. None
+    where there is no room, or no twin (said once)."""
+    if str(engine.model.compute_dtype) not in _LOW or comparison.differs:
+        return None
+    compared = [d for d in comparison.differences if not d.reported]
+    if max([d.relative for d in compared], default=0.0) <= TWIN_PAST:
+        return None
+    twin = getattr(engine, "_twin", None)
+    if twin is None or twin.step is not engine.step:
+        twin = engine._twin = Twin(engine)
+    if twin.engine is None:
+        return None
+    try:
+        return twin.compare(engine, batches, before)
+    except Exception as error:  # noqa: BLE001 - checked in its dtype alone
+        twin.engine, twin.why = None, _said(error)
+        twin.warn(engine)
+        return None
+
+
+def _twin_engine(engine: Any) -> Any:
+    """A ``Towers`` of ``engine``'s devices and options on the model in
+    float64, unchecked (it is the check)."""
+    model = engine.model
+    custom = _classes(model)
+    optimizer = engine.placement.optimizer
+    with _float64_policy(), _unsaid(), keras.saving.custom_object_scope(custom):
+        twin = serialization_lib.deserialize_keras_object(
+            _as_float64(serialization_lib.serialize_keras_object(model))
+        )
+        if not twin.built:
+            twin.build_from_config(_as_float64(model.get_build_config()))
+        config = model.get_compile_config() if model.compiled else None
+        if config is not None:
+            twin.compile_from_config(_as_float64(config))
+        twin_optimizer = _deserialize(_inner(optimizer))
+        arguments = dict(engine._arguments)
+        if isinstance(arguments.get("loss"), keras.losses.Loss):
+            arguments["loss"] = _deserialize(arguments["loss"])
+        arguments.update(
+            model=twin,
+            optimizer=twin_optimizer,
+            cluster=None,
+            metrics=None,
+            weighted_metrics=None,
+            check_first_step=False,
+            spot_checks=None,
+        )
+        return type(engine)(**arguments)
+
+
+def _said(error: Exception) -> str:
+    first = (str(error).strip().splitlines() or [""])[0][:160]
+    return f"{type(error).__name__}: {first}"
+
+
+def _copy_state(engine: Any, twin: Any, before: Any) -> None:
+    """``engine``'s model's trainable flags, and its and its optimizer's
+    variables as ``before`` holds them, into ``twin``'s, cast."""
+    values = {id(v): value for v, value in zip(before.variables, before.values)}
+    value = lambda v: values[id(v)] if id(v) in values else v.numpy()  # noqa: E731
+    layers = engine.model._flatten_layers(include_self=True)
+    twins = twin.model._flatten_layers(include_self=True)
+    for layer, twin_layer in zip(layers, twins, strict=True):
+        twin_layer.trainable = layer.trainable
+    for source, target in zip(
+        engine.model.variables, twin.model.variables, strict=True
+    ):
+        target.assign(np.asarray(value(source)).astype(target.dtype))
+    optimizer, twin_optimizer = _inner(engine.optimizer), _inner(twin.optimizer)
+    if optimizer.built:
+        if not twin_optimizer.built:
+            twin_optimizer.build(twin.model.trainable_variables)
+        for source, target in zip(
+            optimizer.variables, twin_optimizer.variables, strict=True
+        ):
+            target.assign(np.asarray(value(source)).astype(target.dtype))
+
+
+def _float64(value: Any) -> Any:
+    """A batch's float leaf in float64; any other as it is."""
+    if value is None:
+        return None
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and tf.as_dtype(dtype).is_floating:
+        return tf.cast(value, tf.float64)
+    return value
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer a loss scale wraps (float64 needs none), or itself."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def _deserialize(thing: Any) -> Any:
+    return serialization_lib.deserialize_keras_object(
+        _as_float64(serialization_lib.serialize_keras_object(thing))
+    )
+
+
+def _classes(model: keras.Model) -> dict[str, type]:
+    """The classes in ``model`` (its own, its layers'), by name, for its
+    config to find them where they are not registered."""
+    found = {type(model).__name__: type(model)}
+    for layer in model._flatten_layers(include_self=False):
+        found.setdefault(type(layer).__name__, type(layer))
+    return found
+
+
+def _as_float64(config: Any) -> Any:
+    """``config`` with every dtype and dtype policy of a float in float64."""
+    if isinstance(config, dict):
+        inner = config.get("config")
+        if config.get("class_name") in ("DTypePolicy", "FloatDTypePolicy"):
+            name = inner.get("name") if isinstance(inner, dict) else None
+            if name in _LOW:
+                return {**config, "config": {**inner, "name": "float64"}}
+        return {key: _as_float64(value) for key, value in config.items()}
+    if isinstance(config, list):
+        return [_as_float64(value) for value in config]
+    return "float64" if isinstance(config, str) and config in _LOW else config
+
+
+@contextlib.contextmanager
+def _unsaid() -> Iterator[None]:
+    """The twin's warnings left unsaid: the model's own engine says each."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@contextlib.contextmanager
+def _float64_policy() -> Iterator[None]:
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
