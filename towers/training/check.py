@@ -181,11 +181,13 @@ def checked(
     run: Callable[[], Any],
     keep: bool = True,
     when: str = "its first step",
+    twin: bool = True,
 ):
     """Runs towers' ``run()`` (its step on ``batches``) checked against the
     model's own ``train_step`` on one device. Returns ``(run's output, the
     Comparison)``; ``keep`` False: every variable put back after, as before;
-    ``when``: the step and why it is checked, for the refusal.
+    ``when``: the step and why it is checked, for the refusal; ``twin``: the
+    float64 twin asked where there is room (``twin.py``).
 
     Raises:
       ValueError: ``keep`` and a variable differs: named, everything put back.
@@ -230,7 +232,8 @@ def checked(
     comparison = Comparison(
         compare(entries, before, towers_after, keras_after, grads, dtype)
     )
-    comparison.twin = twin_comparison(engine, batches, kept, comparison)
+    if twin:
+        comparison.twin = twin_comparison(engine, batches, kept, comparison)
     if not keep or comparison.differs:
         kept.restore()
     if keep and comparison.differs:

@@ -54,7 +54,10 @@ class CheckedSteps:
             out = self._run_steps(batches)
         else:
             run = lambda: self._run_steps(batches)  # noqa: E731
-            out, comparison = checked(self, batches, run, when=when)
+            # The float64 twin at the first step: a trace of its own, which a
+            # new trace's or spot check's shapes would make again.
+            twin = self.unchecked
+            out, comparison = checked(self, batches, run, when=when, twin=twin)
             if self.unchecked and comparison.skipped:
                 warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
             self.unchecked = False

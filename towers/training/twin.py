@@ -84,10 +84,11 @@ def twin_comparison(
     at its first check, again after a compile), from ``engine``'s state
     ``before`` (a ``Kept``), where ``comparison`` (in the model's dtype)
     leaves room for a mechanism rounding could hide: a variable
-    :data:`TWIN_PAST` apart, and none beyond rounding there already. None
-    where there is no room, or no twin (said once)."""
-    if str(engine.model.compute_dtype) not in _LOW or comparison.differs:
-        return None
+    :data:`TWIN_PAST` apart, none beyond rounding there already, and two
+    towers or more. None where there is no room, or no twin (said once)."""
+    low = str(engine.model.compute_dtype) in _LOW
+    if not low or comparison.differs or engine.num_towers < 2:
+        return None  # one tower splits nothing: no mechanism of the split
     compared = [d for d in comparison.differences if not d.reported]
     if max([d.relative for d in compared], default=0.0) <= TWIN_PAST:
         return None
