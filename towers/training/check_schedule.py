@@ -61,6 +61,7 @@ class CheckedSteps:
             if self.unchecked and comparison.skipped:
                 warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
             self.unchecked = False
+            self.__dict__.pop("_twin", None)  # its float64 copies, on every device
         if self._steps_seen is not None:
             self._steps_seen += len(batches)
         return out
