@@ -69,6 +69,9 @@ SLOW = {
     "tests/step/test_xla_cache.py": "XLA compilations counted across towers",
     "tests/cluster/test_workers.py::test_fit_shuffles_arrays_in_the_chiefs_order_"
     "on_every_worker": "a cluster of worker processes",
+    "tests/test_docs.py::test_make_docs_builds_the_reference_without_warnings": (
+        "the reference docs built in a process"
+    ),
     "tests/test_cli.py::test_a_command_starts_quietly_unless_asked": (
         "two CLI commands in fresh processes"
     ),
