@@ -26,8 +26,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving import serialization_lib
 
+from towers._keras import layers_of
 from towers.training.comparison import Comparison
 
 # A variable this far apart (relative to its change) in the model's dtype
@@ -112,8 +112,8 @@ def _twin_engine(engine: Any) -> Any:
     custom = _classes(model)
     optimizer = engine.placement.optimizer
     with _float64_policy(), _unsaid(), keras.saving.custom_object_scope(custom):
-        twin = serialization_lib.deserialize_keras_object(
-            _as_float64(serialization_lib.serialize_keras_object(model))
+        twin = keras.saving.deserialize_keras_object(
+            _as_float64(keras.saving.serialize_keras_object(model))
         )
         if not twin.built:
             twin.build_from_config(_as_float64(model.get_build_config()))
@@ -146,9 +146,8 @@ def _copy_state(engine: Any, twin: Any, before: Any) -> None:
     variables as ``before`` holds them, into ``twin``'s, cast."""
     values = {id(v): value for v, value in zip(before.variables, before.values)}
     value = lambda v: values[id(v)] if id(v) in values else v.numpy()  # noqa: E731
-    layers = engine.model._flatten_layers(include_self=True)
-    twins = twin.model._flatten_layers(include_self=True)
-    for layer, twin_layer in zip(layers, twins, strict=True):
+    pairs = zip(layers_of(engine.model), layers_of(twin.model), strict=True)
+    for layer, twin_layer in pairs:
         twin_layer.trainable = layer.trainable
     for source, target in zip(
         engine.model.variables, twin.model.variables, strict=True
@@ -180,32 +179,39 @@ def _inner(optimizer: Any) -> Any:
 
 
 def _deserialize(thing: Any) -> Any:
-    return serialization_lib.deserialize_keras_object(
-        _as_float64(serialization_lib.serialize_keras_object(thing))
+    return keras.saving.deserialize_keras_object(
+        _as_float64(keras.saving.serialize_keras_object(thing))
     )
 
 
 def _classes(model: keras.Model) -> dict[str, type]:
     """The classes in ``model`` (its own, its layers'), by name, for its
     config to find them where they are not registered."""
-    found = {type(model).__name__: type(model)}
-    for layer in model._flatten_layers(include_self=False):
+    found: dict[str, type] = {}
+    for layer in layers_of(model):
         found.setdefault(type(layer).__name__, type(layer))
     return found
 
 
 def _as_float64(config: Any) -> Any:
-    """``config`` with every dtype and dtype policy of a float in float64."""
+    """``config`` with every float dtype policy and every ``dtype`` entry of
+    a float in float64; any other string (a layer's argument that happens
+    to read "float32") as it is."""
     if isinstance(config, dict):
         inner = config.get("config")
         if config.get("class_name") in ("DTypePolicy", "FloatDTypePolicy"):
             name = inner.get("name") if isinstance(inner, dict) else None
             if name in _LOW:
                 return {**config, "config": {**inner, "name": "float64"}}
-        return {key: _as_float64(value) for key, value in config.items()}
+        return {
+            key: "float64"
+            if key == "dtype" and isinstance(value, str) and value in _LOW
+            else _as_float64(value)
+            for key, value in config.items()
+        }
     if isinstance(config, list):
         return [_as_float64(value) for value in config]
-    return "float64" if isinstance(config, str) and config in _LOW else config
+    return config
 
 
 @contextlib.contextmanager
