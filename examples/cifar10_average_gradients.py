@@ -30,10 +30,15 @@ towers: the variables live on the variable device as in the tutorial, each tower
 loss is divided by the *global* batch so the towers' gradients sum to the whole
 batch's, ``None`` counts as zero in the towers that lack it, slices stay slices, and
 the optimizer is applied once. Run: ``python examples/cifar10_average_gradients.py``.
+``--verbose`` keeps TensorFlow's start-up lines.
 """
 
-import towers
+import sys
 
+import towers
+from towers.commands import start_tensorflow
+
+start_tensorflow(verbose="--verbose" in sys.argv)  # its start-up lines, if asked
 DEVICES = towers.virtual_devices(2)  # two "GPUs"; before TensorFlow starts
 
 import keras  # noqa: E402

@@ -16,10 +16,15 @@ TF1 towers handed ``opt.compute_gradients(loss)`` lists around: one list of
 by position, counts a ``None`` as zero in the towers that have one (and keeps
 ``None`` where every tower has one), and keeps slices as slices (values and
 indices concatenated). Run: ``python examples/combine_pairs.py``.
+``--verbose`` keeps TensorFlow's start-up lines.
 """
 
-import towers
+import sys
 
+import towers
+from towers.commands import start_tensorflow
+
+start_tensorflow(verbose="--verbose" in sys.argv)  # its start-up lines, if asked
 DEVICES = towers.virtual_devices(2)  # before TensorFlow starts
 
 import numpy as np  # noqa: E402

@@ -20,10 +20,15 @@ that read them) and makes the rest explicit: even shards, each tower's loss on i
 own device, one combine on the variable device, one apply — and
 ``Towers.explain`` shows where each part ran.
 Run: ``python examples/multi_gpu_model.py``.
+``--verbose`` keeps TensorFlow's start-up lines.
 """
 
-import towers
+import sys
 
+import towers
+from towers.commands import start_tensorflow
+
+start_tensorflow(verbose="--verbose" in sys.argv)  # its start-up lines, if asked
 DEVICES = towers.virtual_devices(4)  # four "GPUs"; before TensorFlow starts
 
 import keras  # noqa: E402

@@ -14,10 +14,15 @@ each cost something:
 tower may get none (3 examples on 4 towers). ``towers.Towers`` divides each
 tower's loss by the global batch, so an uneven split gives exactly the step one
 device takes on the whole batch. Run: ``python examples/split_uneven.py``.
+``--verbose`` keeps TensorFlow's start-up lines.
 """
 
-import towers
+import sys
 
+import towers
+from towers.commands import start_tensorflow
+
+start_tensorflow(verbose="--verbose" in sys.argv)  # its start-up lines, if asked
 DEVICES = towers.virtual_devices(4)  # four "GPUs"; before TensorFlow starts
 
 import keras  # noqa: E402

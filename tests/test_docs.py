@@ -17,8 +17,8 @@ DOCS = sorted(p for p in (ROOT / "docs").rglob("*.md") if ">>> " in p.read_text(
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
-def run(*args, timeout=300):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+def run(*args, timeout=300, env=None):
+    env = env or {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     return subprocess.run(
         [sys.executable, *args],
         capture_output=True,
@@ -53,11 +53,21 @@ def test_there_is_an_example_per_tf1_pattern():
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs_and_checks_itself(script):
-    result = run(str(script))
+def test_example_runs_checks_itself_and_starts_quietly(script):
+    # As a reader runs it: no TF_CPP_MIN_LOG_LEVEL of ours.
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = run(str(script), env=env)
 
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "towers matches one device" in result.stdout
+    assert result.stderr == ""  # no oneDNN, absl, nor rendezvous lines
+
+
+def test_an_example_keeps_tensorflows_start_up_lines_when_asked():
+    result = run(str(ROOT / "examples" / "combine_pairs.py"), "--verbose")
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "oneDNN" in result.stderr
 
 
 def test_make_docs_builds_the_reference_without_warnings(tmp_path):

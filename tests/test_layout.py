@@ -64,7 +64,7 @@ def test_no_import_circle_even_through_local_imports():
 # from stages below it, never above (the top level's building blocks are the
 # floor: split, combine, reducers, devices, options, _keras, _runtime).
 STAGES = [
-    {"cli", "demo", "arguments", "bench"},
+    {"cli", "demo", "commands", "bench"},
     {"engine", "parts"},
     {"training", "explain"},
     {"step"},

@@ -7,15 +7,13 @@ devices can only be made before TensorFlow initialises.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-from collections.abc import Iterator
 from importlib import metadata
 
-from towers.arguments import positive_float, positive_int
 from towers.bench.cli import add_bench_parser
 from towers.cluster.launch import GRACE_SECONDS
+from towers.commands import positive_float, positive_int, start_tensorflow
 
 DESCRIPTION = """\
 towers: data-parallel training with towers on TensorFlow 2.
@@ -73,22 +71,6 @@ network.
 
 Example: towers launch --workers 2 -- python train.py --epochs 3
 """
-
-
-@contextlib.contextmanager
-def _native_stderr_quiet() -> Iterator[None]:
-    """Within, what native code writes to stderr is dropped: TensorFlow's
-    start-up lines (oneDNN, absl's "All log messages before ...") ignore
-    TF_CPP_MIN_LOG_LEVEL. A Python error is raised after, as ever."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _version() -> str:
@@ -318,11 +300,11 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
-    if not args.verbose and args.command != "launch":  # launch starts no TF
-        with _native_stderr_quiet():
-            import tensorflow  # noqa: F401 - its start-up lines, before absl's log
+    if not args.verbose:  # launch's workers too
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.command != "launch":  # launch starts no TensorFlow
+        start_tensorflow(verbose=args.verbose)
     try:
         return args.run(args)
     except (ValueError, RuntimeError) as error:

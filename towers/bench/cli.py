@@ -10,7 +10,6 @@ import platform
 import sys
 from typing import Any
 
-from towers.arguments import int_list, name_list, positive_float, positive_int
 from towers.bench.run import (
     BASELINES,
     PLACEMENTS,
@@ -18,6 +17,7 @@ from towers.bench.run import (
     BenchOptions,
     choose_devices,
 )
+from towers.commands import int_list, name_list, positive_float, positive_int
 
 BENCH_HELP = """\
 Measure what gradient synchronisation costs. For each configuration (tower
