@@ -77,9 +77,18 @@ def test_demo_learns_the_digits_and_shows_placement_and_phases(tmp_path):
     assert "apply ran on         /device:CPU:0" in out
     phases = dict(re.findall(r"^  (.+?)\s{2,}(\d+\.\d+) ms$", out, re.M))
     assert sorted(phases) == sorted(
-        ["towers' forward + backward", "combine", "apply (optimizer)", "whole step"]
+        [
+            "the 4 towers' forward and backward passes",
+            "combine: the towers' gradients summed",
+            "apply: the optimizer's update, once",
+            "the whole step, as fit runs it",
+        ]
     )
     assert all(float(ms) > 0 for ms in phases.values())
+    assert "they\n  overlap" in out or "they overlap" in out  # why they add up past it
+    # What crossed, in words: weights from the variables, a tower's loss share.
+    assert re.search(r"weights +variables -> tower 1 forward ", out)
+    assert re.search(r"loss +tower 1 forward -> combine ", out)
     # Each phase is traced as the engine traces its step, without AutoGraph,
     # which cannot convert the step's code and says so on the way.
     assert "AutoGraph could not transform" not in result.stdout + result.stderr

@@ -98,19 +98,26 @@ def run(
     )
     print(
         f"\ntest accuracy: {results['sparse_categorical_accuracy']:.4f}  "
-        f"(loss {results['loss']:.4f}; {epochs} epochs in {elapsed:.1f} s)"
+        f"(loss {results['loss']:.4f}; {epochs} epoch{'s' * (epochs != 1)} "
+        f"in {elapsed:.1f} s)"
     )
     _print_placement(engine, x_train[:batch], y_train[:batch])
     phases = time_phases(engine, x_train[:batch], y_train[:batch])
-    print(f"\none step of {batch} examples, each phase timed on its own:")
-    for name in ("compute", "combine", "apply", "step"):
-        label = {
-            "compute": "towers' forward + backward",
-            "combine": "combine",
-            "apply": "apply (optimizer)",
-            "step": "whole step",
-        }[name]
-        print(f"  {label:<28} {phases[name]:7.3f} ms")
+    print(f"\none step of {batch} examples, each phase timed alone:")
+    labels = {
+        "compute": f"the {num_towers} towers' forward and backward passes",
+        "combine": "combine: the towers' gradients summed",
+        "apply": "apply: the optimizer's update, once",
+        "step": "the whole step, as fit runs it",
+    }
+    for name, label in labels.items():
+        print(f"  {label:<52} {phases[name]:7.3f} ms")
+    print(
+        "  (timed alone, each phase pays its own call; within the step they "
+        "overlap:\n  a layer's gradients are summed and applied while the towers "
+        "still compute\n  the layers before it. So the phases add up to more "
+        "than the step.)"
+    )
     return 0
 
 

@@ -56,7 +56,15 @@ def test_explain_reports_central_placement_as_tensorflow_ran_it():
     assert sent[(CPU[0], CPU[1], "batch")] == 2 * (6 + 2) * 4
     assert sent[(CPU[0], CPU[1], "weights")] == model_bytes(engine)
     assert sent[(CPU[1], CPU[0], "gradients")] == model_bytes(engine)
+    assert sent[(CPU[1], CPU[0], "loss")] == 4  # its share of the loss, a float
     assert report.unknown_bytes == 0
+    # A weight is read where it lives, for the tower that uses it.
+    read = {
+        (t.source_stage, t.target_stage)
+        for t in report.transfers
+        if t.kind == "weights"
+    }
+    assert read == {("variables", "tower 1 forward")}
 
 
 def test_explain_follows_the_variable_device_off_the_towers():

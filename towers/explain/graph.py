@@ -67,9 +67,12 @@ class Transfer:
     """Tensors of one kind sent from one device (and stage) to another per step.
 
     ``kind``: ``"batch"`` (shards of the input), ``"weights"`` (values of shared
-    variables read where they live), ``"gradients"``, ``"combined gradients"``,
-    ``"outputs"`` (losses, predictions) or, for a collective op, its kind
-    (``"all-reduce"``), whose ``target`` is ``"collective group"``.
+    variables read where they live; their ``source_stage`` is
+    ``"variables"``), ``"gradients"``, ``"combined gradients"``, a tower's
+    ``"loss"`` (its share, summed where the gradients are) and
+    ``"predictions"`` (for the metrics), other ``"outputs"``, or, for a
+    collective op, its kind (``"all-reduce"``), whose ``target`` is
+    ``"collective group"``.
     """
 
     source: str
@@ -253,7 +256,11 @@ def transfers(graph: tf.Graph, graphs: list) -> Crossings:
                 continue
             name = source.split(":")[0]
             stage = stage_of(_origin(graph, name))
-            kind = _COLLECTIVES.get(node.op) or _kind(nodes.get(name), stage)
+            kind = _COLLECTIVES.get(node.op) or _kind(
+                nodes.get(name), stage, target_stage
+            )
+            if kind == "weights":  # read where the variable lives, for a tower
+                stage = "variables"
             key = (local_name(node.device), target, kind, stage, target_stage)
             total = totals.setdefault(key, [0, 0])
             total[0] += 1
@@ -275,7 +282,7 @@ def _receivers(graphs: list) -> dict[bytes, tuple[str, int]]:
     return recvs
 
 
-def _kind(node: Any, stage: str) -> str:
+def _kind(node: Any, stage: str, target_stage: str) -> str:
     if node is not None and node.op == "ReadVariableOp":
         return "weights"
     if stage == "split":
@@ -286,7 +293,7 @@ def _kind(node: Any, stage: str) -> str:
         return "gradients, outputs"
     if stage in ("combine", "across workers"):
         return "combined gradients"
-    return "outputs"
+    return {"combine": "loss", "metrics": "predictions"}.get(target_stage, "outputs")
 
 
 def _traced_op(graph: tf.Graph, name: str) -> Any:

@@ -75,8 +75,8 @@ def _ops(e: Any) -> list[str]:
     devices = e.all_devices
     width = max(7, *(len(short(d)) + 1 for d in devices))
     lines = [
-        "ops by stage and device (a tower's reads of a shared variable run where "
-        "the variable lives):",
+        "ops TensorFlow ran in one step, by stage and device (a tower's reads of "
+        "the\nshared variables run where they live, so they count on that device):",
         f"  {'stage':<18}" + "".join(f"{short(d):>{width}}" for d in devices),
     ]
     for stage, counts in e.ops.items():
@@ -121,8 +121,8 @@ def _bytes(e: Any) -> list[str]:
     count = sum(t.tensors for t in e.transfers)
     lines = [
         f"bytes crossing devices per step: {size(e.bytes_crossing)} in {count} tensors",
-        f"  {'from':<16} {'to':<16} {'what':<20} {'stages':<36} {'tensors':>7} "
-        f"{'bytes':>10}",
+        f"  {'from':<16} {'to':<16} {'what':<20} {'made in -> used in':<36} "
+        f"{'tensors':>7} {'bytes':>10}",
     ]
     for t in sorted(e.transfers, key=lambda t: (t.source, t.target, t.kind)):
         stages = f"{t.source_stage} -> {t.target_stage}"
