@@ -20,48 +20,12 @@ from towers.bench.run import (
 from towers.commands import int_list, name_list, positive_float, positive_int
 
 BENCH_HELP = """\
-Measure what gradient synchronisation costs. For each configuration (tower
-count x placement x reducer) and each baseline, a fresh process times three
-steps on the same batch, in turns, round by round: the contender, the plain
-single-device step, and the zero-sync floor (the same shards, a model copy per
-tower device, each applying its own gradients, nothing combined). It reports
-step time; its ratio to one device ("vs 1 dev": what this machine charges for
-splitting the batch, towers or not) and to the floor ("vs floor": the sync
-overhead), each with the spread of its rounds; examples/s, speedup and
-efficiency against the same contender on 1 tower; the towers' phases
-(forward+backward, combine, apply), each timed as its own compiled function;
-gradient bytes each tower hands to the combine; algbw = bytes / combine time and
-busbw = algbw * 2(n-1)/n (nccl-tests' conventions; the topology that really ran
-is printed beside them); and where the variables lived.
-
-Baselines, each in its own process: single (the plain single-device step; its
-ratio to itself is the noise floor), naive (the TF1 tutorials' loop:
-average_gradients on the CPU), mirrored (tf.distribute.MirroredStrategy) and
-central_storage (CentralStorageStrategy), on the same devices and batch.
-
---xla adds, beside each towers configuration and the single-device step, its
-twin compiled with XLA (each tower's forward and backward as one XLA
-computation; the single-device step as one); every process with XLA also times
-the single-device step with XLA ("vs 1 dev xla"). The strategies have none:
-Keras turns XLA off under tf.distribute.
-
---batch is per tower (global batch = towers x batch), as in tf_cnn_benchmarks.
-With no GPU the CPU is split into logical devices automatically; with GPUs, more
-towers than GPUs needs --virtual.
-
---predict does not measure: it projects step time and efficiency on GPU
-topologies from link bandwidth, compute time and model size (docs/sync-cost.md).
-
---workers W runs the preset as W worker processes on loopback (TensorFlow's
-collective runtime between them, T towers each) and, in the same processes,
-MultiWorkerMirroredStrategy's custom loop on the same model and rows (--baselines
-none skips it; with T > 1 it does not run: it has one replica per worker on CPUs).
-The chief times both cluster steps, the plain single-device step and one process
-with W x T towers in alternating rounds. Each worker also counts its process's
-CPU per step, round by round: summed over the cores the workers share, it is the
-least a step can take on this machine (the CPU floor). Targets: towers <= 1.15 x
-its CPU floor, and no slower than MultiWorkerMirroredStrategy, each with the
-spread of its rounds (docs/multi-worker.md).
+Measure what gradient synchronisation costs. Each configuration (tower count x
+placement x reducer) and each baseline runs in a fresh process, timed in turns,
+round by round, with the plain single-device step and the zero-sync floor (the
+same shards, a model copy per device, nothing combined) on the same batch. The
+table's legend says what each ratio is against; docs/sync-cost.md has the
+method and the cost model behind --predict.
 """
 
 
@@ -71,27 +35,19 @@ def add_bench_parser(commands: Any) -> None:
         "bench",
         help="measure gradient-sync cost: towers vs single device and tf.distribute",
         description=BENCH_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument(
+    what = bench.add_argument_group("what to measure")
+    what.add_argument(
         "--preset", choices=PRESET_NAMES, default="mlp", help="model (default: mlp)"
     )
-    bench.add_argument(
+    what.add_argument(
         "--towers",
         type=int_list,
         default=[1, 2, 4],
         metavar="LIST",
         help="tower counts, comma-separated (default: 1,2,4)",
     )
-    bench.add_argument(
-        "--reducer",
-        type=name_list,
-        default=["per_tensor"],
-        metavar="LIST",
-        help="reducers, comma-separated: per_tensor, packed, sharded, cast, or "
-        "bf16+/fp16+ before one (default: per_tensor)",
-    )
-    bench.add_argument(
+    what.add_argument(
         "--placement",
         type=name_list,
         default=["cpu"],
@@ -99,73 +55,93 @@ def add_bench_parser(commands: Any) -> None:
         help=f"variable placements, comma-separated: {', '.join(PLACEMENTS)} "
         "(default: cpu)",
     )
-    bench.add_argument(
+    what.add_argument(
+        "--reducer",
+        type=name_list,
+        default=["per_tensor"],
+        metavar="LIST",
+        help="reducers, comma-separated: per_tensor, packed, sharded, cast, or "
+        "bf16+/fp16+ before one (default: per_tensor)",
+    )
+    what.add_argument(
         "--batch",
         type=positive_int,
         default=64,
-        help="examples per tower (default: 64)",
+        help="examples per tower: T towers take T x BATCH, as in "
+        "tf_cnn_benchmarks (default: 64)",
     )
-    bench.add_argument(
+    what.add_argument(
         "--steps",
         type=positive_int,
         default=50,
         help="timed steps per contender (default: 50)",
     )
-    bench.add_argument(
+    what.add_argument(
+        "--xla",
+        action="store_true",
+        help="also each towers configuration and the single-device step compiled "
+        "with XLA (jit_compile=True), beside their twins without (the strategies "
+        "have none: Keras turns XLA off under tf.distribute)",
+    )
+    peers = bench.add_argument_group("against what")
+    peers.add_argument(
         "--baselines",
         type=name_list,
         default=list(BASELINES),
         metavar="LIST",
-        help=f"baselines, comma-separated, or none (default: {','.join(BASELINES)})",
+        help="comma-separated, or none: single (the plain single-device step; "
+        "its ratio to itself is the noise floor), naive (the TF1 tutorials' "
+        "average_gradients on the CPU), mirrored (MirroredStrategy), "
+        f"central_storage (CentralStorageStrategy) (default: {','.join(BASELINES)})",
     )
-    bench.add_argument(
+    peers.add_argument(
         "--virtual",
         action="store_true",
-        help="split one device into logical devices even when GPUs exist",
+        help="split one device into logical devices even where GPUs exist (without "
+        "GPUs the CPU is split anyway; more towers than GPUs needs it)",
     )
-    bench.add_argument(
+    workers = bench.add_argument_group(
+        "several workers (docs/multi-worker.md)",
+        "The preset as W worker processes on loopback, TensorFlow's collective "
+        "runtime between them, against its CPU floor (every worker's CPU per step, "
+        "summed over the shared cores), one process with W x T towers, and "
+        "MultiWorkerMirroredStrategy in the same processes (--baselines none skips "
+        "it; with T > 1 it does not run).",
+    )
+    workers.add_argument(
+        "--workers", type=positive_int, metavar="W", help="local worker processes"
+    )
+    workers.add_argument(
+        "--towers-per-worker",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="towers in each worker (default: 1)",
+    )
+    output = bench.add_argument_group("output")
+    output.add_argument("--json", metavar="FILE", help="write every record as JSON")
+    output.add_argument(
+        "--plot", metavar="FILE.png", help="plot step time and efficiency vs towers"
+    )
+    output.add_argument(
         "--max-seconds",
         type=positive_float,
         metavar="S",
         help="stop starting configurations after S seconds; what finished is "
         "still reported and written",
     )
-    bench.add_argument(
-        "--workers",
-        type=positive_int,
-        metavar="W",
-        help="run the preset as W local worker processes (a cluster on loopback) "
-        "and time it against its CPU floor, one process with W x T towers, and "
-        "MultiWorkerMirroredStrategy on the same workers",
-    )
-    bench.add_argument(
-        "--towers-per-worker",
-        type=positive_int,
-        default=1,
-        metavar="T",
-        help="with --workers: towers in each worker (default: 1)",
-    )
-    bench.add_argument(
-        "--xla",
-        action="store_true",
-        help="also run each towers configuration and the single-device step "
-        "compiled with XLA (jit_compile=True), beside their twins without",
-    )
-    bench.add_argument("--json", metavar="FILE", help="write every record as JSON")
-    bench.add_argument(
-        "--plot", metavar="FILE.png", help="plot step time and efficiency vs towers"
-    )
-    bench.add_argument(
+    projected = bench.add_argument_group("projecting instead of measuring")
+    projected.add_argument(
         "--predict",
         action="store_true",
-        help="project GPU step times from the cost model instead of measuring",
+        help="project step time and efficiency on GPU topologies from link "
+        "bandwidth, compute time and model size",
     )
-    bench.add_argument(
+    projected.add_argument(
         "--compute-ms",
         type=positive_float,
         metavar="MS",
-        help="with --predict: one tower's forward + backward time on the target "
-        "device, to project the preset on each topology",
+        help="one tower's forward + backward time on the target device",
     )
     bench.set_defaults(run=run)
 
@@ -289,14 +265,15 @@ def _measure(options, devices, virtual, note) -> dict[str, Any]:
 
 
 def _report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    from rich.console import Console
+    import shutil
+    import textwrap
 
     from towers.bench import report
 
-    console = Console(width=160)
-    console.print(report.table(result))
+    width = shutil.get_terminal_size((100, 24)).columns  # COLUMNS, else 100
+    print("\n".join(report.tables(result, width) + report.legend(result, width)))
     for line in report.placements(result):
-        console.print(line, highlight=False)
+        print(textwrap.fill(line, width, subsequent_indent="  "))
     if args.json:
         report.write_json(result, args.json)
         print(f"wrote {args.json}")

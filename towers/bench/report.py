@@ -10,41 +10,123 @@ from towers.bench.run import label
 _MB = 1e6
 
 
-def table(result: dict[str, Any]) -> Any:
-    """A rich Table, one row per configuration."""
-    from rich.table import Table
+# The step table's columns: (header, the record's cell). A column no row
+# fills (vs 1 dev xla without --xla; vs floor at one tower) is left out.
+_STEP = [
+    ("step ms", lambda r, p: f"{r['step_ms']:.2f}"),
+    ("1 dev ms", lambda r, p: f"{r['single_device_ms']:.2f}"),
+    ("vs 1 dev", lambda r, p: _maybe_spread(r, "vs_single_device")),
+    ("vs 1 dev xla", lambda r, p: _maybe_spread(r, "vs_single_device_xla")),
+    ("vs floor", lambda r, p: _maybe_spread(r, "vs_floor")),
+    ("ex/s", lambda r, p: f"{r['examples_per_second']:.0f}"),
+    ("speedup", lambda r, p: _maybe(r.get("speedup"), "{:.2f}")),
+    ("eff", lambda r, p: _maybe(r.get("efficiency"), "{:.0%}")),
+]
+# The towers rows' phases, bytes and bandwidths.
+_PHASES = [
+    ("fwd+bwd ms", lambda r, p: _maybe(p.get("compute"), "{:.2f}")),
+    ("combine ms", lambda r, p: _maybe(p.get("combine"), "{:.2f}")),
+    ("apply ms", lambda r, p: _maybe(p.get("apply"), "{:.2f}")),
+    ("MB/tower", lambda r, p: _maybe(r.get("bytes_per_tower"), "{:.2f}", _MB)),
+    ("algbw GB/s", lambda r, p: _maybe(r.get("algbw_gbps"), "{:.2f}")),
+    ("busbw GB/s", lambda r, p: _maybe(r.get("busbw_gbps"), "{:.2f}")),
+]
+_LEGEND = {
+    "1 dev ms": "the plain single-device step on the same T x batch examples, "
+    "timed in the same process, in turns with the row's step",
+    "vs 1 dev": "step ms / 1 dev ms, paired round by round [quartiles]: what "
+    "splitting this batch costs here (under 1: it pays); single's own is the "
+    "noise of this machine",
+    "vs 1 dev xla": "the same against the single-device step compiled with XLA",
+    "vs floor": "against the zero-sync floor (the same shards, a model copy per "
+    "device, nothing combined): what the sync costs",
+    "speedup": "examples/s over the same contender's at 1 tower, which takes "
+    "1/T of the examples (--batch is per tower); eff = speedup / T. So it can "
+    "disagree with vs 1 dev, which keeps the examples",
+    "fwd+bwd ms": "the towers' phases (forward+backward, combine, apply), each "
+    "timed alone as its own compiled function: they overlap within the step",
+    "algbw GB/s": "MB/tower over the combine's time; busbw = algbw x 2(T-1)/T "
+    "(nccl-tests' conventions; the topology that ran is said below)",
+}
 
-    grid = Table(title=_title(result), title_justify="left")
-    for name in [
-        "contender", "T", "step ms", "vs 1 dev", "vs 1 dev xla", "vs floor", "ex/s",
-        "speedup", "eff",
-        "fwd+bwd ms", "combine ms", "apply ms", "MB/tower", "algbw GB/s",
-        "busbw GB/s",
-    ]:  # fmt: skip
-        grid.add_column(name, justify="left" if name == "contender" else "right")
-    for record in result["records"]:
-        if record["status"] != "ok":
-            grid.add_row(label(record), str(record["towers"]), record["status"])
-            continue
-        phases = record.get("phases_ms", {})
-        grid.add_row(
-            label(record),
-            str(record["towers"]),
-            f"{record['step_ms']:.2f}",
-            _spread(record, "vs_single_device"),
-            _maybe_spread(record, "vs_single_device_xla"),
-            _maybe_spread(record, "vs_floor"),
-            f"{record['examples_per_second']:.0f}",
-            _maybe(record.get("speedup"), "{:.2f}"),
-            _maybe(record.get("efficiency"), "{:.0%}"),
-            _maybe(phases.get("compute"), "{:.2f}"),
-            _maybe(phases.get("combine"), "{:.2f}"),
-            _maybe(phases.get("apply"), "{:.2f}"),
-            _maybe(record.get("bytes_per_tower"), "{:.2f}", scale=_MB),
-            _maybe(record.get("algbw_gbps"), "{:.2f}"),
-            _maybe(record.get("busbw_gbps"), "{:.2f}"),
-        )
-    return grid
+
+def tables(result: dict[str, Any], width: int = 100) -> list[str]:
+    """Lines no wider than ``width``: every row's step and ratios, then the
+    towers rows' phases and bandwidths, a column no row fills left out. Where
+    the columns do not fit, the rest follow under the same rows.
+
+    >>> lines = tables({"preset": "mlp", "batch": 8, "device_note": "2 CPUs",
+    ...     "records": [{"contender": "naive", "towers": 2, "status": "failed"}]})
+    >>> lines[1:4]
+    ['contender  T', '------------', 'naive      2']
+    """
+    records = result["records"]
+    ok = [r for r in records if r["status"] == "ok"]
+    towers = [r for r in ok if "phases_ms" in r]
+    lines = _grid(_title(result), _STEP, records, ok, width)
+    if towers:
+        lines += _grid("the towers' phases", _PHASES, towers, towers, width)
+    return lines
+
+
+def legend(result: dict[str, Any], width: int = 100) -> list[str]:
+    """What each ratio and column of :func:`tables` is against, for the
+    columns shown; then each row not measured, and why."""
+    records = result["records"]
+    ok = [r for r in records if r["status"] == "ok"]
+    shown = {name for name, cell in _STEP + _PHASES if _filled(cell, ok)}
+    said = [f"{name}: {text}" for name, text in _LEGEND.items() if name in shown]
+    said += [
+        f"{label(r)} x{r['towers']}: {r['status']}" for r in records if r not in ok
+    ]
+    return [line for text in said for line in _wrapped(text, width)]
+
+
+def _grid(title: str, columns: list, records: list, ok: list, width: int) -> list:
+    shown = [(name, cell) for name, cell in columns if _filled(cell, ok)]
+    names = ["contender", "T", *(name for name, _ in shown)]
+    rows = [
+        [label(r), str(r["towers"])]
+        + [cell(r, r.get("phases_ms", {})) if r in ok else "-" for _, cell in shown]
+        for r in records
+    ]
+    wide = [max(len(n), *(len(row[i]) for row in rows)) for i, n in enumerate(names)]
+    lines = _wrapped(title, width)
+    for band in _bands([w + 2 for w in wide], width):
+        picked = [0, 1, *band]
+        drawn = [
+            "  ".join(
+                cells[j].ljust(wide[j]) if j == 0 else cells[j].rjust(wide[j])
+                for j in picked
+            )
+            for cells in [names, *rows]
+        ]
+        lines += [drawn[0], "-" * len(drawn[0]), *drawn[1:], ""]
+    return lines
+
+
+def _bands(wide: list[int], width: int) -> list[list[int]]:
+    """The columns after contender and T (``wide``: each one's width), in as
+    few bands as fit ``width``, as even as fit: no lone column at the end."""
+    rest = list(range(2, len(wide)))
+    for count in range(1, max(len(rest), 1) + 1):
+        sizes = [len(rest) // count + (i < len(rest) % count) for i in range(count)]
+        starts = [sum(sizes[:i]) for i in range(count)]
+        bands = [rest[a : a + n] for a, n in zip(starts, sizes)]
+        if all(sum(wide[j] for j in (0, 1, *band)) <= width for band in bands):
+            return bands
+    return [[j] for j in rest]
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    import textwrap
+
+    wrapped = textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
+    return wrapped or [""]
+
+
+def _filled(cell: Any, records: list) -> bool:
+    return any(cell(r, r.get("phases_ms", {})) not in ("", "-") for r in records)
 
 
 def placements(result: dict[str, Any]) -> list[str]:
