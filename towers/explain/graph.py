@@ -70,7 +70,9 @@ class Transfer:
     variables read where they live; their ``source_stage`` is
     ``"variables"``), ``"gradients"``, ``"combined gradients"``, a tower's
     ``"loss"`` (its share, summed where the gradients are) and
-    ``"predictions"`` (for the metrics), other ``"outputs"``, or, for a
+    ``"predictions"`` (for the metrics), ``"updates"`` (the optimizer's,
+    computed on one device for a variable on another), other ``"outputs"``,
+    or, for a
     collective op, its kind (``"all-reduce"``), whose ``target`` is
     ``"collective group"``.
     """
@@ -293,6 +295,8 @@ def _kind(node: Any, stage: str, target_stage: str) -> str:
         return "gradients, outputs"
     if stage in ("combine", "across workers"):
         return "combined gradients"
+    if stage == "apply":  # the optimizer's update, made where it is computed
+        return "updates"
     return {"combine": "loss", "metrics": "predictions"}.get(target_stage, "outputs")
 
 

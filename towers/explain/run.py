@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import tensorflow as tf
 
 from towers import _runtime
+from towers.explain.diagram import draw
 from towers.explain.graph import (
     Transfer,
     VariableInfo,
@@ -32,7 +33,7 @@ from towers.explain.graph import (
     transfers,
     xla_calls,
 )
-from towers.explain.report import draw, render
+from towers.explain.report import render
 from towers.split import split_sizes
 from towers.step.state import describe
 from towers.training.compiled import traced
