@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import tensorflow as tf
 
+from towers._runtime import called_graph
 from towers.reducers import Cast, Packed, PerTensor, Sharded, get_reducer
 
 __all__ = [
@@ -48,8 +49,13 @@ def combine_gradients(
       * ``None`` in every tower stays ``None``; ``None`` in some towers counts as
         zero there (it is never dropped by position).
       * IndexedSlices stay slices: values and indices are concatenated in tower
-        order and scaled, not densified. A variable whose towers mix slices and
-        dense tensors is combined dense.
+        order and scaled, not densified, as one device's gradient holds an
+        index once per use. Where the op sums each index once (its indices
+        come from a ``Unique``: ``embedding_lookup_sparse``, a sparse
+        ``x`` times a kernel in Keras), the towers' shares of an index are
+        summed into one, as the op does on one device (traced graphs; an
+        optimizer such as Adagrad squares each slice). A variable whose towers
+        mix slices and dense tensors is combined dense.
       * Towers are added in tower order, variables in list order: the same inputs
         give the same bits.
 
@@ -202,9 +208,36 @@ def _combine_variable(grads_v: list, scales: list, label: str):
 def _combine_slices(present: list, scales: list) -> tf.IndexedSlices:
     values = [_scaled(g.values, scales[t]) for t, g in present]
     indices = [tf.cast(g.indices, tf.int64) for _, g in present]
-    values = values[0] if len(values) == 1 else tf.concat(values, axis=0)
-    indices = indices[0] if len(indices) == 1 else tf.concat(indices, axis=0)
-    return tf.IndexedSlices(values, indices, present[0][1].dense_shape)
+    shape = present[0][1].dense_shape
+    if len(values) == 1:
+        return tf.IndexedSlices(values[0], indices[0], shape)
+    values, indices = tf.concat(values, axis=0), tf.concat(indices, axis=0)
+    if all(_once_per_index(g.indices) for _, g in present):
+        indices, at = tf.unique(indices)  # first use first: one device's order
+        values = tf.math.unsorted_segment_sum(values, at, tf.size(indices))
+    return tf.IndexedSlices(values, indices, shape)
+
+
+# Ops that reshape or relabel a tensor and keep what its elements are.
+_SAME_ELEMENTS = {"Identity", "Reshape", "Cast", "ExpandDims", "Squeeze"}
+
+
+def _once_per_index(indices: Any) -> bool:
+    """Whether a traced gradient's indices are a ``Unique``'s output (through
+    reshapes, and into the functions that return them): its op summed every
+    use of an index into one slice. False where there is no graph (eager)."""
+    if tf.executing_eagerly():
+        return False
+    tensor = indices
+    while True:
+        op = tensor.op
+        if op.type in _SAME_ELEMENTS and op.inputs:
+            tensor = op.inputs[0]
+            continue
+        called = op.type.endswith("PartitionedCall") and called_graph(op.graph, op.name)
+        if not called:
+            return op.type == "Unique"
+        tensor = called.outputs[tensor.value_index]
 
 
 def _divide(grad: Any, divisor: Any) -> Any:

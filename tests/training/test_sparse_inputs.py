@@ -125,3 +125,38 @@ def test_scipy_sparse_batches_from_a_generator_train_and_evaluate_as_keras():
     assert_close(
         engine.evaluate(batches(), verbose=0), reference.evaluate(batches(), verbose=0)
     )
+
+
+def embedding_model():
+    return keras.Sequential(
+        [keras.Input((4,), dtype="int32"), keras.layers.Embedding(5, 3),
+         keras.layers.Flatten(), keras.layers.Dense(3)]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["sparse x", "repeated ids"])
+def test_adagrad_squares_each_slice_as_one_device_does(kind):
+    # A sparse x times a kernel sums each column's uses into one slice on one
+    # device (its indices are a Unique's), so rows of two towers that share a
+    # column must be summed before Adagrad squares them; an Embedding's gather
+    # keeps a slice per use, and so must towers.
+    rng = np.random.default_rng(1)
+    if kind == "sparse x":  # a subclass: a Functional model would densify x
+        build, (x, y) = Subclassed, data("sparse", 16)
+    else:
+        build = embedding_model
+        x = rng.integers(0, 5, (16, 4)).astype("int32")
+        y = rng.standard_normal((16, 3)).astype("float32")
+    mine, model = [keras.utils.set_random_seed(0) or build() for _ in range(2)]
+    for m in (mine, model):  # a subclass builds on its first batch, alike
+        m.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="mse")
+    engine = Towers(mine, devices=devices(2))
+
+    options = dict(batch_size=8, epochs=2, verbose=0, shuffle=False)
+    got, want = engine.fit(x, y, **options), model.fit(x, y, **options)
+
+    assert_close(got.history["loss"], want.history["loss"])
+    for var, theirs in zip(engine.optimizer.variables, model.optimizer.variables):
+        assert_close(var.numpy(), theirs.numpy(), var.path)  # the accumulators
+    for var, theirs in zip(mine.weights, model.weights):
+        assert_close(var.numpy(), theirs.numpy(), var.path)
