@@ -266,14 +266,12 @@ def _measure(options, devices, virtual, note) -> dict[str, Any]:
 
 def _report(result: dict[str, Any], args: argparse.Namespace) -> None:
     import shutil
-    import textwrap
 
     from towers.bench import report
 
     width = shutil.get_terminal_size((100, 24)).columns  # COLUMNS, else 100
-    print("\n".join(report.tables(result, width) + report.legend(result, width)))
-    for line in report.placements(result):
-        print(textwrap.fill(line, width, subsequent_indent="  "))
+    lines = report.tables(result, width) + report.legend(result, width)
+    print("\n".join(lines + report.placements(result, width)))
     if args.json:
         report.write_json(result, args.json)
         print(f"wrote {args.json}")

@@ -129,8 +129,9 @@ def _filled(cell: Any, records: list) -> bool:
     return any(cell(r, r.get("phases_ms", {})) not in ("", "-") for r in records)
 
 
-def placements(result: dict[str, Any]) -> list[str]:
-    """One line per towers configuration: its topology and variable bytes by device."""
+def placements(result: dict[str, Any], width: int = 100) -> list[str]:
+    """Per towers configuration its topology and variable bytes by device,
+    wrapped at ``width``."""
     lines = []
     for record in result["records"]:
         if record["status"] == "ok" and "topology" in record:
@@ -138,9 +139,10 @@ def placements(result: dict[str, Any]) -> list[str]:
                 f"{_short(device)} {nbytes / _MB:.2f} MB"
                 for device, nbytes in record["variables_by_device"].items()
             )
-            lines.append(
+            lines += _wrapped(
                 f"{label(record)} x{record['towers']}: {record['topology']}; "
-                f"variables: {where}"
+                f"variables: {where}",
+                width,
             )
     return lines
 
