@@ -329,3 +329,43 @@ def test_a_python_random_choice_is_no_coupling_of_the_examples():
     state = random.getstate()
     assert loss_kinds.coupling_layer(model, x, "/CPU:0") is None
     assert random.getstate() == state  # and nothing drawn
+
+
+class Augmented(keras.Model):
+    """Keras' own AugMix as the whole model, as Keras' layer test trains
+    it: its chains are Python random choices made while traced, each
+    drawing from its own seed generators."""
+
+    def __init__(self):
+        super().__init__()
+        self.augment = keras.layers.AugMix(
+            value_range=(0, 255), num_chains=2, chain_depth=2, factor=1,
+            all_ops=True, interpolation="nearest", seed=43,
+        )  # fmt: skip
+
+    def call(self, x, training=False):
+        return self.augment(x, training=training)
+
+
+def augmented():
+    model = Augmented()
+    model.build((None, 3, 4, 3))
+    model.compile(optimizer="sgd", loss=lambda y, p: keras.ops.sum(p))
+    return model
+
+
+@pytest.mark.parametrize("python_seed", [1, 2, 6])
+def test_augmix_leaves_every_seed_state_where_one_device_does(python_seed):
+    # How far each seed generator moves depends on which chains the trace
+    # chose: a tower's trace choosing its own moves them otherwise.
+    x = np.random.default_rng(0).uniform(0, 255, (8, 3, 4, 3)).astype("float32")
+    y = np.zeros_like(x)
+    reference, model = augmented(), augmented()
+    random.seed(python_seed)
+    reference.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    random.seed(python_seed)
+    Towers(model, devices=devices(2)).fit(x, y, batch_size=8, epochs=2, verbose=0)
+    states = [v for v in reference.variables if "seed_generator" in v.path]
+    assert len(states) == 10 and any(int(v[1]) > 0 for v in states)
+    for got, want in zip(model.variables, reference.variables, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
