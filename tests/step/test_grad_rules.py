@@ -145,6 +145,35 @@ def test_float8_scales_and_histories_take_one_devices_values():
         )
 
 
+def test_float8_training_is_one_devices_where_rounding_cannot_hide_it(float64):
+    # Quantized from float64, no value lies within a rounding of a float8
+    # boundary, so what is left is the mechanism: the shared scales, each
+    # tower's shard quantized with them, and the histories' maximum. Adam
+    # over 8 steps on 3 uneven towers ends where Keras' fit ends.
+    x, y = regression_data(80)
+
+    def compiled():
+        keras.utils.set_random_seed(0)
+        with pytest.warns(UserWarning, match="quantize"):  # Keras: InputLayer
+            model = float8_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    mine, model = compiled(), compiled()
+    assert str(mine.layers[1].dtype_policy.name) == "float8_from_float64"
+    fit = dict(batch_size=10, epochs=1, verbose=0, shuffle=False)
+    model.fit(x, y, **fit)
+    Towers(mine, devices=devices(3)).fit(x, y, **fit)
+    for got, want in zip(mine.variables, model.variables, strict=True):
+        np.testing.assert_allclose(
+            got.numpy(), want.numpy(), rtol=1e-12, atol=1e-15, err_msg=want.path
+        )
+    for got, want in zip(mine.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(
+            got.numpy(), want.numpy(), rtol=1e-12, atol=1e-15, err_msg=want.path
+        )
+
+
 def test_float8_in_an_own_train_step_is_refused_by_name_before_any_update():
     # The tape's gradients in a model's own step are a mean's over each
     # tower's rows (step/loss_kinds.py), so the output gradients' amax

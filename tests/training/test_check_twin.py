@@ -137,3 +137,28 @@ def test_the_twin_starts_from_the_trained_state_at_a_later_check():
     for mine, theirs in pairs:  # put back to the state it was copied from
         np.testing.assert_allclose(theirs.numpy(), mine.numpy(), rtol=1e-6)
     assert int(twin.optimizer.iterations) == 2
+
+
+def float8_row_scaled(per_row):
+    model = row_scaled(per_row)
+    with pytest.warns(UserWarning, match="quantize"):  # Keras: InputLayer
+        model.quantize("float8")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_a_float8_model_is_checked_in_its_float64_twin():
+    # Rebuilt from its config, a float8 layer makes its scales and amax
+    # histories before its kernel: the twin takes each variable by path.
+    # In float32 an element near a float8 boundary rounds to the next step
+    # (a quarter of its value in e5m2) on one side only, so the check in
+    # float32 must let 0.2 % through; in float64 nothing is near a boundary.
+    x, y = regression(count=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "cannot check ... twin"
+        exact = Towers(float8_row_scaled(0.0), devices=devices(2)).check(x, y)
+        coupled = Towers(float8_row_scaled(1e-4), devices=devices(2)).check(x, y)
+    assert exact.twin is not None and exact.differs == [], str(exact)
+    assert max(d.relative for d in exact.twin.differences) < 1e-9, str(exact)
+    assert coupled.in_twin, str(coupled)
+    assert "scaled" in coupled.verdict() or "hidden" in str(coupled), str(coupled)

@@ -149,18 +149,26 @@ def _copy_state(engine: Any, twin: Any, before: Any) -> None:
     pairs = zip(layers_of(engine.model), layers_of(twin.model), strict=True)
     for layer, twin_layer in pairs:
         twin_layer.trainable = layer.trainable
-    for source, target in zip(
-        engine.model.variables, twin.model.variables, strict=True
-    ):
+    for source, target in _pairs(engine.model.variables, twin.model.variables):
         target.assign(np.asarray(value(source)).astype(target.dtype))
     optimizer, twin_optimizer = _inner(engine.optimizer), _inner(twin.optimizer)
     if optimizer.built:
         if not twin_optimizer.built:
             twin_optimizer.build(twin.model.trainable_variables)
-        for source, target in zip(
-            optimizer.variables, twin_optimizer.variables, strict=True
-        ):
+        for source, target in _pairs(optimizer.variables, twin_optimizer.variables):
             target.assign(np.asarray(value(source)).astype(target.dtype))
+
+
+def _pairs(variables: list, twins: list) -> list[tuple]:
+    """Each variable with its twin's, by path: a quantized layer rebuilt
+    from its config makes its float8 scales before its kernel."""
+    by_path = {v.path: v for v in twins}
+    if len(by_path) != len(twins) or len(twins) != len(variables):
+        raise ValueError(
+            f"the twin has {len(twins)} variables ({len(by_path)} paths) where "
+            f"the model has {len(variables)}"
+        )
+    return [(v, by_path[v.path]) for v in variables]
 
 
 def _float64(value: Any) -> Any:
@@ -203,6 +211,9 @@ def _as_float64(config: Any) -> Any:
             name = inner.get("name") if isinstance(inner, dict) else None
             if name in _LOW:
                 return {**config, "config": {**inner, "name": "float64"}}
+        if isinstance(inner, dict) and inner.get("source_name") in _LOW:
+            # A quantized layer's policy (float8, int8): quantized from float64.
+            return {**config, "config": {**inner, "source_name": "float64"}}
         return {
             key: "float64"
             if key == "dtype" and isinstance(value, str) and value in _LOW
