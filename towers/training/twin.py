@@ -160,15 +160,15 @@ def _copy_state(engine: Any, twin: Any, before: Any) -> None:
 
 
 def _pairs(variables: list, twins: list) -> list[tuple]:
-    """Each variable with its twin's, by path: a quantized layer rebuilt
-    from its config makes its float8 scales before its kernel."""
+    """Each variable with its twin's, by path (a quantized layer rebuilt
+    from its config makes its float8 scales before its kernel); in order
+    where paths repeat."""
     by_path = {v.path: v for v in twins}
-    if len(by_path) != len(twins) or len(twins) != len(variables):
-        raise ValueError(
-            f"the twin has {len(twins)} variables ({len(by_path)} paths) where "
-            f"the model has {len(variables)}"
-        )
-    return [(v, by_path[v.path]) for v in variables]
+    if len(by_path) == len(twins) and sorted(by_path) == sorted(
+        v.path for v in variables
+    ):
+        return [(v, by_path[v.path]) for v in variables]
+    return list(zip(variables, twins, strict=True))
 
 
 def _float64(value: Any) -> Any:
