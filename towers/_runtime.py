@@ -17,7 +17,9 @@ into a graph of its own that never runs (``pass_graph``, for the cut). And one
 attribute of a function the runtime reads with no public name: ``_noinline``
 (``NO_INLINE``), which keeps a tower's traced pass a call of its own instead
 of inlining it into the step's graph (``Towers(tower_functions="call")``).
-And a loop's carried value whose structure its body's trace decides
+And functions instantiated without Grappler (``unoptimised_calls``: the
+eager context's call options, per thread: the check's float64 twin). And a
+loop's carried value whose structure its body's trace decides
 (``lazy_optional``, ``fix_spec``: the ``steps_per_execution`` loop of any
 step, towers' or a model's own, ``towers/training/executions.py``).
 
@@ -269,3 +271,26 @@ def xla_body(function: Any) -> Any:
         if getattr(function, "_jit_compile", None):
             return function.python_function
     return None
+
+
+@contextlib.contextmanager
+def unoptimised_calls() -> Iterator[None]:
+    """Functions first called inside, in this thread, are instantiated
+    without Grappler (the eager context's per-thread call options, which
+    have no public setter): a graph run once (the check's float64 twin,
+    ``towers/training/twin.py``) pays less to build than Grappler would
+    save. A function instantiated before keeps its optimised graph."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    kept = ctx.function_call_options
+    config = config_pb2.ConfigProto.FromString(kept.config_proto_serialized)
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    ctx.function_call_options = context.FunctionCallOptions(
+        executor_type=kept.executor_type, config_proto=config
+    )
+    try:
+        yield
+    finally:
+        ctx.function_call_options = kept

@@ -3,6 +3,7 @@ of a tenth of a per cent of a change, which float32's rounding could hide,
 is found in the model's float64 twin and refused by name before any update;
 a model without a twin is said so and trains."""
 
+import contextlib
 import warnings
 
 import keras
@@ -56,6 +57,26 @@ def test_a_tenth_of_a_per_cent_in_float32_is_refused_by_its_float64_twin():
     assert int(engine.optimizer.iterations) == 0  # nothing was updated
     for var, value in zip(model.variables, before):
         np.testing.assert_array_equal(var.numpy(), value, err_msg=var.path)
+
+
+def test_eight_towers_are_checked_in_a_twin_of_two_on_their_shards_rows():
+    # 30 rows on 8 towers: shards of 4 and 3 rows, each scaled by 1.0004 or
+    # 1.0003 where one device's 30 rows are by 1.003 (0.26 % apart). The
+    # twin runs two towers on the first shard's rows and the last's, which
+    # two towers cut into the same shards.
+    x, y = regression(count=30)
+    model = row_scaled(1e-4)
+    engine = Towers(model, devices=devices(8))
+
+    with pytest.raises(ValueError, match="not one device's") as refused:
+        engine.fit(x, y, batch_size=30, epochs=1, verbose=0, shuffle=False)
+
+    message = str(refused.value)
+    assert "on two towers, the rows of the first and the last of the 8" in message
+    assert f"{model.get_layer('hidden').kernel.path} (layer hidden)" in message
+    assert int(engine.optimizer.iterations) == 0
+
+    assert not Towers(row_scaled(0.0), devices=devices(8)).check(x, y).differs
 
 
 def test_the_same_difference_in_float32_alone_is_rounding_to_the_check():
@@ -162,3 +183,25 @@ def test_a_float8_model_is_checked_in_its_float64_twin():
     assert max(d.relative for d in exact.twin.differences) < 1e-9, str(exact)
     assert coupled.in_twin, str(coupled)
     assert "scaled" in coupled.verdict() or "hidden" in str(coupled), str(coupled)
+
+
+def test_the_twins_functions_are_built_without_grappler_and_no_other():
+    # Grappler folds 2 * 3 to a constant; a function first called inside
+    # unoptimised_calls keeps its Mul, and one called after is folded again.
+    import tensorflow as tf
+
+    from towers._runtime import placed_graphs, unoptimised_calls
+
+    def ops_placed(inside):
+        @tf.function
+        def f(x):
+            return x + tf.constant(2.0) * tf.constant(3.0)
+
+        with placed_graphs() as functions:
+            with unoptimised_calls() if inside else contextlib.nullcontext():
+                assert float(f(tf.constant(1.0))) == 7.0
+        return {node.op for graphs in functions for g in graphs for node in g.node}
+
+    assert "Mul" not in ops_placed(False)
+    assert "Mul" in ops_placed(True)
+    assert "Mul" not in ops_placed(False)

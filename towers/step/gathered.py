@@ -21,6 +21,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from towers._keras import ReadScope, compute_loss
@@ -220,6 +221,10 @@ def concat_rows(parts: list[Any]) -> Any:
 
 
 def _join(*parts: Any) -> Any:
+    if parts[0] is None:  # an optional input given none
+        return None
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
     if isinstance(parts[0], tf.SparseTensor):
         return tf.sparse.concat(0, list(parts))
     return tf.concat(parts, axis=0)

@@ -36,11 +36,13 @@ class Difference:
 class Comparison:
     """Every compared variable's :class:`Difference`; ``skipped``: why the
     check could not compare, or None; ``twin``: the same step compared in
-    the model's float64 twin (``twin.py``), where it has one."""
+    the model's float64 twin (``twin.py``), where it has one; ``on``: what
+    it ran on where not the whole batch on every tower."""
 
     differences: list[Difference]
     skipped: str | None = None
     twin: Comparison | None = None
+    on: str = ""
 
     @property
     def differs(self) -> list[Difference]:
@@ -80,7 +82,8 @@ class Comparison:
                 )
             lines.append(f"{d.path:<{width}}  {d.relative:.3g}{mark}")
         if self.twin is not None:
-            lines += ["", "In the model's float64 twin (rounding near 1e-13):"]
+            on = f", {self.twin.on}" if self.twin.on else ""
+            lines += ["", f"In the model's float64 twin (rounding near 1e-13{on}):"]
             lines += str(self.twin).splitlines()
         return "\n".join(lines)
 
@@ -132,8 +135,10 @@ class Comparison:
             "model to towers should carry."
         )
         twin = (
-            " in the model's float64 twin (its config rebuilt in float64, where "
-            "rounding is near 1e-13 and cannot hide a difference of this size)"
+            " in the model's float64 twin (its config rebuilt in float64"
+            + (f", {self.twin.on}" if self.twin.on else "")
+            + ", where rounding is near 1e-13 and cannot hide a difference of "
+            "this size)"
             if self.in_twin
             else ""
         )

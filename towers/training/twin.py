@@ -8,12 +8,17 @@ the towers), so the check in the model's dtype can only refuse past that.
 In float64 the same rounding sits near 1e-13. So where the model computes in
 less, the check also runs on a twin: the model rebuilt from its config in
 float64, its variables and optimizer's cast from the model's, trained by an
-engine of the same towers and options, and compared with the twin's own
-``train_step`` on one device. A difference there past float64's tolerance is
-the towers' mechanism, not rounding, and refuses the step at its size (0.1 %
-of a change is named). A model its config cannot rebuild (a subclass
-without ``get_config``, a layer that takes no float64) is said so once, and
-checked in its dtype alone.
+engine of the same options, and compared with the twin's own ``train_step``
+on one device. Past two towers the twin runs two (the first tower's device
+and the last's) on the rows of the first shard and the last, which two
+towers cut into the same shards: a mechanism of the split shows there, and
+a second trace of T towers would cost what the towers' own first step costs
+(MobileNetV2 at 8 towers: 20 s to 12 s). Its one step is built without
+Grappler, which would cost more than it saves on a graph run once. A
+difference there past float64's tolerance is the towers' mechanism, not
+rounding, and refuses the step at its size (0.1 % of a change is named). A
+model its config cannot rebuild (a subclass without ``get_config``, a layer
+that takes no float64) is said so once, and checked in its dtype alone.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import layers_of
+from towers._runtime import unoptimised_calls
+from towers.split import split_for_towers
+from towers.step.gathered import concat_rows
 from towers.training.comparison import Comparison
 
 # A variable this far apart (relative to its change) in the model's dtype
@@ -72,9 +80,17 @@ class Twin:
         ``Kept``); nothing of either kept."""
         twin = self.engine
         _copy_state(engine, twin, before)
-        batch = keras.tree.map_structure(_float64, batches[0])
-        with _float64_policy(), _unsaid():  # a loss Keras makes lazily: float64
-            return twin.check(*batch)
+        rows = _two_shards(batches[0], engine.num_towers)
+        batch = keras.tree.map_structure(_float64, rows)
+        # A loss Keras makes lazily: float64; a step run once: no Grappler.
+        with _float64_policy(), _unsaid(), unoptimised_calls():
+            comparison = twin.check(*batch)
+        if rows is not batches[0]:
+            comparison.on = (
+                f"on two towers, the rows of the first and the last of the "
+                f"{engine.num_towers} towers' shards"
+            )
+        return comparison
 
 
 def twin_comparison(
@@ -132,8 +148,30 @@ def _twin_engine(engine: Any) -> Any:
             weighted_metrics=None,
             check_first_step=False,
             spot_checks=None,
+            devices=_two_devices(engine.devices),
         )
         return type(engine)(**arguments)
+
+
+def _two_devices(devices: list[str]) -> list[str]:
+    """The first tower's device and the last's: the twin's two towers."""
+    return devices if len(devices) <= 2 else [devices[0], devices[-1]]
+
+
+def _two_shards(batch: tuple, towers: int) -> tuple:
+    """Of ``batch``, the rows of the first tower's shard and the last
+    working one's, which two towers split into the same shards.
+
+    >>> x = np.arange(10)
+    >>> _two_shards((x, x * 10), 4)[0].tolist()  # shards 3, 3, 2, 2
+    [0, 1, 2, 8, 9]
+    """
+    shards = split_for_towers(batch, towers)
+    working = shards.working()
+    if towers <= 2 or len(working) < 2:
+        return batch
+    first, last = shards.parts[working[0]], shards.parts[working[-1]]
+    return tuple(concat_rows([a, b]) for a, b in zip(first, last))
 
 
 def _said(error: Exception) -> str:
