@@ -276,3 +276,26 @@ def test_mobilenetv2_in_float32_passes_its_first_step_check_on_4_towers():
     assert 0.01 < worst < 0.1 and not shown.differs  # rounding's, not refused
     engine.fit(x, y, batch_size=32, verbose=0)  # the first step's check passes
     assert engine.steps_done == 1
+
+
+def test_adams_first_step_past_float32s_tolerance_is_cleared_by_the_twin():
+    """Under Adam's first step an element moves by the learning rate, with
+    its gradient's sign: an element whose gradient rounding tips past the
+    noise floor moves by 2 x the rate apart. This model and batch put
+    block_3_depthwise_BN/beta 29 % apart in float32 on 4 towers, past the
+    check's 15 %; its float64 twin's step is one device's, so it trains."""
+    keras.utils.set_random_seed(1)
+    model = keras.applications.MobileNetV2(
+        weights=None, input_shape=(32, 32, 3), classes=5, alpha=0.35
+    )
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((32, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 5, 32)
+    engine = Towers(model, devices=devices(4))
+    shown = engine.check(x, y)
+    apart = [d.path for d in shown.differences if d.differs]
+    assert apart and shown.rounding and not shown.differs, shown.verdict()
+    assert shown.twin is not None and not shown.twin.differs
+    engine.fit(x, y, batch_size=32, verbose=0, shuffle=False)
+    assert engine.steps_done == 1

@@ -43,6 +43,7 @@ class Comparison:
     skipped: str | None = None
     twin: Comparison | None = None
     on: str = ""
+    rounding: bool = False  # what differs in its dtype, the twin found rounding
 
     @property
     def differs(self) -> list[Difference]:
@@ -56,6 +57,8 @@ class Comparison:
         return not self._own() and bool(self._twins())
 
     def _own(self) -> list[Difference]:
+        if self.rounding:
+            return []
         return [d for d in self.differences if d.differs and not d.reported]
 
     def _twins(self) -> list[Difference]:
@@ -101,6 +104,11 @@ class Comparison:
         within = "one device's step, within rounding" + (
             f" (largest: {largest.path} {largest.relative:.2g})" if largest else ""
         )
+        if self.rounding:
+            within += (
+                "; what moved apart in the model's dtype is rounding: its float64 "
+                "twin's step is one device's"
+            )
         if self.reports_differ:
             return (
                 f"{within}; what fit reports differs ({_listed(self.reports_differ)})"

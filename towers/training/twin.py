@@ -99,12 +99,19 @@ def twin_comparison(
     """The step on ``batches`` compared in ``engine``'s float64 twin (made
     at its first check, again after a compile), from ``engine``'s state
     ``before`` (a ``Kept``), where ``comparison`` (in the model's dtype)
-    leaves room for a mechanism rounding could hide: a variable
-    :data:`TWIN_PAST` apart, none beyond rounding there already, and two
-    towers or more. None where there is no room, or no twin (said once)."""
+    leaves room for a mechanism rounding could hide (a variable
+    :data:`TWIN_PAST` apart) or finds one that rounding may have made, on
+    two towers or more. None where there is no room, or no twin (said
+    once). What differs in the model's dtype alone, where the twin's step
+    is one device's, is rounding (``comparison.rounding``): an element
+    whose gradient rounding tipped past the noise floor moves by the
+    learning rate under Adam's first step, whatever its size. Not under a
+    loss scale, which the twin has none of."""
     low = str(engine.model.compute_dtype) in _LOW
-    if not low or comparison.differs or engine.num_towers < 2:
+    if not low or engine.num_towers < 2:
         return None  # one tower splits nothing: no mechanism of the split
+    if comparison.differs and _inner(engine.optimizer) is not engine.optimizer:
+        return None  # a loss scale's mechanism is not the twin's to clear
     compared = [d for d in comparison.differences if not d.reported]
     if max([d.relative for d in compared], default=0.0) <= TWIN_PAST:
         return None
@@ -114,11 +121,15 @@ def twin_comparison(
     if twin.engine is None:
         return None
     try:
-        return twin.compare(engine, batches, before)
+        found = twin.compare(engine, batches, before)
     except Exception as error:  # noqa: BLE001 - checked in its dtype alone
         twin.engine, twin.why = None, _said(error)
         twin.warn(engine)
         return None
+    comparison.rounding = bool(comparison.differs) and not (
+        found.skipped or found.differs
+    )
+    return found
 
 
 def _twin_engine(engine: Any) -> Any:
