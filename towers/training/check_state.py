@@ -27,6 +27,14 @@ class Kept:
         for variable, value in zip(self.variables, self.values):
             variable.assign(value)
 
+    def read(self, entry: Watched) -> np.ndarray:
+        """``entry``'s value as kept (as restored), read only where not kept
+        (a metric's result)."""
+        if not hasattr(self, "_by_id"):
+            self._by_id = {id(v): i for i, v in enumerate(self.variables)}
+        index = self._by_id.get(entry.key) if entry.key else None
+        return entry.read() if index is None else self.values[index]
+
     def extend(self, made: list[tuple[Any, np.ndarray]]) -> None:
         """Keeps the variables ``made`` since (an optimizer built at its
         first apply), to be put back to their first values."""
@@ -35,6 +43,7 @@ class Kept:
             if id(variable) not in known:
                 self.variables.append(variable)
                 self.values.append(value)
+        self.__dict__.pop("_by_id", None)
 
 
 @dataclasses.dataclass
