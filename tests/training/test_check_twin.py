@@ -139,6 +139,26 @@ def test_a_model_without_a_twin_is_said_once_and_checked_in_its_dtype():
     assert engine.steps_done == 3
 
 
+def test_a_new_trace_in_float32_is_checked_in_the_twin_before_its_update():
+    # Exact for its first trace; then the layer reads its rows (a Python
+    # attribute the next trace reads) and a batch of a new shape traces the
+    # step anew: 0.1 % apart, refused at that trace's first step.
+    x, y = regression(count=30)
+    model = row_scaled(0.0)
+    engine = Towers(model, devices=devices(2))
+    engine.fit(x[:10], y[:10], batch_size=10, epochs=1, verbose=0, shuffle=False)
+    model.get_layer("scaled").per_row = 1e-4
+    before = [v.numpy() for v in model.variables]
+
+    with pytest.raises(ValueError, match="a new trace of the step") as refused:
+        engine.fit(x[10:], y[10:], batch_size=20, epochs=1, verbose=0)
+
+    assert "in the model's float64 twin" in str(refused.value)
+    assert engine.steps_done == 1
+    for var, value in zip(model.variables, before):
+        np.testing.assert_array_equal(var.numpy(), value, err_msg=var.path)
+
+
 def test_the_twin_starts_from_the_trained_state_at_a_later_check():
     # Trained exact, then the layer reads its rows (a Python attribute: the
     # next trace's); the check of the new trace finds it in the twin, made

@@ -12,6 +12,7 @@ from typing import Any
 from towers.training.check import checked
 from towers.training.check_state import not_compared
 from towers.training.comparison import Comparison
+from towers.training.twin import drop_twin
 
 # A spot check every SPOT_CHECKS steps (and one at a tenth of it): one
 # device's step on that step's batch, from the same state, before its update
@@ -49,32 +50,35 @@ class CheckedSteps:
 
     def _run_checked(self, batches: list[tuple]) -> dict:
         """``_run_steps(batches)``, checked where :meth:`_check_due` says."""
-        when = self._check_due(batches)
-        if when is None:
+        due = self._check_due(batches)
+        if due is None:
             out = self._run_steps(batches)
         else:
             run = lambda: self._run_steps(batches)  # noqa: E731
-            # The float64 twin at the first step: a trace of its own, which a
-            # new trace's or spot check's shapes would make again.
-            twin = self.unchecked
+            # The float64 twin at the first step and each new trace (a trace
+            # of its own, made again: its copies dropped between); not at a
+            # spot check, whose step was traced and checked so before.
+            when, twin = due
             out, comparison = checked(self, batches, run, when=when, twin=twin)
             if self.unchecked and comparison.skipped:
                 warnings.warn(f"towers' first step was {comparison}", stacklevel=4)
             self.unchecked = False
-            self.__dict__.pop("_twin", None)  # its float64 copies, on every device
+            drop_twin(self)
         if self._steps_seen is not None:
             self._steps_seen += len(batches)
         return out
 
-    def _check_due(self, batches: list[tuple]) -> str | None:
-        """Why the steps on ``batches`` are checked, or None."""
+    def _check_due(self, batches: list[tuple]) -> tuple[str, bool] | None:
+        """Why the steps on ``batches`` are checked, and whether in the
+        float64 twin too; or None."""
         if self.unchecked:
-            return "its first step"
+            return "its first step", True
         # Traced here, before the run, outside a cluster's (never checked).
         if self.check_traces and self.cluster is None:
             if self._compiled.traces_anew(batches) and not_compared(self) is None:
                 steps = self._steps(batches, True)
-                return f"{steps} (a new trace of the step: new shapes or trainables)"
+                why = "a new trace of the step: new shapes or trainables"
+                return f"{steps} ({why})", True
         # The steps counted here (reading the counter costs 0.6 % of a
         # small step); read again where one is a spot check's.
         if self._steps_seen is None:
@@ -83,9 +87,8 @@ class CheckedSteps:
             self._steps_seen = self.steps_done
             if self._spot_due(self._steps_seen, len(batches)):
                 if not_compared(self) is None:
-                    return f"{self._steps(batches)} (a spot check, every " + (
-                        f"{self.spot_checks} steps)"
-                    )
+                    every = f"a spot check, every {self.spot_checks} steps"
+                    return f"{self._steps(batches)} ({every})", False
         return None
 
     def _spot_due(self, done: int, count: int) -> bool:

@@ -132,6 +132,15 @@ def twin_comparison(
     return found
 
 
+def drop_twin(engine: Any) -> None:
+    """``engine``'s twin dropped with its float64 copies on its devices (the
+    next check that asks makes it again); one it has none of is kept, so
+    that is said once."""
+    twin = engine.__dict__.get("_twin")
+    if twin is not None and twin.engine is not None:
+        del engine._twin
+
+
 def _twin_engine(engine: Any) -> Any:
     """A ``Towers`` of ``engine``'s devices and options on the model in
     float64, unchecked (it is the check)."""
