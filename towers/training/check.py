@@ -22,8 +22,8 @@ in less than float64 and a variable is apart enough for rounding to hide a
 mechanism, the same step is compared in the model's float64 twin
 (``twin.py``); where one is past the tolerance there, the twin tells whether
 rounding put it there (Adam's first step moves an element whose gradient
-rounding tipped by twice the rate), but not under a loss scale. Integer state (seeds,
-step counts) must be equal. A metric's result that differs is warned of (the
+rounding tipped by twice the rate), but not under a loss scale. Integer
+state (seeds, step counts) must be equal. A metric's result that differs is warned of (the
 weights trained as one device's, what fit reports does not). A variable a
 layer assigns by a declared aggregation follows it (``state.py``).
 
