@@ -23,9 +23,10 @@ mechanism, the same step is compared in the model's float64 twin
 (``twin.py``); where one is past the tolerance there, the twin tells whether
 rounding put it there (Adam's first step moves an element whose gradient
 rounding tipped by twice the rate), but not under a loss scale. Integer
-state (seeds, step counts) must be equal. A metric's result that differs is warned of (the
-weights trained as one device's, what fit reports does not). A variable a
-layer assigns by a declared aggregation follows it (``state.py``).
+state (seeds, step counts) must be equal. A metric's result that differs is
+warned of (the weights trained as one device's, what fit reports does not).
+A variable a layer assigns by a declared aggregation follows it
+(``state.py``).
 
 Where the check cannot compare it says so once and steps on: TensorFlow's
 stateful random ops (each run draws anew), a draw towers named, a cluster
