@@ -219,7 +219,7 @@ def checked(
     entries = watched(placement.model, placement.optimizers[:1])
     keras_after = [e.read() for e in entries]
     kept.restore()
-    before = [kept.read(e) for e in entries]
+    before = kept.read(entries)
     grads = with_slots(grads, entries, placement.model.trainable_variables)
     out = run()
     unplaced = named_for(placement.model)

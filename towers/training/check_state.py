@@ -27,13 +27,11 @@ class Kept:
         for variable, value in zip(self.variables, self.values):
             variable.assign(value)
 
-    def read(self, entry: Watched) -> np.ndarray:
-        """``entry``'s value as kept (as restored), read only where not kept
-        (a metric's result)."""
-        if not hasattr(self, "_by_id"):
-            self._by_id = {id(v): i for i, v in enumerate(self.variables)}
-        index = self._by_id.get(entry.key) if entry.key else None
-        return entry.read() if index is None else self.values[index]
+    def read(self, entries: list[Watched]) -> list[np.ndarray]:
+        """Each entry's value as kept (as restored), read only where not
+        kept (a metric's result)."""
+        kept = {id(v): value for v, value in zip(self.variables, self.values)}
+        return [kept[e.key] if e.key in kept else e.read() for e in entries]
 
     def extend(self, made: list[tuple[Any, np.ndarray]]) -> None:
         """Keeps the variables ``made`` since (an optimizer built at its
@@ -43,7 +41,6 @@ class Kept:
             if id(variable) not in known:
                 self.variables.append(variable)
                 self.values.append(value)
-        self.__dict__.pop("_by_id", None)
 
 
 @dataclasses.dataclass

@@ -43,7 +43,6 @@ class Comparison:
     skipped: str | None = None
     twin: Comparison | None = None
     on: str = ""
-    rounding: bool = False  # what differs in its dtype, the twin found rounding
 
     @property
     def differs(self) -> list[Difference]:
@@ -56,9 +55,19 @@ class Comparison:
         """Whether what differs was found in the float64 twin alone."""
         return not self._own() and bool(self._twins())
 
+    @property
+    def rounding(self) -> bool:
+        """Whether what differs in the model's dtype is rounding: its float64
+        twin (asked where it may tell, ``twin.py``) found the step one
+        device's."""
+        twin = self.twin
+        found = twin is not None and not (twin.skipped or twin.differs)
+        return found and bool(self._apart())
+
     def _own(self) -> list[Difference]:
-        if self.rounding:
-            return []
+        return [] if self.rounding else self._apart()
+
+    def _apart(self) -> list[Difference]:
         return [d for d in self.differences if d.differs and not d.reported]
 
     def _twins(self) -> list[Difference]:

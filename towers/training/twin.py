@@ -121,15 +121,11 @@ def twin_comparison(
     if twin.engine is None:
         return None
     try:
-        found = twin.compare(engine, batches, before)
+        return twin.compare(engine, batches, before)
     except Exception as error:  # noqa: BLE001 - checked in its dtype alone
         twin.engine, twin.why = None, _said(error)
         twin.warn(engine)
         return None
-    comparison.rounding = bool(comparison.differs) and not (
-        found.skipped or found.differs
-    )
-    return found
 
 
 def drop_twin(engine: Any) -> None:
