@@ -174,3 +174,30 @@ def test_a_step_whose_gradient_is_not_finite_ends_the_loop_before_any_later():
 def test_steps_per_execution_that_is_not_a_positive_integer_is_refused(given):
     with pytest.raises(ValueError, match=f"received steps_per_execution={given!r}"):
         Towers(regression, "mse", "sgd", devices(2), steps_per_execution=given)
+
+
+def test_a_checked_own_step_is_traced_no_more_than_keras_traces_it():
+    # The first-step check traces its one-device reference for an execution
+    # of several steps; Adam's slots, made at its first apply, must not cost
+    # TensorFlow's trace again on top of towers' own trace (one tower: each
+    # tower calls the model's train_step in it).
+    traces = {"towers": 0, "keras": 0}
+
+    class Counted(keras.Model):
+        who = "keras"
+
+        def train_step(self, data):
+            traces[self.who] += 1
+            return super().train_step(data)
+
+    x, y = arrays(40)
+    for who in traces:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = Counted(inputs, keras.layers.Dense(2, activation="relu")(inputs))
+        model.who = who
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=10)
+        runner = Towers(model, devices=devices(1)) if who == "towers" else model
+        runner.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    assert traces["keras"] >= 1
+    assert traces["towers"] <= traces["keras"], traces

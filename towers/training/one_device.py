@@ -9,12 +9,15 @@ ops listed (a second run would draw anew: nothing to compare).
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from towers._keras import GlobalSeed
 from towers._keras.optimizers import optimizer_variables
 from towers._keras.patches import routed_applies
 from towers.step.hooks import own_hook
@@ -60,13 +63,15 @@ class OneDevice:
         self._data = [keras.utils.pack_x_y_sample_weight(*b) for b in batches]
         self._graph, self._depth, self._device = None, 0, device
 
+        self.traced = jit or unbuilt or len(self._data) > 1
+
         def step(data: Any) -> tuple:
             self._applied, self._graph = {}, tf.compat.v1.get_default_graph()
             with routed_applies(self._record):  # as towers runs it (no XLA)
-                logs = own_hook(model, "train_step")(data)
+                own = functools.partial(own_hook(model, "train_step"), data)
+                logs = _apart(own, self._graph, device) if self.traced else own()
             return logs, self._applied
 
-        self.traced = jit or unbuilt or len(self._data) > 1
         self._function, self.draws = step, []
         if self.traced:
             with tf.device(device):
@@ -114,6 +119,33 @@ class OneDevice:
                     grad = np.asarray(grad, np.float64)
                     largest[key] = np.maximum(largest.get(key, grad), grad)
         return logs, largest
+
+
+def _apart(step: Any, graph: tf.Graph, device: str) -> Any:
+    """``step()`` traced into ``graph`` from a thread of its own, as towers
+    traces its towers: ``tf.function`` traces again a function whose first
+    trace made variables (an optimizer's slots at its first apply, which
+    Keras makes out of the graph), as it sees them with the variable creator
+    stack of the thread that traces it: one trace, not Keras' fit's two.
+    Keras' global seed generator is the caller's."""
+    out: list[Any] = []
+    errors: list[BaseException] = []
+    seed = GlobalSeed(device)
+
+    def trace() -> None:
+        try:
+            with seed.in_thread(), graph.as_default(), tf.device(device):
+                out.append(step())
+        except BaseException as error:  # noqa: BLE001 - raised in the caller
+            errors.append(error)
+
+    thread = threading.Thread(target=trace, name="one-device-trace")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    seed.kept()
+    return out[0]
 
 
 def _in(tensor: Any, graph: Any) -> bool:
