@@ -472,3 +472,74 @@ def test_a_tracker_fed_a_sum_loss_is_updated_once_with_the_towers_sum():
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=FLOAT64_RTOL
     )
+
+
+class RunningLossStep(keras.Model):
+    """A step that adds its loss to a running total it reports, kept in a
+    Keras variable or, as keras.io's forward-forward keeps it, in a raw
+    tf.Variable that ``model.variables`` does not list."""
+
+    def __init__(self, reduce="mean", raw=False):
+        super().__init__()
+        self.network, self.reduce = network(), getattr(keras.ops, reduce)
+        if raw:
+            self.total = tf.Variable(0.0, trainable=False, dtype=tf.float64)
+        else:
+            self.total = self.add_weight(shape=(), initializer="zeros", name="total")
+
+    def call(self, x):
+        return self.network(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.reduce((self.network(x, training=True) - y) ** 2)
+        weights = self.network.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        self.total.assign_add(loss)
+        return {"total": self.total / 1.0}
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["keras", "raw"])
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_a_running_total_of_the_loss_adds_the_batchs_loss_once(reduce, raw):
+    x, y = regression(23)
+    engine = Towers(built(lambda: RunningLossStep(reduce, raw)), devices=devices(3))
+    reference = built(lambda: RunningLossStep(reduce, raw))
+    before = [v.numpy() for v in reference.variables]
+
+    history = engine.fit(x, y, **FIT)
+    expected = reference.fit(x, y, **FIT)
+
+    assert_every_variable_moved_alike(engine.model, reference, before)
+    np.testing.assert_allclose(
+        float(engine.model.total), float(reference.total), rtol=FLOAT64_RTOL
+    )
+    np.testing.assert_allclose(
+        history.history["total"], expected.history["total"], rtol=FLOAT64_RTOL
+    )
+
+
+class RawMaxStep(RunningLossStep):
+    """A raw tf.Variable assigned a statistic of the batch's rows that is no
+    loss: each tower's differs, one device's is the whole batch's."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        self.largest.assign(tf.reduce_max(data[0]))
+        return logs
+
+    def __init__(self):
+        super().__init__(raw=True)
+        self.largest = tf.Variable(0.0, trainable=False, dtype=tf.float64)
+
+
+def test_a_raw_variable_assigned_a_statistic_of_each_shard_is_refused_by_name():
+    x, y = regression(16)
+    engine = Towers(built(RawMaxStep), devices=devices(2))
+    before = [v.numpy() for v in engine.model.variables]
+    with pytest.raises(ValueError, match="variable '.*/largest' is assigned"):
+        engine.fit(x, y, **FIT)
+    for b, v in zip(before, engine.model.variables):
+        np.testing.assert_array_equal(v.numpy(), b, err_msg=v.path)
+    assert float(engine.model.largest) == float(engine.model.total) == 0.0

@@ -92,9 +92,16 @@ def test_keras_ios_forward_forward_trains_on_towers_as_keras_fit():
         got = engine.fit(data, epochs=2, verbose=0)
     want = reference.fit(data, epochs=2, verbose=0)
     assert len(got.history["FinalLoss"]) == len(want.history["FinalLoss"]) == 2
-    # The weights and the layer's optimizer: one device's. (Its FinalLoss
-    # reads two raw tf.Variables, which Keras' model.variables does not
-    # hold and towers does not yet meet for: each tower assigns them.)
+    # The loss it reports reads two raw tf.Variables its step adds to (the
+    # layer's loss, a count), which Keras' model.variables does not hold:
+    # each added to once a step, the loss as one device's on the batch.
+    np.testing.assert_allclose(
+        got.history["FinalLoss"], want.history["FinalLoss"], rtol=1e-10
+    )
+    for raw in ("loss_sum", "loss_count"):
+        mine, theirs = getattr(model, raw).numpy(), getattr(reference, raw).numpy()
+        np.testing.assert_allclose(mine, theirs, rtol=1e-10, err_msg=raw)
+    # The weights and the layer's optimizer: one device's.
     for mine, theirs in zip(
         model.variables + model.layer_optimizer.variables,
         reference.variables + reference.layer_optimizer.variables,

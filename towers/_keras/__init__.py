@@ -3,41 +3,34 @@ with no public call.
 
 Loss terms (``step/losses.py``): a loss *before* its reduction, weighted as
 Keras weights it, and what the reduction divides by (``Loss.__call__``'s
-helpers; ``LossFunctionWrapper`` as ``compile`` wraps a function), checked
-against Keras 3.15 (tests/step/test_losses.py); a model's own
-``compute_loss`` called as Keras' steps call it (``Model._compute_loss``),
-a loss spec checked by Keras' own ``CompileLoss`` for its error,
-per tower or on the gathered batch (``ReadScope.forgetting``); "accuracy"
-as a loss name by Keras' rule of shapes.
+helpers), checked against Keras 3.15 (tests/step/test_losses.py); a model's
+own ``compute_loss`` called as Keras' steps call it, a loss spec checked by
+Keras' own ``CompileLoss`` for its error; "accuracy" as a loss name by
+Keras' rule of shapes.
 
-Weights read on the tower's device (an XLA computation inside a layer cannot
-read another device's variable): each tower runs the model in a
+Weights read on the tower's device: each tower runs the model in a
 ``keras.StatelessScope`` mapping each weight to the tensor it read
 (``ReadScope``). A seed generator's state assigned there is assigned at once
-(``Variable._direct_assign``) unless the step holds the states every
-tower starts from (``step/draws.py``); any other assignment stays in the
-scope, assigned once by its aggregation (``step/state.py``).
-``_trainable_variables`` tell a frozen layer's variables from moving
-statistics. An optimizer's variables it applies to, and its build for a
-layer unfrozen later: ``towers/_keras/optimizers.py``.
+unless the step holds the states every tower starts from (``step/draws.py``);
+any other assignment stays in the scope, assigned once by its aggregation
+(``step/state.py``). ``_trainable_variables`` tell a frozen layer's
+variables from moving statistics; an optimizer's build for a layer unfrozen
+later: ``towers/_keras/optimizers.py``.
 
 Keras' rules a model relies on: ``call()`` called with ``training`` only
-where it takes one (``Layer._call_has_training_arg``), a compile without a
-loss keeping the ``CompileLoss`` made before (``_user_loss``). The global
-seed generator (``global_state``'s), which the first-step check puts back
-as it was (``training/check.py``), and which Keras keeps per thread: the
-towers' threads share the caller's (:class:`GlobalSeed`).
-
-Input as Keras' fit takes it: ``towers/_keras/inputs.py``.
+where it takes one, a compile without a loss keeping the ``CompileLoss``
+made before (``_user_loss``). The global seed generator, which the
+first-step check puts back as it was and which Keras keeps per thread: the
+towers' threads share the caller's (:class:`GlobalSeed`). Input as Keras'
+fit takes it: ``towers/_keras/inputs.py``.
 
 What towers replaces while the towers are traced (BatchNormalization's
 moments, a mixture of experts' load-balancing loss, a model's own step's
 applies, assignments and metric updates): ``towers/_keras/patches.py``.
-A layer's own loss terms (``Layer._get_own_losses``, ``_loss_ids``,
-``_losses``), which each call clears: towers in lockstep put theirs back in
-turn. The model's metrics (``step/metrics.py``): its trackers and
-``model.compile``'s arguments as passed, built as Keras' fit builds them
-under a distribution strategy (``Trainer._symbolic_build``), in its order.
+A layer's own loss terms, which each call clears: towers in lockstep put
+theirs back in turn. The model's metrics (``step/metrics.py``), built as
+Keras' fit builds them under a distribution strategy
+(``Trainer._symbolic_build``), in its order.
 """
 
 from __future__ import annotations

@@ -340,6 +340,23 @@ def routed_assignments(route: Callable[..., Any]) -> Iterator[Callable[..., Any]
         yield own
 
 
+def raw_assignments(variables: list[tf.Variable], assigned: Callable) -> list:
+    """Patches of each raw tf.Variable's ``assign``, ``assign_add`` and
+    ``assign_sub`` (``Patch``'s) calling ``assigned(variable, value)`` with
+    the value it would take, from its ``value()``."""
+
+    def by(variable: tf.Variable, change: Callable) -> Callable:
+        def routed(value: Any, *args: Any, **kwargs: Any) -> Any:
+            value = tf.convert_to_tensor(value, variable.dtype)
+            return assigned(variable, change(variable.value(), value))
+
+        return routed
+
+    changes = {"assign": lambda old, new: new, "assign_add": lambda old, new: old + new}
+    changes["assign_sub"] = lambda old, new: old - new
+    return [(v, name, by(v, c)) for v in variables for name, c in changes.items()]
+
+
 @contextlib.contextmanager
 def routed_calls(objects: list[Any], name: str, route: Callable) -> Iterator[None]:
     """Within, each of ``objects``' method ``name`` (a metric's

@@ -72,6 +72,7 @@ class Applies:
         ``batch``: the step's input tensors."""
         self.names, self.checked, self.across = [], [], across
         self.batch, self.means, self._calls = batch, {}, {}
+        self.losses: dict[Any, loss_kinds.Kind] = {}  # by ref: the kind found
 
     def gradient(self, target: Any, sources: Any, gradient: Callable) -> Any:
         """``tape.gradient(target, sources)`` inside a tower's step
@@ -81,6 +82,8 @@ class Applies:
         if not here.own:
             return gradient(target)
         kind = self._kind(here)
+        if isinstance(target, tf.Tensor) and target.shape.rank == 0:
+            self.losses[target.ref()] = kind
         before, here.summing = here.summing, kind != "mean"  # a backward sum's
         try:
             grads = gradient(target)
@@ -124,6 +127,15 @@ class Applies:
             "depends on the batch is not known. A step must take the same "
             "gradients on every batch. Nothing was updated."
         )
+
+    def loss_kind(self, value: Any) -> loss_kinds.Kind | None:
+        """The kind of the loss ``value`` is (one the step took the gradient
+        of, through casts), or None."""
+        while isinstance(value, tf.Tensor) and value.op.type in ("Cast", "Identity"):
+            if value.ref() in self.losses:
+                break
+            value = value.op.inputs[0]
+        return self.losses.get(value.ref()) if isinstance(value, tf.Tensor) else None
 
     def as_mean(self, value: Any) -> Any:
         """``value`` as a mean over the tower's rows, where it is a sum's loss

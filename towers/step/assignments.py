@@ -2,23 +2,24 @@
 device changes it.
 
 Left alone, every tower would assign a variable the step assigns (an EMA
-copy, a target network, a queue of keys) and update a metric it updates. So
-each is a meeting, as an apply is: every tower hands in what it would assign,
-the first assigns once, and every tower reads the new value after. A
-variable takes its ``aggregation``'s rule (``state.py``); ``"none"`` takes
-the first tower's value only when every tower's is the same value (the same
-ops on the same variables and constants, or on what the towers met for,
-``towers.gather``'s rows), and is refused by name before any update
+copy, a target network, a queue of keys, a raw ``tf.Variable`` the model
+holds) and update a metric it updates. So each is a meeting, as an apply
+is: every tower hands in what it would assign, the first assigns once, and
+every tower reads the new value after. A variable takes its
+``aggregation``'s rule (``state.py``); ``"none"`` takes the first tower's
+value only when every tower's is the same value (the same ops on the same
+variables and constants, or on what the towers met for, ``towers.gather``'s
+rows), or adds the batch's loss where each tower's adds its loss (a running
+total, ``Applies.loss_kind``), and is refused by name before any update
 otherwise.
 
 A metric update is one update on the whole batch: a ``keras.metrics.Mean``
 given one number for the batch (a tracker fed the step's loss, a sum's as a
 mean's, ``loss_kinds.py``) is updated once with the towers' numbers weighted
 by their shares; any other update adds the towers' changes up, unless every
-tower's is the same. A seed generator's state moves once (``draws.py``),
-BatchNormalization's moving statistics at each call
-(``MovingStatistics.moving_at_once``); with a copy per tower, each copy
-changes its own.
+tower's is the same. Seed states move once (``draws.py``), BatchNormalization's
+moving statistics at each call; with a copy per tower, each copy changes its
+own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from towers._keras import in_stateless_scope, layers_of
 from towers._keras.patches import (
     Patch,
     calling,
+    raw_assignments,
     routed_assignments,
     routed_calls,
     tracked_calls,
@@ -41,7 +43,7 @@ from towers._keras.patches import (
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current
-from towers.step.state import aggregate, form_of, refused, rule_of
+from towers.step.state import aggregate, form_of, raw_variables, refused, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -90,6 +92,7 @@ class Assignments:
         self.across = across
         # A loss value as a mean over the tower's rows (Applies.as_mean).
         self.as_mean: Any = lambda value: value
+        self.loss_kind: Any = lambda value: None  # Applies.loss_kind
         self.assigned: list[str] = []  # what the step assigned, when traced
         # A metric's result() the step read, by its values' ids (when traced).
         self._results: dict[Any, Any] = {}
@@ -111,6 +114,7 @@ class Assignments:
         # copies' variables correspond.
         self._place = {id(v): i for m in models for i, v in enumerate(m.variables)}
         self._own: Any = None
+        self._names: dict[int, str] = {}  # a raw tf.Variable's, by id
 
     @contextlib.contextmanager
     def routed(self) -> Iterator[None]:
@@ -121,6 +125,8 @@ class Assignments:
             yield
             return
         metrics = [m for model in self.models for m in _every_metric(model)]
+        raw = [v for model in self.models for v, _ in raw_variables(model)]
+        self._names = {id(v): n for m in self.models for v, n in raw_variables(m)}
         # With a copy per tower: each metric's place in its copy's.
         self._metric_place = {id(m): i for model in self.models
                               for i, m in enumerate(_every_metric(model))}  # fmt: skip
@@ -130,6 +136,7 @@ class Assignments:
             with (
                 Patch(lambda: tracked_calls(self._normalising)).applied(),
                 routed_assignments(self._assign) as own,
+                Patch(lambda: raw_assignments(raw, self._raw)).applied(),
                 routed_calls(metrics, "update_state", self._update),
                 routed_calls(metrics, "result", self._result),
             ):
@@ -168,21 +175,36 @@ class Assignments:
             return value
         value = keras.ops.convert_to_tensor(value, variable.dtype)  # cast, as Keras
         if here.first:
-            self.assigned.append(variable.path)
+            self.assigned.append(self._name(variable))
         if len(self.models) > 1:
             return self._assign_copies(here, variable, value, assign)
 
         def once(handed: list) -> Any:
             _check_same(handed, variable)
-            values = [value for _, value, _, _ in handed]
-            shares = [share for *_, share, _ in handed]
-            same = _same([form for *_, form in handed])
+            _, values, shares, forms, added = (list(h) for h in zip(*handed))
+            same = _same(forms)
+            added = added[0] if len(set(added)) == 1 else None
             with tf.name_scope("assignments/"):
-                return assign(self._combine(variable, values, shares, same))
+                return assign(self._combine(variable, values, shares, same, added))
 
         form = here.form(value, _MARKS, _FORMS)
-        done = here.once((variable, value, here.weight, form), once, [variable])
+        added = self._loss_added(variable, value)
+        done = here.once((variable, value, here.weight, form, added), once, [variable])
         return value if done is None else done
+
+    def _raw(self, variable: tf.Variable, value: tf.Tensor) -> Any:
+        return self._assign(variable, value, type(variable).assign.__get__(variable))
+
+    def _loss_added(self, variable: Any, value: tf.Tensor) -> str | None:
+        """The kind of the loss ``value`` adds to (or takes from) ``variable``:
+        one the step took the gradient of; else None."""
+        if value.op.type not in ("AddV2", "Sub"):
+            return None
+        read, loss = value.op.inputs
+        if value.op.type == "AddV2" and self.loss_kind(read) is not None:
+            read, loss = loss, read
+        kind = self.loss_kind(loss)
+        return kind if kind is not None and _reads(read, variable) else None
 
     def _assign_copies(self, here: Any, variable: Any, value: Any, assign: Any):
         """With a copy per tower: the copies' corresponding variables take one
@@ -202,12 +224,14 @@ class Assignments:
             return assign(combined)
 
     def _combine(
-        self, variable: Any, values: list, shares: list, same: bool
+        self, variable: Any, values: list, shares: list, same: bool, added=None
     ) -> tf.Tensor:
         """What ``variable`` takes from the towers' ``values`` (of ``shares``
-        of the batch; ``same``: every one's form the first's), by its
-        aggregation (the module docstring)."""
+        of the batch; ``same``: every one's form the first's; ``added``: the
+        kind of the loss each added to it), by its aggregation."""
         rule = rule_of(variable)
+        if rule == "none" and not same and added is not None:
+            rule = "mean" if added == "mean" else "sum"  # the batch's loss
         if len(values) == 1 and self.across is None:
             return values[0]
         if rule == "only_first_replica" or (rule == "none" and same):
@@ -220,7 +244,11 @@ class Assignments:
                 weight = in_dtype(weight, before.dtype)
                 change = change / over_workers(self.across, weight)
             return before + change
-        raise refused(variable.path, rule)
+        raise refused(self._name(variable), rule)
+
+    def _name(self, variable: Any) -> str:
+        """A Keras variable's path; a raw tf.Variable's layer and attribute."""
+        return getattr(variable, "path", None) or self._names[id(variable)]
 
     def _update(self, metric: Any, update: Any, args: tuple, kwargs: dict) -> Any:
         here = current()
@@ -266,6 +294,15 @@ class Assignments:
 
         here.once((metric, after, here.weight, forms), added, variables)
         return None
+
+
+def _reads(tensor: tf.Tensor, variable: Any) -> bool:
+    """Whether ``tensor`` reads ``variable`` (through identities)."""
+    while tensor.op.type == "Identity":
+        tensor = tensor.op.inputs[0]
+    captures = getattr(tf.compat.v1.get_default_graph(), "captures", [])
+    handle = {id(o): i for o, i in captures}.get(id(variable.handle), variable.handle)
+    return tensor.op.type == "ReadVariableOp" and tensor.op.inputs[0] is handle
 
 
 def _read(variables: list[Any]) -> list[tf.Tensor]:

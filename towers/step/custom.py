@@ -195,6 +195,7 @@ class CustomStep:
             apart=self.placement.name == "independent",
         )
         assignments.as_mean = self.applies.as_mean
+        assignments.loss_kind = self.applies.loss_kind
         self._assignments = assignments  # which logs are metrics' results
         weights = [_share(shards, t) for t in working]
         try:

@@ -23,14 +23,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from towers._keras.current import setting, this_tower
-from towers._keras.patches import routed_applies, routed_gradients
+from towers._keras.patches import (
+    Patch,
+    raw_assignments,
+    routed_applies,
+    routed_gradients,
+)
 from towers.split import examples_of, take_rows, units_of
 from towers.step import draws, places
 from towers.step.batchnorm import Steady
@@ -44,6 +49,7 @@ from towers.step.loss_kinds import (
     nothing,
     readings,
 )
+from towers.step.state import raw_variables
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4
@@ -223,6 +229,7 @@ class _Recorder:
         self.relaxed = False  # while traced for parts of any rows
         self.drawn: list[list[Any]] = []  # per part, its draws' row counts
         self._batch: list[tf.Tensor] = []
+        self._raw: dict[int, tf.Tensor] = {}  # raw tf.Variables' (_stateless)
 
     def recorded(self, parts: list[tuple]) -> tuple:
         """:meth:`run` on ``parts``. A draw over a number of rows that is both
@@ -282,7 +289,8 @@ class _Recorder:
         with setting(recorder=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
                 drawing = draws.drawing(None, [self.model], 2, self.hook)
-                with drawing, places.steady(), steady.patched():
+                raw = Patch(lambda: _stateless(self.model, self._raw)).applied()
+                with drawing, places.steady(), steady.patched(), raw:
                     yield
 
     def run(self, *parts: tuple) -> tuple:
@@ -311,7 +319,7 @@ class _Recorder:
         (x, y, sw), work = part, self.work or own_hook(self.model, self.hook)
         kept = getattr(work, "kept", [])
         del kept[:]
-        self._losses, self._leading = [], []
+        self._losses, self._leading, self._raw = [], [], {}
         self._batch = tf.nest.flatten(part, True)
         at = first * examples_of(x)  # its first row of the two examples'
         # Every variable mapped: a weight regulariser reads it through the scope.
@@ -363,3 +371,20 @@ def _with_free(value: tf.Tensor, free: tf.Tensor | None) -> tf.Tensor:
     """``[value, its batch-free terms]`` (0 for none), float64."""
     free = tf.zeros_like(value) if free is None else free
     return tf.cast(tf.stack([value, tf.cast(free, value.dtype)]), tf.float64)
+
+
+def _stateless(model: keras.Model, values: dict[int, tf.Tensor]) -> list[tuple]:
+    """The model's raw tf.Variables as a StatelessScope holds Keras': an
+    assignment kept in ``values`` (by id), read back after, nothing written."""
+    raw = [v for v, _ in raw_variables(model)]
+
+    def reading(variable: tf.Variable) -> Callable[[], tf.Tensor]:
+        read = type(variable).value.__get__(variable)
+        return lambda: values[id(variable)] if id(variable) in values else read()
+
+    def kept(variable: tf.Variable, value: tf.Tensor) -> tf.Tensor:
+        values[id(variable)] = value
+        return value
+
+    reads = [(v, name, reading(v)) for v in raw for name in ("value", "read_value")]
+    return reads + raw_assignments(raw, kept)

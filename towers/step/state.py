@@ -29,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from towers._keras import is_seed_state
+from towers._keras import is_seed_state, layers_of
 from towers._runtime import called_graph
 from towers.combine import in_dtype
 
@@ -66,6 +67,27 @@ def rule_of(variable: Any) -> str:
     name = str(getattr(variable, "aggregation", "none")).lower()
     name = name.rsplit(".", 1)[-1]  # tf.VariableAggregation.SUM -> "sum"
     return name if name in RULES else "none"
+
+
+def raw_variables(model: Any) -> list[tuple[tf.Variable, str]]:
+    """The ``tf.Variable``\\ s ``model``'s layers hold, named ``layer/attribute``:
+    state a model's own step may assign that ``model.variables`` omits.
+
+    >>> layer = keras.layers.Dense(1, name="head")
+    >>> layer.total = tf.Variable(0.0)
+    >>> [name for _, name in raw_variables(layer)]
+    ['head/total']
+    """
+    found: dict[int, tuple[tf.Variable, str]] = {}
+    for layer in layers_of(model):
+        for attribute, value in vars(layer).items():
+            if attribute.startswith("_self_"):  # tf.Module's tracking
+                continue
+            held = list(value.values()) if isinstance(value, dict) else value
+            for v in held if isinstance(held, (list, tuple)) else [value]:
+                if isinstance(v, tf.Variable) and not isinstance(v, keras.Variable):
+                    found.setdefault(id(v), (v, f"{layer.name}/{attribute}"))
+    return list(found.values())
 
 
 def aggregate(rule: str, before: Any, values: list, weights: list) -> tuple:

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import global_seed_state, layers_of, leaf_metrics
+from towers.step.state import raw_variables
 
 
 class Kept:
@@ -61,18 +62,22 @@ class Watched:
 
 def watched(model: keras.Model, optimizers: list[Any]) -> list[Watched]:
     """What one device's step changes, compared: ``model``'s variables (seed
-    states included), its optimizers' (a custom step's own too), Keras'
-    global seed generator's, and the results of its metrics (what fit
-    reports; their variables may count apart)."""
+    states and raw tf.Variables included), its optimizers' (a custom step's
+    own too), Keras' global seed generator's, and the results of its metrics
+    (what fit reports; their variables may count apart)."""
     found: dict[int, Watched] = {}
     own = own_optimizers(model)
-    owned = [(v, "layer " + v.path.rsplit("/", 1)[0]) for v in model.variables]
+    owned = [(v, v.path) for v in model.variables] + raw_variables(model)
+    owned = [(v, path, "layer " + path.rsplit("/", 1)[0]) for v, path in owned]
     for optimizer in [*optimizers, *own]:
-        owned += [(v, f"optimizer {optimizer.name}") for v in optimizer.variables]
+        owned += [
+            (v, v.path, f"optimizer {optimizer.name}") for v in optimizer.variables
+        ]
     seed = global_seed_state()
-    owned += [(seed, "Keras' global seed generator")] * (seed is not None)
-    for v, whose in owned:
-        found.setdefault(id(v), Watched(v.path, whose, _reader(v), id(v)))
+    if seed is not None:
+        owned.append((seed, seed.path, "Keras' global seed generator"))
+    for v, path, whose in owned:
+        found.setdefault(id(v), Watched(path, whose, _reader(v), id(v)))
     entries = list(found.values())
     for metric in leaf_metrics(model):
         entries.append(Watched(metric.name, f"metric {metric.name}", _reader(metric)))
@@ -99,10 +104,12 @@ def own_optimizers(model: keras.Model) -> list[Any]:
 
 
 def state_of(model: keras.Model, optimizers: list[Any]) -> list[Any]:
-    """Every variable of ``model``, its metrics and its optimizers (a custom
-    step's own too), and Keras' global seed generator's."""
+    """Every variable of ``model`` (its raw tf.Variables too), its metrics
+    and its optimizers (a custom step's own too), and Keras' global seed
+    generator's."""
     own = own_optimizers(model)
     found = [*model.variables, *[v for m in model.metrics for v in m.variables]]
+    found += [v for v, _ in raw_variables(model)]  # a loss sum its step adds to
     found += [v for o in [*optimizers, *own] for v in o.variables]
     seed = global_seed_state()
     return [*found, *[seed] * (seed is not None)]
