@@ -1,4 +1,4 @@
-"""What one device's random draws cost on towers (towers/step/draws.py).
+"""What one device's random draws cost on towers (towers/step/rules/draws.py).
 
 Each tower draws its rows of the batch's numbers as one device draws them
 (a uniform or normal draw, Dropout's mask among them, for the tower's rows

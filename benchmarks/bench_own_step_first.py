@@ -2,7 +2,7 @@
 
 Before the first training step towers runs the model's own ``train_step``
 on two examples together and on each alone, nothing applied, to find how its
-losses depend on the batch (``towers/step/loss_kinds.py``). That is three more
+losses depend on the batch (``towers/step/rules/loss_kinds.py``). That is three more
 traces of the step on one device. Each contender's first step in a fresh
 process, in turns, from construction to the first loss read back, on the
 guide's step (``bench_own_step_xla.GuideStep``, MLP preset, batch 256):

@@ -115,6 +115,19 @@ def test_each_stage_says_what_it_does_and_may_import(folder):
     assert (ROOT / "tests" / folder / "__init__.py").exists()  # tests mirror it
 
 
+def test_the_rules_import_the_meetings_and_no_step_that_uses_them():
+    allowed = {"meetings", "lockstep", "hooks", "rules"}
+    found = {
+        module_name(p): sorted(
+            dep
+            for dep in imports_of(p)
+            if dep.startswith("towers.step.") and dep.split(".")[2] not in allowed
+        )
+        for p in (PACKAGE / "step" / "rules").glob("*.py")
+    }
+    assert {name: deps for name, deps in found.items() if deps} == {}
+
+
 @pytest.mark.parametrize(
     "module",
     [

@@ -126,7 +126,7 @@ def trains_as_keras_fit(name, jit_compile, examples=EXAMPLES, batch=BATCH):
 
 
 # keras_hub causal LMs from tiny configs: vocabulary 64, 2 layers, hidden 16.
-# GPT-2's dropout draws are one device's (towers/step/draws.py).
+# GPT-2's dropout draws are one device's (towers/step/rules/draws.py).
 CAUSAL_LMS = {
     "GPT2": lambda: keras_hub.models.GPT2CausalLM(
         backbone=keras_hub.models.GPT2Backbone(

@@ -36,7 +36,7 @@ _HOME = {
     "WorkerLostError": "towers.cluster.faults",
     "shard": "towers.cluster.cluster",
     "combine_gradients": "towers.combine",
-    "gather": "towers.step.gather",
+    "gather": "towers.step.rules.gather",
     "split_batch": "towers.split",
     "split_sizes": "towers.split",
     "virtual_devices": "towers.devices",

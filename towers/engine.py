@@ -15,7 +15,7 @@ from towers.explain.run import Explaining
 from towers.parts import PlacementName, join_cluster, make_step
 from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
-from towers.step.batchnorm import BatchStatistics, MovingStatisticsPolicy
+from towers.step.rules.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.xla import JitCompile
 from towers.training.check_schedule import SPOT_CHECKS, CheckedSteps
 from towers.training.compiled import Compiled
@@ -40,7 +40,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
       metrics, weighted_metrics, loss_weights: as ``model.compile`` takes them;
         metrics see every tower's predictions: the full batch's.
       moving_statistics: how BatchNormalization's moving statistics move once
-        a step: ``"batch"``, ``"tower0"``, ``"mean"`` (``step/batchnorm.py``).
+        a step: ``"batch"``, ``"tower0"``, ``"mean"`` (``step/rules/batchnorm.py``).
       batch_statistics: BatchNormalization normalises with the whole batch's
         statistics (``"global"``, the default where the towers share a model)
         or each shard's (``"tower"``, for speed); ``synchronized=True`` layers
@@ -55,7 +55,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
       jit_compile: each tower's pass as XLA computations: True, False, or
         ``"auto"``; None: the compiled model's (``towers/step/xla.py``).
       coupled_losses: a loss term coupling the batch's examples is made exact
-        (``"exact"``), taken per tower (``"per_tower"``) or refused (step/coupled.py).
+        (``"exact"``), per tower (``"per_tower"``) or refused (step/rules/coupled.py).
       steps_per_execution: fit's steps per call (a loop in the graph), as
         ``compile`` takes it; None: the compiled model's, else 1.
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
@@ -182,7 +182,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
         Raises:
           ValueError: x, y and sample_weight disagree on B, B == 0, the batch
             does not fit (``training/fits.py``), a term couples the examples
-            (``step/probe.py``), or a checked step is unlike one device's.
+            (``step/rules/probe.py``), or a checked step is unlike one device's.
           FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
             is not finite; nothing was updated.
 

@@ -187,7 +187,7 @@ def as_one_tower(tmp_path, model, *more):
 def test_a_clip_dual_encoder_trains_in_a_cluster_as_one_device(tmp_path):
     # Its compute_loss is a softmax over the whole batch's similarities: every
     # worker's outputs are gathered through the collective runtime
-    # (towers/step/gathered.py), worker 1 joining with nothing in the batch of
+    # (towers/step/rules/gathered.py), worker 1 joining with nothing in the batch of
     # one; its own Sum metric counts each batch once. The reference is one
     # tower in one process.
     expected, results = as_one_tower(tmp_path, "clip")
@@ -200,7 +200,7 @@ def test_a_clip_dual_encoder_trains_in_a_cluster_as_one_device(tmp_path):
 def test_a_models_own_train_step_trains_in_a_cluster_as_one_device(tmp_path):
     # Its train_step applies twice, with two optimizers, the second through
     # the first's update, from a loss that sums over the examples plus a
-    # weight penalty (found by the probe, towers/step/loss_kinds.py, on each
+    # weight penalty (found by the probe, towers/step/rules/loss_kinds.py, on each
     # worker): at each apply the towers' gradients are combined,
     # then summed over the workers weighted by their examples, and applied on
     # every worker; the metrics it updates are summed over the workers. What
@@ -279,7 +279,7 @@ def test_a_mixture_of_experts_trains_in_a_cluster_as_one_device(tmp_path):
     # keras_hub's Mixtral block adds a load-balancing loss, a product of two
     # means over the whole batch: its token counts and router probabilities are
     # summed over the towers and the workers' collective runtime
-    # (towers/step/coupled.py), worker 1 joining with nothing in the batch of
+    # (towers/step/rules/coupled.py), worker 1 joining with nothing in the batch of
     # one. The reference is one tower in one process: one device's update.
     expected, results = as_one_tower(tmp_path, "moe")
     for got in results:

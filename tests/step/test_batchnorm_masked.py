@@ -1,5 +1,5 @@
 """BatchNormalization given a mask, and with renorm=True, on towers against
-Keras' own fit on one device in float64 (towers/step/batchnorm.py): masked
+Keras' own fit on one device in float64 (towers/step/rules/batchnorm.py): masked
 values are left out of the moments, under tower and global statistics alike,
 and a renorm layer moves its renorm statistics by its own rule, once a step."""
 

@@ -1,6 +1,6 @@
 """A BatchNormalization layer called more than once in a step (a siamese
 network's shared embedding) moves its moving statistics at each call, in
-call order, as Keras' fit does on one device (towers/step/batchnorm.py)."""
+call order, as Keras' fit does on one device (towers/step/rules/batchnorm.py)."""
 
 import keras
 import numpy as np

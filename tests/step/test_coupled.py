@@ -1,6 +1,6 @@
 """A loss term that couples the batch's examples (keras_hub's mixture-of-experts
 load balancing) trains as on one device: its token counts and router
-probabilities summed over the towers (towers/step/coupled.py). Or it is taken
+probabilities summed over the towers (towers/step/rules/coupled.py). Or it is taken
 per tower with a warning when asked, or refused by name; never trained to
 other weights in silence.
 
@@ -22,7 +22,8 @@ import pytest
 
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step import coupled, runner
+from towers.step import runner
+from towers.step.rules import coupled
 
 UPDATE_RTOL = 2e-3
 TINY = dict(

@@ -118,7 +118,7 @@ def sum_model():
 
 
 def test_a_step_whose_loss_is_a_sum_trains_as_keras_fit():
-    # Found by the probe (towers/step/loss_kinds.py); its value returned
+    # Found by the probe (towers/step/rules/loss_kinds.py); its value returned
     # as it is is the batch's sum.
     x, y = regression(23)
     engine = Towers(sum_model(), devices=devices(3))
@@ -305,7 +305,7 @@ def vae(noise):
 
 @pytest.mark.parametrize("num_towers", [2, 3])
 def test_a_vae_drawing_its_epsilon_trains_as_keras_fit(num_towers):
-    # Each tower draws its rows of the batch's epsilon (towers/step/draws.py).
+    # Each tower draws its rows of the batch's epsilon (towers/step/rules/draws.py).
     x = np.random.default_rng(0).standard_normal((19, 4))
     engine = Towers(vae(1.0), devices=devices(num_towers))
     reference = vae(1.0)

@@ -1,6 +1,6 @@
 """Random draws in a model's own train_step, written as keras.io's examples
 write them, are one device's numbers for each tower's examples
-(towers/step/draws.py): against Keras' fit on one device, float64, uneven
+(towers/step/rules/draws.py): against Keras' fit on one device, float64, uneven
 shards."""
 
 import keras

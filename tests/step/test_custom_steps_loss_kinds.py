@@ -1,7 +1,7 @@
 """How a model's own train_step's loss depends on its batch is found, not
 declared: each form a user writes trains as Keras' own fit on one device
 (float64, 3 uneven towers, plain SGD, no towers option), or is refused by
-name with the weights untouched (towers/step/loss_kinds.py)."""
+name with the weights untouched (towers/step/rules/loss_kinds.py)."""
 
 import keras
 import numpy as np
@@ -205,7 +205,7 @@ def test_a_loss_on_one_tower_alone_is_one_devices_whatever_its_kind(monkeypatch)
     # The whole batch on one tower: its gradients are one device's, so the
     # probe (three more traces of the step) is not run, and a loss that
     # couples the examples trains as on one device.
-    from towers.step import probe
+    from towers.step.rules import probe
 
     def probed(*args, **kwargs):
         raise AssertionError("probed")
@@ -345,7 +345,7 @@ def test_the_probe_traces_the_step_once_where_it_draws_nothing(draws):
     # data's rows reads as the part's where they are unknown), so each shape
     # is then traced, the two of one example sharing theirs (the second
     # example's draws placed by a tensor, not a constant).
-    from towers.step import probe
+    from towers.step.rules import probe
 
     traced = []
 
@@ -374,7 +374,7 @@ def test_the_probe_traces_the_step_once_where_it_draws_nothing(draws):
 def test_a_loss_zero_on_the_first_two_examples_is_read_on_the_next_two():
     # Both readings fit a loss of 0: the probe tries the next pair, through
     # the traces it made for the first.
-    from towers.step import probe
+    from towers.step.rules import probe
 
     form = lambda m, x, y, sw: ops.sum(squares(m, x, y) * x[:, :1])  # noqa: E731
     x, y = regression(8)

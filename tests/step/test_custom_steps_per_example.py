@@ -1,7 +1,7 @@
 """A model's own train_step whose loss has a value per example, as Keras'
 loss functions return one (``keras.losses.mean_squared_error(y, y_pred)``,
 the guide's older step): ``tape.gradient`` sums it over the tower's rows, so
-the towers' gradients add up as a sum's (towers/step/loss_kinds.py). Against
+the towers' gradients add up as a sum's (towers/step/rules/loss_kinds.py). Against
 Keras' own fit on one device, float64, uneven shards."""
 
 import keras

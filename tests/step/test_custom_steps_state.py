@@ -2,7 +2,7 @@
 against Keras' own fit on one device (float64, uneven shards): a variable the
 step assigns moves once, to one device's value, or the step is refused by name
 before any update; a tracker fed the step's batch means reports the batch's
-(towers/step/assignments.py)."""
+(towers/step/rules/assignments.py)."""
 
 import keras
 import numpy as np

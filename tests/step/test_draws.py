@@ -1,4 +1,4 @@
-"""Random draws on towers are one device's (towers/step/draws.py): every
+"""Random draws on towers are one device's (towers/step/rules/draws.py): every
 tower starts from the step's seed states and draws its rows of the whole
 batch's numbers, and the states move once. Against Keras' own fit on one
 device, float64, uneven shards, every way the runner runs the towers."""
@@ -13,7 +13,8 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import draws, loss_kinds, meetings, places, runner, segments
+from towers.step import meetings, runner, segments
+from towers.step.rules import draws, loss_kinds, places
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 

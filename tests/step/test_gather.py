@@ -1,7 +1,7 @@
 """towers.gather inside a model's own train_step: a contrastive loss over the
 whole batch's similarity matrix (SimCLR's, computed in the step, not in
 compute_loss) trains to Keras' own fit's weights on one device, where gather
-returns its tensor as it is (towers/step/gather.py). Float64, uneven shards."""
+returns its tensor as it is (towers/step/rules/gather.py). Float64, uneven shards."""
 
 import keras
 import numpy as np

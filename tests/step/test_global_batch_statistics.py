@@ -1,6 +1,6 @@
 """batch_statistics="global": T towers train a BatchNormalization model to one
 device's weights and moving statistics (towers/step/lockstep.py,
-towers/step/batchnorm.py).
+towers/step/rules/batchnorm.py).
 """
 
 import keras

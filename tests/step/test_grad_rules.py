@@ -1,4 +1,4 @@
-"""The towers' gradients as one device's (towers/step/grad_rules.py): a lookup
+"""The towers' gradients as one device's (towers/step/rules/grad_rules.py): a lookup
 of rows apart from the batch (keras.io's position embeddings) is combined
 as one device's gradient, so Adam, which squares each slice, takes the same
 step (issue 64, item 3)."""
@@ -14,8 +14,8 @@ from tests.step.test_custom_steps import GuideStep
 from tests.test_equivalence import devices
 from tests.training.test_keras_fit_cases import assert_same_fit, twins
 from towers import Towers
-from towers.step.grad_rules import as_one_devices
-from towers.step.state import Reads
+from towers.step.rules.grad_rules import as_one_devices
+from towers.step.rules.state import Reads
 
 
 class TokensAndPositions(keras.Model):
@@ -176,7 +176,7 @@ def test_float8_training_is_one_devices_where_rounding_cannot_hide_it(float64):
 
 def test_float8_in_an_own_train_step_is_refused_by_name_before_any_update():
     # The tape's gradients in a model's own step are a mean's over each
-    # tower's rows (step/loss_kinds.py), so the output gradients' amax
+    # tower's rows (step/rules/loss_kinds.py), so the output gradients' amax
     # histories hold a shard's magnitudes, not one device's: the first-step
     # check names them, and nothing moves.
     x, y = regression_data()

@@ -1,6 +1,6 @@
 """A loss term that is not a mean over the batch's examples is found on the
 first batch and refused by name, or warned of with ``coupled_losses=
-"per_tower"`` (``towers/step/coupled.py``); a coupled ``compute_loss`` is
+"per_tower"`` (``towers/step/rules/coupled.py``); a coupled ``compute_loss`` is
 computed on the whole batch (tests/step/test_gathered_loss.py). Terms that
 are means, or do not depend on the examples, train as Keras' own ``fit`` on
 one device."""
@@ -15,7 +15,7 @@ import tensorflow as tf
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import loss_terms
+from towers.step.rules import loss_terms
 
 EXAMPLES = 10
 

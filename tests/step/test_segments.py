@@ -169,7 +169,7 @@ def test_a_pass_is_cut_where_the_towers_meet():
 def test_random_layers_draw_as_the_same_step_without_xla(xla_allowed):
     """Dropout after BatchNormalization, each phase an XLA computation: the
     step advances the seed states as far as the same step without XLA does
-    (every tower draws its rows of the batch's numbers: step/draws.py)."""
+    (every tower draws its rows of the batch's numbers: step/rules/draws.py)."""
 
     def build():
         return keras.Sequential(

@@ -1,5 +1,5 @@
 """State a layer assigns in its forward pass: assigned once a step by the
-variable's aggregation, never once per tower (towers/step/state.py)."""
+variable's aggregation, never once per tower (towers/step/rules/state.py)."""
 
 import warnings
 

@@ -11,8 +11,8 @@ from tests.models import build_dense_sparse_unused, dense_sparse_batch
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
 from towers.step import segments
-from towers.step.batchnorm import MovingStatistics
 from towers.step.losses import StepLoss
+from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.tower import Tower, weights_here
 
 
@@ -218,6 +218,6 @@ def test_weights_read_once_on_the_towers_device_and_assignments_kept_for_the_ste
         seen = tf.convert_to_tensor(kernel)  # later reads see the assignment
     assert read.device.endswith("CPU:1")
     np.testing.assert_array_equal(seen, np.ones((2, 1)))
-    # Kept in the scope for the step to assign once (towers/step/state.py).
+    # Kept in the scope for the step to assign once (towers/step/rules/state.py).
     assert list(scope.assigned.values()) == [kernel]
     np.testing.assert_array_equal(kernel.numpy(), before)

@@ -11,9 +11,9 @@ Keras' rule of shapes.
 Weights read on the tower's device: each tower runs the model in a
 ``keras.StatelessScope`` mapping each weight to the tensor it read
 (``ReadScope``). A seed generator's state assigned there is assigned at once
-unless the step holds the states every tower starts from (``step/draws.py``);
+unless the step holds the states every tower starts from (``step/rules/draws.py``);
 any other assignment stays in the scope, assigned once by its aggregation
-(``step/state.py``). ``_trainable_variables`` tell a frozen layer's
+(``step/rules/state.py``). ``_trainable_variables`` tell a frozen layer's
 variables from moving statistics; an optimizer's build for a layer unfrozen
 later: ``towers/_keras/optimizers.py``.
 

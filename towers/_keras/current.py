@@ -3,7 +3,7 @@ tf.distribute's replica context, holding what the step's parts and the
 patched Keras calls (``patches.py``) read of it. The package's one
 ``threading.local``: a tower's thread starts with a fresh one; what holds for
 the whole step (a cluster's rows, whether a draw can be placed) is the
-step's, readable from any thread (``step/places.py``).
+step's, readable from any thread (``step/rules/places.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ class Tower:
         pass's recording; None: alone), ``step/meetings.py``.
       rows: its rows of the batch, ``python``: its Python ``random`` while
         it is traced, and ``drawn``: the row counts of its draws so far, in
-        call order (``step/places.py``).
+        call order (``step/rules/places.py``).
       calling: the layers whose ``call`` it is within, and ``skip``: the
         values its next counted draw skips (``patches.py``).
       moments: where BatchNormalization's moments go, by the
-        ``MovingStatistics`` recording them (``step/batchnorm.py``).
-      recorder: the loss probe's recorder (``step/loss_kinds.py``).
-      in_loss: within a gathered loss's own call (``step/gathered.py``).
+        ``MovingStatistics`` recording them (``step/rules/batchnorm.py``).
+      recorder: the loss probe's recorder (``step/rules/loss_kinds.py``).
+      in_loss: within a gathered loss's own call (``step/rules/gathered.py``).
     """
 
     def __init__(self) -> None:

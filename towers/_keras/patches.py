@@ -8,21 +8,21 @@ traced in lockstep enter together, each in its own thread). What is
 replaced, and why:
 
 - BatchNormalization's ``_moments``, and its own updates of its moving
-  statistics (``step/batchnorm.py``): the towers' moments are recorded or
+  statistics (``step/rules/batchnorm.py``): the towers' moments are recorded or
   met, the statistics moved once a step;
 - keras_hub's mixture-of-experts ``compute_load_balancing_loss``
-  (``step/coupled.py``): the whole batch's, when the towers meet;
+  (``step/rules/coupled.py``): the whole batch's, when the towers meet;
 - in a model's own step, Keras' optimizers' ``apply``, Keras variables'
   ``assign``, metrics' ``update_state`` and ``result``, and a model's
-  ``compute_loss`` (``step/applies.py``, ``step/assignments.py``,
-  ``step/gathered.py``): routed to where the towers meet; and
+  ``compute_loss`` (``step/applies.py``, ``step/rules/assignments.py``,
+  ``step/rules/gathered.py``): routed to where the towers meet; and
   ``tf.GradientTape.gradient`` (``step/applies.py``): a gradient handed
   in as a mean's, however the loss reads the batch;
-- Keras' random draws (``step/draws.py``), and TensorFlow's stateless
+- Keras' random draws (``step/rules/draws.py``), and TensorFlow's stateless
   uniform and normal draws under them: a tower draws its rows of the
   batch's numbers;
 - Python's ``random`` functions (``random.choice``: AugMix picks each
-  chain's operations so while it is traced; ``step/places.py``): each
+  chain's operations so while it is traced; ``step/rules/places.py``): each
   tower's trace draws what one device's trace would;
 - Keras' own ``fit``, ``evaluate`` and ``predict`` while a model's override
   of one runs (``training/overrides.py``): its ``super()`` call reaches
@@ -272,7 +272,7 @@ def drawn_after(values: Any) -> Iterator[None]:
     """Within, this thread's next stateless uniform or normal draw (the one
     ``_COUNTED`` op a Keras draw makes) gives the values that follow the
     first ``values`` of the same draw made longer: a tower's rows of the
-    batch's numbers, drawn alone (``step/draws.py``). Only while
+    batch's numbers, drawn alone (``step/rules/draws.py``). Only while
     :func:`routed_draws` is entered."""
     with setting(skip=values):
         yield

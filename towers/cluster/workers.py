@@ -81,7 +81,7 @@ class Summed:
       means: the cluster's value of each of ``means`` sent (per-output
         losses), combined as the loss is.
       state: the part of ``extras`` the step reads as the towers' assigned
-        state (``towers/step/state.py``), set by the step.
+        state (``towers/step/rules/state.py``), set by the step.
     """
 
     grads: list[Any]
@@ -184,7 +184,7 @@ class Workers:
         """This worker's first row in the step's global batch (its
         ``examples`` and every other worker's, summed before it), where its
         random draws start, and the global batch's rows
-        (``towers/step/places.py``)."""
+        (``towers/step/rules/places.py``)."""
         size, rank = self.cluster.num_workers, self.cluster.index
         mine = tf.one_hot(rank, size, dtype=tf.float32) * tf.cast(examples, tf.float32)
         every = tf.cast(self.sum_statistics(mine, 0, "draws"), tf.int32)

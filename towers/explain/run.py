@@ -35,7 +35,7 @@ from towers.explain.graph import (
 )
 from towers.explain.report import render
 from towers.split import split_sizes
-from towers.step.state import describe
+from towers.step.rules.state import describe
 from towers.training.compiled import traced
 
 
@@ -55,10 +55,10 @@ class Explanation:
     workers: int = 1
     xla: list[XlaCall] = field(default_factory=list)  # with jit_compile
     # the model's loss terms that couple the batch's examples, and how each is
-    # computed (towers/step/coupled.py)
+    # computed (towers/step/rules/coupled.py)
     coupled: list[str] = field(default_factory=list)
     # the variables the towers' passes assign, each with the rule that assigns
-    # it once a step (towers/step/state.py)
+    # it once a step (towers/step/rules/state.py)
     assigned: list[str] = field(default_factory=list)
     # where a model's own train_step made the towers meet (towers/step/custom.py)
     meetings: list[str] = field(default_factory=list)
@@ -137,7 +137,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
     Raises:
       ValueError: the model has a loss term that training would refuse: it
         is probed first, as fit's first step probes it
-        (``towers/step/probe.py``).
+        (``towers/step/rules/probe.py``).
     """
     x, y, sample_weight = engine.prepare(x, y)
     engine.step.probe(x, y, sample_weight)

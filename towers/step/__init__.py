@@ -4,18 +4,16 @@
 the divisors, combine, apply, metrics); ``tower.py`` is one tower's work;
 ``runner.py`` decides how the towers run, for every step: alone, once
 (``segments.py``: one trace for every tower, cut into phases where the towers
-meet by sums; ``xla.py``: each phase one XLA computation) or in turns
-(``lockstep.py``); ``losses.py`` makes T shards' losses add up to the batch's;
-``batchnorm.py`` and ``lockstep.py`` serve BatchNormalization (moving
-statistics once per step, the whole batch's statistics), with ``cut.py``
-cutting a tower's pass, traced once, into phases where the towers meet;
-``metrics.py`` updates the model's own metrics from every tower's
-predictions; ``state.py`` assigns what the towers' passes assigned, once;
-``batches.py`` checks a batch on the host; ``custom.py`` runs a model's own
-``train_step`` on every tower, meeting at its applies (``applies.py``;
-``custom_copies.py``: the metrics of a copy per tower) and at what it assigns
-(``assignments.py``). Every meeting of the towers mid-step goes through a
-tower's seat (``meetings.py``).
+meet by sums, ``cut.py`` cutting it; ``xla.py``: each phase one XLA
+computation) or in turns (``lockstep.py``); ``losses.py`` makes T shards'
+losses add up to the batch's; ``metrics.py`` updates the model's own metrics
+from every tower's predictions; ``batches.py`` checks a batch on the host;
+``custom.py`` runs a model's own ``train_step`` on every tower, meeting at
+its applies (``applies.py``; ``custom_copies.py``: the metrics of a copy per
+tower). Every meeting of the towers mid-step goes through a tower's seat
+(``meetings.py``). The rules a Keras feature needs to be one device's
+(BatchNormalization, draws, assigned state, coupled losses, the probe) are
+in ``rules/``.
 
 May import: ``towers.cluster``, ``towers.placement`` and the top-level
 building blocks (``split``, ``combine``, ``reducers``, ``devices``, ``options``,

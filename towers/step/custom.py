@@ -30,14 +30,14 @@ from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, examples_of
-from towers.step import draws, loss_kinds, probe
 from towers.step.applies import INSTANCES_PER_APPLY, Applies
-from towers.step.assignments import Assignments
 from towers.step.batches import HOST
 from towers.step.custom_copies import gather_metrics, level_metrics
-from towers.step.gathered import concat_rows, whole_batch_loss
 from towers.step.hooks import own_hook
 from towers.step.meetings import current
+from towers.step.rules import draws, loss_kinds, probe
+from towers.step.rules.assignments import Assignments
+from towers.step.rules.gathered import concat_rows, whole_batch_loss
 from towers.step.runner import Runner
 
 
@@ -69,7 +69,7 @@ class CustomStep:
         self.kinds = kinds
         self.metrics = metrics  # the engine's (towers/step/metrics.py)
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
-        self.moving = moving  # BatchNormalization's (towers/step/batchnorm.py)
+        self.moving = moving  # BatchNormalization's (towers/step/rules/batchnorm.py)
         self.applies = Applies(placement, update, accumulate_steps)
         # In a cluster, while a step is traced: the runner's handle on the
         # workers, its weight this worker's B_w / B (0 without examples).
@@ -233,7 +233,7 @@ class CustomStep:
 
     def _whole_batch_loss(self) -> Any:
         """Where the model's ``compute_loss`` couples the batch's examples
-        (the probe found it, ``towers/step/coupled.py``): within, the step's
+        (the probe found it, ``towers/step/rules/coupled.py``): within, the step's
         calls of it are the whole batch's (``gathered.whole_batch_loss``)."""
         if not self.runner.tower.coupled.gathered:
             return contextlib.nullcontext()

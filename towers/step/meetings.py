@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from towers._keras.current import setting, this_tower
 from towers.combine import in_dtype
-from towers.step.state import Form, form_of
+from towers.step.rules.state import Form, form_of
 
 T = TypeVar("T")
 
@@ -138,7 +138,7 @@ ALONE = Alone()
 def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Tensor:
     """The towers' ``handed`` values summed (then over the workers, with
     ``across``): the one sum every meeting takes. No gradient flows back
-    through it: its caller writes it (``towers/step/batchnorm.py``), and a
+    through it: its caller writes it (``towers/step/rules/batchnorm.py``), and a
     graph walk from it (``tf.custom_gradient``'s, for variables) stops here
     instead of running through every tower traced so far (a trace that grew
     with the square of the depth)."""

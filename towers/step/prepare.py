@@ -38,7 +38,7 @@ class Preparing:
     ) -> None:
         """Before the first training step (or evaluation, ``training`` False):
         the model's loss terms that are not a mean over the examples gathered,
-        refused by name or warned of (``towers/step/coupled.py``); a no-op
+        refused by name or warned of (``towers/step/rules/coupled.py``); a no-op
         after."""
         coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
         batch, own = (x, y, sample_weight), self.tower.own_loss

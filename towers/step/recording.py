@@ -11,7 +11,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.step import meetings
-from towers.step.state import Form, form_of
+from towers.step.rules.state import Form, form_of
 
 
 @dataclasses.dataclass

@@ -20,8 +20,9 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from towers.split import Shards, split_for_towers
-from towers.step import draws, lockstep, meetings, places, segments, xla
+from towers.step import lockstep, meetings, segments, xla
 from towers.step.batches import HOST
+from towers.step.rules import draws, places
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]

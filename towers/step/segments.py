@@ -23,10 +23,11 @@ import tensorflow as tf
 
 from towers.combine import in_dtype
 from towers.split import Shards, batch_size_of
-from towers.step import cut, draws, meetings, places, xla
+from towers.step import cut, meetings, xla
 from towers.step.cut import Plan
 from towers.step.recording import Once
-from towers.step.state import Form
+from towers.step.rules import draws, places
+from towers.step.rules.state import Form
 from towers.step.tower import Tower, TowerResult
 
 

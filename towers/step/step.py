@@ -25,20 +25,20 @@ from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of
 from towers.step.batches import HOST
-from towers.step.batchnorm import MovingStatistics
-from towers.step.gathered import concat_rows
-from towers.step.grad_rules import combined
 from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
 from towers.step.prepare import Preparing
-from towers.step.runner import Runner
-from towers.step.state import (
+from towers.step.rules.batchnorm import MovingStatistics
+from towers.step.rules.gathered import concat_rows
+from towers.step.rules.grad_rules import combined
+from towers.step.rules.state import (
     assign,
     exchanged,
     rule_of,
     settle_apart_metrics,
     state_variables,
 )
+from towers.step.runner import Runner
 from towers.step.tower import Tower, TowerResult
 
 
@@ -339,7 +339,7 @@ class Step(Preparing):
         return settled, summed
 
     def _settle_state(self, passes: list, shards: Shards, predict=False) -> list:
-        """The towers' assigned state, settled (``towers/step/state.py``); each
+        """The towers' assigned state, settled (``towers/step/rules/state.py``); each
         variable's rule kept in ``assigned`` (``towers explain`` lists them)."""
         for tower_pass in passes[:1]:
             self.assigned.update({v.path: rule_of(v) for v in tower_pass.state})

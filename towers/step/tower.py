@@ -36,12 +36,13 @@ from towers._keras import (
     own_losses,
 )
 from towers.split import batch_size_of
-from towers.step import places, xla
-from towers.step.batchnorm import MovingStatistics
-from towers.step.coupled import CoupledLosses
-from towers.step.gathered import gathered_loss
+from towers.step import xla
 from towers.step.losses import StepLoss, Term, over
-from towers.step.state import form_of, state_variables
+from towers.step.rules import places
+from towers.step.rules.batchnorm import MovingStatistics
+from towers.step.rules.coupled import CoupledLosses
+from towers.step.rules.gathered import gathered_loss
+from towers.step.rules.state import form_of, state_variables
 
 
 @dataclasses.dataclass

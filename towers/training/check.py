@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from towers._keras import global_seed_kept
-from towers.step.loss_kinds import coupling_layer
-from towers.step.places import named_for
+from towers.step.rules.loss_kinds import coupling_layer
+from towers.step.rules.places import named_for
 from towers.training.check_state import (
     Kept,
     Watched,

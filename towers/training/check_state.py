@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import global_seed_state, layers_of, leaf_metrics
-from towers.step.state import raw_variables
+from towers.step.rules.state import raw_variables
 
 
 class Kept:

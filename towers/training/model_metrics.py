@@ -93,7 +93,7 @@ class ModelMetrics:
         """A training or evaluation batch, prepared (``prepare``), with the
         model compiled, its metrics built and, before a first step, its loss
         terms probed (a term coupling the examples gathered or named, one
-        summing them taken as a sum: ``towers/step/coupled.py``)."""
+        summing them taken as a sum: ``towers/step/rules/coupled.py``)."""
         self.require_compiled(method)
         training = method != "evaluate_step"
         batch = self.prepare(*batch, kind="train" if training else "evaluate")

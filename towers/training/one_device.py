@@ -47,7 +47,7 @@ class OneDevice:
     Attributes:
       draws: the stateful TensorFlow random ops a traced step holds (a second
         run would draw anew: nothing to compare), by type; an eager step's
-        are named by towers' own step (``step/draws.py``).
+        are named by towers' own step (``step/rules/draws.py``).
     """
 
     def __init__(

@@ -23,8 +23,8 @@ import keras
 import tensorflow as tf
 
 from towers._keras.patches import drawn_after, routed_draws
-from towers.step import places
-from towers.step.state import state_variables
+from towers.step.rules import places
+from towers.step.rules.state import state_variables
 
 # Keras' draws made of one stateless uniform or normal draw, which a tower
 # draws alone, moved on past the rows before its own (``drawn_after``).

@@ -1,7 +1,7 @@
 """State a layer or a model's own step assigns, assigned once a step by the
 variable's ``aggregation`` (as tf.distribute reads it): the one home of the
 rules (:func:`aggregate`), for the built-in step's forward passes and a model's
-own step's assignments (``towers/step/assignments.py``).
+own step's assignments (``towers/step/rules/assignments.py``).
 
 A layer may assign a variable in ``call`` (a counter, a metric it updates).
 Each tower's pass keeps what it assigns in its scope, starting from the value

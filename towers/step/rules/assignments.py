@@ -43,7 +43,7 @@ from towers._keras.patches import (
 from towers.combine import in_dtype
 from towers.step.lockstep import over_workers
 from towers.step.meetings import current
-from towers.step.state import aggregate, form_of, raw_variables, refused, rule_of
+from towers.step.rules.state import aggregate, form_of, raw_variables, refused, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the
@@ -56,7 +56,7 @@ _FORMS: dict[Any, Any] = {}  # the forms found, by tensor (state.form_of)
 def quiet() -> Iterator[None]:
     """Within, what this tower's own step assigns and updates is dropped
     (its seat says so): a loss computed again only for a part of its
-    gradient (``towers/step/gathered.py``). Every tower is quiet alike, so
+    gradient (``towers/step/rules/gathered.py``). Every tower is quiet alike, so
     they still meet alike."""
     seat = current()
     before = seat.quiet

@@ -37,10 +37,10 @@ from towers._keras.patches import (
     routed_gradients,
 )
 from towers.split import examples_of, take_rows, units_of
-from towers.step import draws, places
-from towers.step.batchnorm import Steady
 from towers.step.hooks import own_hook, raised_in_towers
-from towers.step.loss_kinds import (
+from towers.step.rules import draws, places
+from towers.step.rules.batchnorm import Steady
+from towers.step.rules.loss_kinds import (
     PROBE_ATOL,
     Kind,
     batch_free,
@@ -49,7 +49,7 @@ from towers.step.loss_kinds import (
     nothing,
     readings,
 )
-from towers.step.state import raw_variables
+from towers.step.rules.state import raw_variables
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4

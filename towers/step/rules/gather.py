@@ -4,7 +4,7 @@
 A loss over the whole batch's similarity matrix (SimCLR's NT-Xent, CLIP's
 symmetric cross-entropy) computed inside a model's own ``train_step`` sees only
 its tower's shard, as under MirroredStrategy; towers gathers what a
-``compute_loss`` override needs by itself (``towers/step/gathered.py``), but
+``compute_loss`` override needs by itself (``towers/step/rules/gathered.py``), but
 cannot see into a step. ``towers.gather(embeddings)`` is the step's way to ask:
 every tower gets the batch's rows, in example order, and computes the whole
 batch's loss from them, each tower's gradient flowing back through its own
@@ -16,10 +16,10 @@ shares sum to 1. Outside towers (Keras' own fit on one device) it returns the
 tensor as it is, so the same step runs both ways.
 
 In a cluster, every worker's rows are gathered too (the one gather,
-``towers/step/gathered.py``), each tower's rows' gradient divided by its
+``towers/step/rules/gathered.py``), each tower's rows' gradient divided by its
 share of the global batch (``n_t / B``). Whatever its form, such a loss is
 the whole batch's on every tower, so it is weighed as a mean
-(``towers/step/loss_kinds.py``).
+(``towers/step/rules/loss_kinds.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import in_dtype
-from towers.step import probe
-from towers.step.assignments import met_for
-from towers.step.gathered import gathered_rows
 from towers.step.meetings import current
+from towers.step.rules import probe
+from towers.step.rules.assignments import met_for
+from towers.step.rules.gathered import gathered_rows
 
 
 def gather(value: Any) -> Any:

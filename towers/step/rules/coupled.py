@@ -30,10 +30,10 @@ import keras
 
 from towers._keras import layers_of, patches
 from towers.split import batch_size_of
-from towers.step.balancing import load_balancing_over_towers
-from towers.step.loss_kinds import shares_of_terms
-from towers.step.loss_terms import probe_terms
-from towers.step.probe import Measured
+from towers.step.rules.balancing import load_balancing_over_towers
+from towers.step.rules.loss_kinds import shares_of_terms
+from towers.step.rules.loss_terms import probe_terms
+from towers.step.rules.probe import Measured
 
 # keras_hub's mixture-of-experts blocks, and the attribute of their
 # load-balancing loss's coefficient.
@@ -137,7 +137,7 @@ class CoupledLosses:
         self.terms = coupled_terms(model) if towers > 1 else []
         self.exact = False
         # The model's compute_loss is computed on the gathered batch
-        # (towers/step/gathered.py), in towers' step or in the model's own.
+        # (towers/step/rules/gathered.py), in towers' step or in the model's own.
         self.gathered = False
         splits = towers > 1 or accumulate_steps > 1
         self.probed: list[Measured] | None = None if splits else []
@@ -181,7 +181,7 @@ class CoupledLosses:
             )
         gathered = (
             "on the whole batch's outputs, gathered from every tower; each "
-            "tower's gradient through its own slice (towers/step/gathered.py)"
+            "tower's gradient through its own slice (towers/step/rules/gathered.py)"
         )
         how_probed = gathered if self.gathered else per_tower
         return [f"{term}: {how}" for term in self.terms] + [

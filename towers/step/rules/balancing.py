@@ -1,5 +1,5 @@
 """keras_hub's mixture-of-experts load-balancing loss of the whole batch, in
-towers traced in lockstep (``towers/step/coupled.py`` puts it in place of
+towers traced in lockstep (``towers/step/rules/coupled.py`` puts it in place of
 each block module's own).
 
 A block routes each token to its ``k`` most probable of ``E`` experts and

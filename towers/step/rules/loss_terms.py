@@ -12,8 +12,8 @@ import keras
 import tensorflow as tf
 
 from towers._keras import call_model, compute_loss, layers_of, own_losses
-from towers.step.loss_kinds import may_add_terms, rows_match
-from towers.step.probe import Measured, probe
+from towers.step.rules.loss_kinds import may_add_terms, rows_match
+from towers.step.rules.probe import Measured, probe
 
 
 @dataclasses.dataclass

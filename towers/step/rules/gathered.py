@@ -30,7 +30,7 @@ from towers._keras.patches import routed_calls
 from towers.combine import in_dtype
 from towers.split import batch_size_of
 from towers.step import meetings
-from towers.step.assignments import met_for, quiet
+from towers.step.rules.assignments import met_for, quiet
 
 LOG2 = 0.6931471805599453  # ln 2
 
