@@ -56,7 +56,7 @@ SLOW = {
     "tests/training/test_random_kills.py": "ten kills of a running process",
     "tests/bench/test_bench_cli.py": "the bench CLI's full run",
     "tests/test_real_models.py": "keras.applications and keras_hub models",
-    "tests/step/test_coupled.py": "keras_hub's mixture-of-experts models",
+    "tests/step/rules/test_coupled.py": "keras_hub's mixture-of-experts models",
     "tests/step/test_segments.py": "XLA compilations of cut passes",
     "tests/step/test_xla.py": "XLA compilations against Keras' XLA fit",
     "tests/step/test_cut.py::test_a_recurrent_model_trains_with_xla_as_keras_xla_fit": (
@@ -75,11 +75,11 @@ SLOW = {
     "tests/test_cli.py::test_a_command_starts_quietly_unless_asked": (
         "two CLI commands in fresh processes"
     ),
-    "tests/step/test_probe.py::test_a_deep_float32_networks_own_step_is_found_a_"
+    "tests/step/rules/test_probe.py::test_a_deep_float32_networks_own_step_is_found_a_"
     "mean_and_trains_as_keras_fit": "twenty blocks traced in an own step",
     "tests/step/test_custom_steps.py::test_a_gan_resumed_from_its_checkpoint_"
     "trains_as_one_never_stopped": "a GAN trained, saved and resumed twice",
-    "tests/step/test_gathered_loss.py::test_auto_xla_runs_a_gathered_loss_without_"
+    "tests/step/rules/test_gathered_loss.py::test_auto_xla_runs_a_gathered_loss_without_"
     "it_saying_so": "a gathered loss's XLA compilations",
     **{
         f"tests/bench/test_workers.py::{name}": "a 2-worker bench job in processes"

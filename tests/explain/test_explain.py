@@ -204,7 +204,7 @@ def test_explain_shows_each_towers_phases_under_global_statistics_and_xla():
     """A BatchNormalization model with global statistics and XLA: each tower's
     pass is several XLA computations, the towers' sums between them; the
     report lists them per tower and device, as TensorFlow placed them."""
-    from tests.step.test_global_batch_statistics import bn_mlp
+    from tests.step.rules.test_global_batch_statistics import bn_mlp
 
     keras.utils.set_random_seed(0)
     engine = towers.Towers(
@@ -229,7 +229,7 @@ def test_explain_shows_each_towers_phases_under_global_statistics_and_xla():
 
 
 def test_explain_names_each_coupled_loss_term_and_how_it_is_computed():
-    from tests.step.test_coupled import mixtral_block
+    from tests.step.rules.test_coupled import mixtral_block
 
     keras.utils.set_random_seed(0)
     engine = towers.Towers(mixtral_block, "mse", "sgd", devices=CPU[:2])
@@ -249,7 +249,7 @@ def test_explain_names_each_coupled_loss_term_and_how_it_is_computed():
 
 
 def test_explain_probes_loss_terms_as_the_first_step_does():
-    from tests.step.test_probe import contrastive, data
+    from tests.step.rules.test_probe import contrastive, data
 
     x, y = data()
     refused = towers.Towers(contrastive(), devices=CPU[:2], coupled_losses="refuse")

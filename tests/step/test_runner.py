@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tests.models import build_mlp
+from tests.step.rules.test_gathered_loss import clip
+from tests.step.rules.test_gathered_loss import data as clip_data
 from tests.step.test_custom_steps import guide_model
-from tests.step.test_gathered_loss import clip
-from tests.step.test_gathered_loss import data as clip_data
 from tests.test_equivalence import devices
 from towers import Towers
 from towers.step import meetings

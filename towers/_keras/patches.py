@@ -261,7 +261,7 @@ STATEFUL = ("random_standard_normal", "random_uniform", "random_uniform_int",
 # TensorFlow's stateless draws whose values follow from a key and a Philox
 # counter by their place alone: one counter step gives four 32-bit words, a
 # value of 64 bits takes two, any other one (TensorFlow's kernels and XLA's
-# alike; tests/step/test_draws.py holds them to Keras' draws).
+# alike; tests/step/rules/test_draws.py holds them to Keras' draws).
 _V2 = gen_stateless_random_ops_v2
 _COUNTED = ("stateless_random_uniform_v2", "stateless_random_normal_v2",
             "stateless_random_uniform_int_v2")  # fmt: skip

@@ -44,7 +44,7 @@ COUPLED = {
     "Qwen3_5MoeSparseMoeBlock": "router_aux_loss_coefficient",
 }
 # The keras-hub versions whose load-balancing losses "exact" was checked on
-# against Keras' own fit (tests/step/test_coupled.py).
+# against Keras' own fit (tests/step/rules/test_coupled.py).
 CHECKED_KERAS_HUB = ("0.32.0",)
 POLICIES = ("exact", "per_tower", "refuse")
 # The function each block's module defines and its call() calls.

@@ -1,7 +1,7 @@
 """A loss term that is not a mean over the batch's examples is found on the
 first batch and refused by name, or warned of with ``coupled_losses=
 "per_tower"`` (``towers/step/rules/coupled.py``); a coupled ``compute_loss`` is
-computed on the whole batch (tests/step/test_gathered_loss.py). Terms that
+computed on the whole batch (tests/step/rules/test_gathered_loss.py). Terms that
 are means, or do not depend on the examples, train as Keras' own ``fit`` on
 one device."""
 
@@ -106,7 +106,7 @@ def fit_both(build, num_towers, **options):
 
 def test_a_contrastive_compute_loss_is_refused_by_name_before_any_update():
     """coupled_losses='refuse' (the default, "exact", computes it on the whole
-    batch: tests/step/test_gathered_loss.py)."""
+    batch: tests/step/rules/test_gathered_loss.py)."""
     x, y = data()
     engine = Towers(contrastive(), devices=devices(2), coupled_losses="refuse")
     before = engine.model.get_weights()

@@ -1,0 +1,1 @@
+"""Tests of towers/step/rules/ (see that folder's __init__)."""
