@@ -116,7 +116,7 @@ def test_each_stage_says_what_it_does_and_may_import(folder):
 
 
 def test_the_rules_import_the_meetings_and_no_step_that_uses_them():
-    allowed = {"meetings", "lockstep", "hooks", "rules"}
+    allowed = {"meetings", "hooks", "rules"}
     found = {
         module_name(p): sorted(
             dep

@@ -15,7 +15,6 @@ times aborts the rendezvous, and the others fail instead of waiting.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -23,14 +22,9 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from towers._keras import GlobalSeed, loss_ids_kept
-from towers.combine import in_dtype
-from towers.step.meetings import Seat, seated
+from towers.step.meetings import Across, Seat, seated
 
 T = TypeVar("T")
-# A collective's key fixes the shapes it carries: a tensor whose rows only the
-# run knows (a gathered batch) is padded to a power of two and takes one of
-# this many keys reserved for it, by that power.
-SIZE_BUCKETS = 32
 # How long a tower waits at a rendezvous while tracing before giving up: tracing
 # a large model's towers can take minutes on a busy machine, a deadlock forever.
 TRACE_TIMEOUT_SECONDS = 600.0
@@ -221,51 +215,3 @@ def in_lockstep(
     if first or errors:
         raise (first or errors)[0]
     return results
-
-
-class Across:
-    """The one handle on a cluster's other workers for one ``kind`` step's
-    meetings (``"train"``, ``"eval"``, ``"predict"``), made by the runner:
-    ``across(value, backward)`` is ``value`` summed over the workers, the
-    sums numbered in the order they are made (the same on every worker).
-
-    ``weight``: this worker's weight in the step (its examples, or its share
-    ``B_w / B``), once known: a backward sum weighs each worker's upstream
-    gradient by it, as its gradients are weighed."""
-
-    def __init__(self, workers: Any, kind: str):
-        self.workers, self.kind = workers, kind
-        self.weight: Any = None
-        self._instances = itertools.count()
-
-    @property
-    def where(self) -> tuple[int, int]:
-        """This worker's index and the number of workers."""
-        return self.workers.cluster.index, self.workers.cluster.num_workers
-
-    def __call__(self, value: tf.Tensor, backward: bool, bucket: Any = None):
-        sum_statistics = self.workers.sum_statistics
-        if bucket is not None:  # a size only the run knows: see SIZE_BUCKETS
-            first = next(self._instances)
-            for _ in range(SIZE_BUCKETS - 1):
-                next(self._instances)
-            return sum_statistics(value, (first, bucket), self.kind)
-        if not backward or self.weight is None:  # statistics, or a sum loss
-            return sum_statistics(value, next(self._instances), self.kind)
-        scale = tf.cast(self.weight, value.dtype)
-        summed = sum_statistics(value * scale, next(self._instances), self.kind)
-        return tf.math.divide_no_nan(summed, scale)  # an empty worker: 0
-
-
-def over_workers(across: Across | None, value: Any, by_examples=True) -> tf.Tensor:
-    """``value`` summed over a cluster's workers, each weighted by its share
-    of the global batch (``across.weight``, ``by_examples``) or by 1, a
-    worker without examples by 0 whatever its value; ``value`` itself
-    without a cluster."""
-    value = tf.convert_to_tensor(value)
-    if across is None:
-        return value
-    weight = in_dtype(across.weight, value.dtype)
-    if not by_examples:
-        weight = tf.cast(weight > 0, value.dtype)
-    return across(tf.math.multiply_no_nan(value, weight), False)

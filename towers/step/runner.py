@@ -59,9 +59,9 @@ class Runner:
         """Whether the working towers meet anyone: more than one, or a cluster."""
         return len(working) > 1 or self.workers is not None
 
-    def across(self, kind: str) -> lockstep.Across | None:
+    def across(self, kind: str) -> meetings.Across | None:
         """The step's one handle on the other workers (None: no cluster)."""
-        return None if self.workers is None else lockstep.Across(self.workers, kind)
+        return None if self.workers is None else meetings.Across(self.workers, kind)
 
     def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
         """How the working towers run a ``kind`` step: the one decision.
@@ -229,7 +229,7 @@ def turns(
     shards,
     working: list[int],
     divisors_of: Callable[[list], Any],
-    across: lockstep.Across | None = None,
+    across: meetings.Across | None = None,
     weight_of: Callable[[list], Any] | None = None,
 ) -> list:
     """:meth:`Runner.train` in turns: every tower's forward pass traced in
@@ -240,7 +240,7 @@ def turns(
     is this worker's weight in the cluster's sum (None for a sum loss): each
     worker's loss is a mean over its own examples, weighted by them when the
     workers' gradients are summed, and so is its upstream gradient in a
-    backward sum (``lockstep.Across``).
+    backward sum (``meetings.Across``).
     """
     meet = lockstep.meeting(len(working), placement, across)
 

@@ -41,8 +41,7 @@ from towers._keras.patches import (
     tracked_calls,
 )
 from towers.combine import in_dtype
-from towers.step.lockstep import over_workers
-from towers.step.meetings import current
+from towers.step.meetings import current, over_workers
 from towers.step.rules.state import aggregate, form_of, raw_variables, refused, rule_of
 
 # Tensors the towers met for, by the meeting that made them: the same value

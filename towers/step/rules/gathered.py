@@ -10,7 +10,7 @@ its own rows; ``L_s`` has every output stopped, so what the loss reads
 directly (a temperature, regularisers) counts once. The terms add up to
 ``L``. What ``compute_loss`` assigns is kept from one computation only. In a
 cluster the rows are gathered over the workers too (padded to a power of two
-rows, ``lockstep.SIZE_BUCKETS``), each worker weighted by its ``B_w / B``.
+rows, ``meetings.SIZE_BUCKETS``), each worker weighted by its ``B_w / B``.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _cluster_rows(seat: Any, local: list[Any]) -> tuple:
         offset, total = tf.reduce_sum(sizes[:index]), tf.reduce_sum(sizes)
 
         # Padded to a power of two rows: a collective's key fixes its shapes
-        # (lockstep.SIZE_BUCKETS), so each power takes its own.
+        # (meetings.SIZE_BUCKETS), so each power takes its own.
         bucket = tf.cast(
             tf.math.ceil(tf.math.log(tf.cast(tf.maximum(total, 1), tf.float64)) / LOG2),
             tf.int32,
