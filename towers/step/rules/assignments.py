@@ -197,7 +197,7 @@ class Assignments:
     def _loss_added(self, variable: Any, value: tf.Tensor) -> str | None:
         """The kind of the loss ``value`` adds to (or takes from) ``variable``:
         one the step took the gradient of; else None."""
-        if value.op.type not in ("AddV2", "Sub"):
+        if not tf.is_symbolic_tensor(value) or value.op.type not in ("AddV2", "Sub"):
             return None
         read, loss = value.op.inputs
         if value.op.type == "AddV2" and self.loss_kind(read) is not None:
