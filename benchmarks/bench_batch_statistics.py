@@ -11,7 +11,7 @@ single-device step. No target: the issue asks for the price, reported.
 
 With XLA (``jit_compile=True``), global statistics cut each tower's pass into
 phases where the towers meet, one XLA computation each
-(``towers/step/segments.py``): timed beside the same step without XLA, tower
+(``towers/step/run/phases.py``): timed beside the same step without XLA, tower
 statistics with XLA (one computation per tower), the zero-sync floor with XLA
 and the single-device step with XLA. No target on a CPU, where XLA is not
 always faster.

@@ -1,5 +1,5 @@
 """Why, without XLA, a divisor from sample weights traces the towers one by one
-(``towers/step/recording.py``'s ``Recording`` does not serve the sum in ``"once"``).
+(``towers/step/run/recording.py``'s ``Recording`` does not serve the sum in ``"once"``).
 
 Keras' ``mean_with_sample_weight`` divides by the batch's sum of sample
 weights, which no tower knows alone. The one trace for every tower can be cut
@@ -28,7 +28,7 @@ from benchmarks.conftest import record_ratio
 from towers import Towers
 from towers.bench.presets import build_mlp
 from towers.bench.timing import interleaved, ratio
-from towers.step import runner
+from towers.step.run import runner
 
 TOWERS = 8
 

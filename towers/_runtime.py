@@ -10,7 +10,7 @@ name ``tower_1/StatefulPartitionedCall/...``), and asking whether op
 determinism is on (``op_determinism``, for ``jit_compile="auto"``), and
 keeping the functions a traced graph calls with a graph imported from it
 (``functions_of``, ``add_functions``: a tower's pass is traced alone and cut
-into phases, ``towers/step/cut.py``; a layer's own ``tf.function`` called in
+into phases, ``towers/step/run/cut.py``; a layer's own ``tf.function`` called in
 it, its forward and backward among them, is dropped from the runtime when the
 traced graph is collected, unless the phases hold it), and tracing a pass
 into a graph of its own that never runs (``pass_graph``, for the cut). And one
@@ -224,7 +224,7 @@ def add_functions(functions: list) -> None:
 @contextlib.contextmanager
 def pass_graph(name: str, xla: bool) -> Iterator[tf.Graph]:
     """An empty graph to trace a tower's pass into, alone, as the default
-    graph within (``towers/step/cut.py`` cuts it into phases): no control
+    graph within (``towers/step/run/cut.py`` cuts it into phases): no control
     dependencies among its own ops, but its conditionals and loops (an
     assert's guard, a recurrent layer's loop) traced as a ``tf.function``
     traces them: each branch runs what it does (the assert) whatever reads

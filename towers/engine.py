@@ -16,7 +16,7 @@ from towers.parts import PlacementName, join_cluster, make_step
 from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.rules.batchnorm import BatchStatistics, MovingStatisticsPolicy
-from towers.step.xla import JitCompile
+from towers.step.run.xla import JitCompile
 from towers.training.check_schedule import SPOT_CHECKS, CheckedSteps
 from towers.training.compiled import Compiled
 from towers.training.compiling import FROM_COMPILE
@@ -53,14 +53,14 @@ class Towers(Trainer, CheckedSteps, Explaining):
       placement: ``"central"``, ``"balanced"``, ``"replicated"``, ``"independent"``.
       cluster: ``"auto"`` (``TF_CONFIG``'s), a :class:`towers.Cluster` or None.
       jit_compile: each tower's pass as XLA computations: True, False, or
-        ``"auto"``; None: the compiled model's (``towers/step/xla.py``).
+        ``"auto"``; None: the compiled model's (``towers/step/run/xla.py``).
       coupled_losses: a loss term coupling the batch's examples is made exact
         (``"exact"``), per tower (``"per_tower"``) or refused (step/rules/coupled.py).
       steps_per_execution: fit's steps per call (a loop in the graph), as
         ``compile`` takes it; None: the compiled model's, else 1.
       tower_functions: each tower's pass ``"inline"`` in the step's graph (the
         fastest steps) or a ``"call"`` of its own: quicker to a first step with
-        many towers, slower after (step/segments.py, docs/sync-cost.md).
+        many towers, slower after (step/run/phases.py, docs/sync-cost.md).
       check_first_step, spot_checks: before the first update and each new
         trace's, refuse by name a step unlike one device's on its batch
         (``training/check.py``); and every ``spot_checks`` steps (None: not).

@@ -22,13 +22,14 @@ from towers.placement.base import Placement
 from towers.placement.replicas import Independent, Replicated
 from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
-from towers.step import outputs, xla
+from towers.step import outputs
 from towers.step.custom import CustomStep
 from towers.step.hooks import custom_hooks, kinds_of, overrides, refuse_with_hooks
 from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.rules.coupled import CoupledLosses
+from towers.step.run import xla
 from towers.step.step import Step
 from towers.step.tower import Tower
 from towers.training.compiling import FROM_COMPILE, compile_model, given, option

@@ -158,7 +158,7 @@ def test_a_batch_normalization_model_trains_in_a_cluster_as_one_process(tmp_path
     # Global batch statistics summed over the workers' collective runtime: every
     # BatchNormalization layer normalises with the whole global batch's, worker 1
     # joining with nothing in the batch of one. With XLA, between each tower's
-    # XLA computations (towers/step/segments.py); the reference runs without.
+    # XLA computations (towers/step/run/phases.py); the reference runs without.
     # In turns: the lockstep a pass that cannot be cut falls back to, its
     # backward sums weighted by each worker's examples.
     args = ["--model", "bn", "--batch-statistics", "global", "--optimizer", "sgd"]

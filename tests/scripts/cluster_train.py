@@ -91,12 +91,12 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 if args.in_turns:  # every pass as if it could not be cut: the towers take turns
-    from towers.step import meetings, segments
+    from towers.step.run import phases, seats
 
     def _uncuttable(*arguments, **named):
-        raise meetings.Unserved("--in-turns")
+        raise seats.Unserved("--in-turns")
 
-    segments.compute = _uncuttable
+    phases.compute = _uncuttable
 
 # The chief's random start must reach every worker: start each one differently.
 keras.utils.set_random_seed(rank)

@@ -1,4 +1,4 @@
-"""A tower's pass traced once and cut into phases (towers/step/cut.py) runs
+"""A tower's pass traced once and cut into phases (towers/step/run/cut.py) runs
 what one device's step runs: a recurrent layer's loop and its gradient, and
 the ops that run for what they do (an assert, a print), on every tower, in
 each way the cut serves: one phase ("once"), and phases around the sums of
@@ -13,7 +13,7 @@ import tensorflow as tf
 from tests.step.test_custom_steps import assert_same_updates
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step import xla
+from towers.step.run import xla
 
 WAYS = {"once": {}, "phases": {"batch_statistics": "global"}}
 

@@ -1,5 +1,5 @@
 """Global batch statistics without XLA trace a tower's pass once per shard
-shape and cut it where the towers meet (``towers/step/segments.py``), as the
+shape and cut it where the towers meet (``towers/step/run/phases.py``), as the
 XLA path does; a pass that cannot be cut falls back to the lockstep, which
 traces every tower. The cut pass gives the lockstep's numbers, random draws
 after the towers' sums included (both one device's: test_draws.py)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from towers import Towers
-from towers.step import meetings, runner, segments
+from towers.step.run import phases, runner, seats
 
 
 class Counting(keras.layers.Layer):
@@ -57,7 +57,7 @@ def test_global_statistics_trace_the_pass_once_per_shard_shape():
 
 def test_the_lockstep_traces_every_tower(monkeypatch):
     tower_traces, _ = trained("tower", 4)  # one trace, as above
-    monkeypatch.setattr(segments, "compute", _uncuttable)
+    monkeypatch.setattr(phases, "compute", _uncuttable)
     global_traces, _ = trained("global", 4)
     assert global_traces == tower_traces + 3
 
@@ -68,11 +68,12 @@ def test_the_cut_pass_gives_the_locksteps_numbers(
     monkeypatch, towers, examples, dropout
 ):
     fallbacks = []
-    fallback = runner.turns
-    monkeypatch.setattr(runner, "turns", lambda *a: fallbacks.append(1) or fallback(*a))
+    fallback = runner.in_turns
+    counted = lambda *a: fallbacks.append(1) or fallback(*a)  # noqa: E731
+    monkeypatch.setattr(runner, "in_turns", counted)
     _, cut = trained("global", towers, dropout, examples)
     assert not fallbacks  # cut, draws included: every tower starts alike
-    monkeypatch.setattr(segments, "compute", _uncuttable)
+    monkeypatch.setattr(phases, "compute", _uncuttable)
     _, lockstep_numbers = trained("global", towers, dropout, examples)
     assert len(fallbacks) == 1
     for ours, theirs in zip(cut, lockstep_numbers, strict=True):
@@ -80,4 +81,4 @@ def test_the_cut_pass_gives_the_locksteps_numbers(
 
 
 def _uncuttable(*arguments):
-    raise meetings.Unserved("forced by the test")
+    raise seats.Unserved("forced by the test")

@@ -1,11 +1,11 @@
-"""towers/step/lockstep.py: towers traced in turns, meeting at a rendezvous."""
+"""towers/step/run/turns.py: towers traced in turns, meeting at a rendezvous."""
 
 import threading
 import time
 
 import pytest
 
-from towers.step.lockstep import Rendezvous, in_lockstep
+from towers.step.run.turns import Rendezvous, in_lockstep
 
 
 def test_towers_trace_one_at_a_time_in_rank_order():

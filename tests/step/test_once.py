@@ -1,4 +1,4 @@
-"""One trace for every tower (towers/step/segments.py): when it serves, how many
+"""One trace for every tower (towers/step/run/phases.py): when it serves, how many
 functions it makes, and that the step it builds is the step a trace per tower
 builds (the equivalence tests run through it: every central step does)."""
 
@@ -9,7 +9,7 @@ import pytest
 from tests.models import build_mlp, regression_batch, step_graph
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import segments
+from towers.step.run import phases
 
 CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 
@@ -114,7 +114,7 @@ def test_dropout_draws_as_a_trace_per_tower_and_no_tower_waits(monkeypatch):
     weights = shared.model.get_weights()
     shared.train_step(x, y)
 
-    monkeypatch.setattr(segments, "shareable", lambda *args: False)
+    monkeypatch.setattr(phases, "shareable", lambda *args: False)
     per_tower = dropout_engine()
     per_tower.model.set_weights(weights)
     np.testing.assert_array_equal(seed_states(per_tower)[0], before[0])

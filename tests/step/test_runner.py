@@ -1,4 +1,4 @@
-"""How the towers run is decided in one place (``towers/step/runner.py``):
+"""How the towers run is decided in one place (``towers/step/run/runner.py``):
 every step's passes (towers' own train and evaluation steps, predict, a
 model's own train_step) ask ``Runner.way``, and take the way it says."""
 
@@ -12,9 +12,9 @@ from tests.step.rules.test_gathered_loss import data as clip_data
 from tests.step.test_custom_steps import guide_model
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step import meetings
-from towers.step import runner as runner_module
-from towers.step.runner import Runner
+from towers.step.run import runner as runner_module
+from towers.step.run import seats
+from towers.step.run.runner import Runner
 
 
 @pytest.fixture
@@ -89,11 +89,11 @@ def test_a_models_own_train_step_is_traced_once_a_shard_shape_and_cut(
     ways, monkeypatch, examples, traces
 ):
     model = guide_model()
-    seats = []  # the seat of each trace of its train_step in a tower
+    seen = []  # the seat of each trace of its train_step in a tower
     train_step = type(model).train_step
 
     def counted(self, data):
-        seats.append(type(meetings.current()).__name__)
+        seen.append(type(seats.current()).__name__)
         return train_step(self, data)
 
     monkeypatch.setattr(type(model), "train_step", counted)
@@ -105,8 +105,8 @@ def test_a_models_own_train_step_is_traced_once_a_shard_shape_and_cut(
     assert by_kind(ways)["own"] == {"phases"}
     # 4 + 4 + 4 rows: one trace for the three towers; 4 + 4 + 3: two. (The
     # probe and the first step's check call it alone: Alone seats.)
-    assert seats.count("Recording") == traces
-    assert "Seat" not in seats  # no tower traced in turns
+    assert seen.count("Recording") == traces
+    assert "Seat" not in seen  # no tower traced in turns
 
 
 def test_a_gathered_loss_takes_turns_in_training_and_evaluation(ways):
@@ -122,14 +122,14 @@ def test_a_gathered_loss_takes_turns_in_training_and_evaluation(ways):
 
 def test_a_pass_that_cannot_be_cut_takes_turns_without_xla(monkeypatch):
     taken = []
-    turns = runner_module.turns
+    in_turns = runner_module.in_turns
 
     def uncuttable(*args):
-        raise runner_module.meetings.Unserved("forced by the test")
+        raise runner_module.seats.Unserved("forced by the test")
 
-    monkeypatch.setattr(runner_module.segments, "compute", uncuttable)
+    monkeypatch.setattr(runner_module.phases, "compute", uncuttable)
     monkeypatch.setattr(
-        runner_module, "turns", lambda *args: taken.append(1) or turns(*args)
+        runner_module, "in_turns", lambda *args: taken.append(1) or in_turns(*args)
     )
     engine = Towers(
         batch_norm_mlp,

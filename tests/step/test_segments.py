@@ -1,4 +1,4 @@
-"""Global batch statistics under XLA (towers/step/segments.py): each tower's
+"""Global batch statistics under XLA (towers/step/run/phases.py): each tower's
 pass cut where the towers meet, one XLA computation per phase, exact against
 Keras' own XLA fit on one device (to float32 rounding), BatchNormalization's
 moving statistics included.
@@ -16,7 +16,7 @@ from tests.test_equivalence import devices
 from towers import Towers
 from towers.devices import canonical_device
 from towers.explain.graph import xla_calls
-from towers.step import cut, meetings, segments
+from towers.step.run import cut, phases, seats
 
 
 def residual():
@@ -121,11 +121,11 @@ def test_each_tower_runs_its_phases_on_its_own_device(num_towers):
     )
     graph = step_graph(engine, x[:BATCH], y[:BATCH], sample_weight[:BATCH])
     calls = xla_calls(graph)
-    phases = len(calls) // num_towers
-    assert phases == 7
+    count = len(calls) // num_towers
+    assert count == 7
     for t, device in enumerate(engine.devices):
         mine = [c for c in calls if c.stage == f"tower {t} XLA"]
-        assert len(mine) == phases
+        assert len(mine) == count
         assert {c.device for c in mine} == {canonical_device(device)}
     sums = [op for op in graph.get_operations() if "towers_sum" in op.name]
     assert sums and all(op.type in ("AddN", "Identity", "StopGradient") for op in sums)
@@ -152,14 +152,14 @@ def test_a_pass_is_cut_where_the_towers_meet():
     over two towers given 1 and 2, and 3 and 4."""
 
     def work(x):
-        first = meetings.total(tf.reduce_sum(x, keepdims=True))
-        return meetings.total(tf.reduce_sum(x * first, keepdims=True)) + 0.5
+        first = seats.total(tf.reduce_sum(x, keepdims=True))
+        return seats.total(tf.reduce_sum(x * first, keepdims=True)) + 0.5
 
     @tf.function(autograph=False)
     def two_towers(a, b):
         plan = cut.trace(work, (a,), jit=False)
         assert [e.phase for e in plan.exchanges] == [1, 2]
-        return segments.run([plan, plan], [(a,), (b,)], ["/cpu:0", "/cpu:1"], [0, 1])
+        return phases.run([plan, plan], [(a,), (b,)], ["/cpu:0", "/cpu:1"], [0, 1])
 
     got = two_towers(tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0]))
     # total(x) = 10; the second sum: 10 * (1 + 2 + 3 + 4) = 100.

@@ -10,9 +10,9 @@ import tensorflow as tf
 from tests.models import build_dense_sparse_unused, dense_sparse_batch
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import segments
 from towers.step.losses import StepLoss
 from towers.step.rules.batchnorm import MovingStatistics
+from towers.step.run import phases
 from towers.step.tower import Tower, weights_here
 
 
@@ -178,18 +178,18 @@ def test_a_layer_that_compiles_with_xla_inside_runs_on_every_tower(placement):
 
 
 def test_a_layers_own_function_outlives_the_pass_it_was_traced_in(monkeypatch):
-    # The towers' pass is traced alone and cut (towers/step/cut.py); the grouped
+    # The towers' pass is traced alone and cut (towers/step/run/cut.py); the grouped
     # convolution's own tf.function, its forward and backward, must stay in the
     # runtime once that traced pass is collected (a collection at any time in a
     # long run; forced here), or the step cannot find them.
-    compute = segments.compute
+    compute = phases.compute
 
     def then_collected(*args):
         results = compute(*args)
         gc.collect()
         return results
 
-    monkeypatch.setattr(segments, "compute", then_collected)
+    monkeypatch.setattr(phases, "compute", then_collected)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 5, 5, 4)).astype("float32")
     y = rng.standard_normal((5, 2)).astype("float32")

@@ -1,5 +1,5 @@
 """Towers(tower_functions="call"): each tower's traced pass stays a call of
-its own in the step's graph instead of being inlined (step/segments.py), which
+its own in the step's graph instead of being inlined (step/run/phases.py), which
 TensorFlow optimises per tower rather than as one graph of T copies; the
 numbers are the inlined step's, bit for bit."""
 

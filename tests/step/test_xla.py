@@ -22,7 +22,7 @@ from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
 from towers.devices import canonical_device
 from towers.explain.graph import xla_calls
-from towers.step import xla
+from towers.step.run import xla
 
 EXAMPLES = 37  # batches of 10, 10, 10 and 7: uneven over 2 and 4 towers
 BATCH = 10

@@ -1,5 +1,5 @@
 """XLA on several towers compiles each shard shape once where TensorFlow's
-persistent XLA cache is on (``towers/step/xla.py``): the first tower's pass is
+persistent XLA cache is on (``towers/step/run/xla.py``): the first tower's pass is
 compiled and saved before the step runs, and the other towers load it. Each
 run is a fresh process, since the cache is read from ``TF_XLA_FLAGS`` when
 TensorFlow starts; TensorFlow's own log says what it compiled and what it

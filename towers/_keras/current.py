@@ -19,7 +19,7 @@ class Tower:
 
     Attributes:
       seat: where it meets the other towers (a ``Seat`` in lockstep, a cut
-        pass's recording; None: alone), ``step/meetings.py``.
+        pass's recording; None: alone), ``step/run/seats.py``.
       rows: its rows of the batch, ``python``: its Python ``random`` while
         it is traced, and ``drawn``: the row counts of its draws so far, in
         call order (``step/rules/places.py``).

@@ -23,7 +23,7 @@ would find Keras' and TensorFlow's caches warm), from the engine's construction
 - ``xla_cached``: the same with TensorFlow's persistent XLA cache on (a fresh
   directory per process, so nothing carries over from an earlier run): each
   shard shape compiles once and the other towers load it
-  (``towers/step/xla.py``);
+  (``towers/step/run/xla.py``);
 - ``mirrored``: Keras' ``fit`` under a ``MirroredStrategy`` on the same devices
   (a peer, which also traces the model once per device);
 - ``floor``: the first-step floor: one ``tf.function`` holding the model's pass

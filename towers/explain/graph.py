@@ -9,7 +9,7 @@ Ops are grouped into the step's stages by the name scopes the step opens
     tower t XLA              with jit_compile: tower t's forward and backward
                              passes, one XLA computation (one op, a call); with
                              global batch statistics one per phase, the towers'
-                             sums between them (towers/step/segments.py)
+                             sums between them (towers/step/run/phases.py)
     tower t backward         tower t's gradients (GradientTape)
     combine                  the towers' gradients summed (combine_gradients)
     across workers           the sum across worker processes, in a cluster
@@ -109,7 +109,7 @@ def stage_of(name: str) -> str:
     scope = parts[1] if backward else parts[0]
     tower = re.fullmatch(r"tower_(\d+)(?:_\d+)?", scope)  # _1: the scope again
     if tower:
-        # A tower traced once (towers/step/segments.py) is a call inlined into
+        # A tower traced once (towers/step/run/phases.py) is a call inlined into
         # the step: its ops are named tower_1/PartitionedCall/gradient_tape/...
         if parts[1:2] and parts[1] in _CALLS and _is_transfer(parts[2:]):
             return f"tower {tower.group(1)} XLA"

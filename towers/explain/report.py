@@ -92,7 +92,7 @@ def _xla(e: Any) -> list[str]:
     for (stage, device), calls in _grouped(e.xla):
         if len(calls) == 1:
             what = f"{calls[0].function}, {calls[0].ops} ops compiled"
-        else:  # a pass cut where the towers meet (towers/step/segments.py)
+        else:  # a pass cut where the towers meet (towers/step/run/phases.py)
             ops = "+".join(str(c.ops) for c in calls)
             what = f"{len(calls)} phases, the towers' sums between: {ops} ops"
         lines.append(f"  {stage:<18} on {device}: {what}")

@@ -25,9 +25,9 @@ import tensorflow as tf
 from towers._keras.optimizers import optimizer_variables
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import Update
-from towers.step.meetings import current, seated
 from towers.step.rules import loss_kinds
 from towers.step.rules.grad_rules import combined
+from towers.step.run.seats import current, seated
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
 # range (the shapes differ from apply to apply).

@@ -2,8 +2,8 @@
 every tower on its shard (only the steps a model overrides: ``kinds_of``).
 
 Each tower calls the model's step under its device (the step traced once
-per shard shape and cut where the towers meet, ``segments.own``, or the
-towers traced in turns, ``lockstep.py``), and meets the others at each
+per shard shape and cut where the towers meet, ``phases.own``, or the
+towers traced in turns, ``turns.py``), and meets the others at each
 ``optimizer.apply`` (``applies.py``), each assignment and metric update
 (``assignments.py``) and each call of a BatchNormalization layer in training
 mode, so everything the step changes changes once, as on one device, and a
@@ -34,11 +34,11 @@ from towers.step.applies import INSTANCES_PER_APPLY, Applies
 from towers.step.batches import HOST
 from towers.step.custom_copies import gather_metrics, level_metrics
 from towers.step.hooks import own_hook
-from towers.step.meetings import current
 from towers.step.rules import draws, loss_kinds, probe
 from towers.step.rules.assignments import Assignments
 from towers.step.rules.gathered import concat_rows, whole_batch_loss
-from towers.step.runner import Runner
+from towers.step.run.runner import Runner
+from towers.step.run.seats import current
 
 
 class CustomStep:
@@ -47,7 +47,7 @@ class CustomStep:
 
     Args:
       placement: where the variables live (one model the towers share).
-      runner: how the towers run (``towers/step/runner.py``): the step's.
+      runner: how the towers run (``towers/step/run/runner.py``): the step's.
       update: the engine's update: its policies, per apply
         (``towers/step/applies.py``).
       kinds: the steps that are the model's own (``kinds_of``).

@@ -14,7 +14,7 @@ import keras
 
 from towers import _runtime
 from towers.placement.base import Placement
-from towers.step import xla
+from towers.step.run import xla
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

@@ -38,7 +38,7 @@ from towers.step.rules.state import (
     settle_apart_metrics,
     state_variables,
 )
-from towers.step.runner import Runner
+from towers.step.run.runner import Runner
 from towers.step.tower import Tower, TowerResult
 
 
@@ -204,7 +204,7 @@ class Step(Preparing):
     def compute(self, shards: Shards) -> list[TowerResult]:
         """Every working tower's forward pass, the step's divisors, then every
         tower's loss share and gradients, each on its tower's device, run the
-        way the runner decides (``towers/step/runner.py``)."""
+        way the runner decides (``towers/step/run/runner.py``)."""
         return self.runner.train(
             shards, self._divisors, lambda passes: self._weight(passes, shards)
         )

@@ -36,13 +36,13 @@ from towers._keras import (
     own_losses,
 )
 from towers.split import batch_size_of
-from towers.step import xla
 from towers.step.losses import StepLoss, Term, over
 from towers.step.rules import places
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.rules.coupled import CoupledLosses
 from towers.step.rules.gathered import gathered_loss
 from towers.step.rules.state import form_of, state_variables
+from towers.step.run import xla
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ class Tower:
       own_loss: the model overrides Keras' ``compute_loss``: each tower calls
         it on its shard, weighted by its share ``n_t / B``.
       jit: each pass one XLA computation (evaluation and prediction here,
-        training in ``segments.py``).
+        training in ``phases.py``).
       coupled: the loss terms that couple the batch's examples (``coupled.py``).
 
     Example:
@@ -153,7 +153,7 @@ class Tower:
         self.own_loss = own_loss
         self.jit = jit
         self.coupled = coupled or CoupledLosses(None, towers=1)
-        self.inline = True  # the towers' traced passes inlined (segments.py)
+        self.inline = True  # the towers' traced passes inlined (phases.py)
 
     def forward(
         self,

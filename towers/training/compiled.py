@@ -2,7 +2,7 @@
 
 The engine calls its step through :class:`Compiled`: the train step traced
 for the model's trainable variables, the evaluation and predict steps. When
-a tower's XLA computation does not compile (``towers/step/xla.py``), the first call
+a tower's XLA computation does not compile (``towers/step/run/xla.py``), the first call
 fails before any update: with ``jit_compile=True`` the error names the layer;
 resolved from ``"auto"``, a warning names it and the step is traced anew
 without XLA, and the call runs again.
@@ -15,8 +15,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.step import xla
 from towers.step.losses import OneValue
+from towers.step.run import xla
 from towers.step.step import Step
 from towers.training.executions import any_count, looped, runs, stack, stackable
 

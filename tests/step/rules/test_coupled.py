@@ -22,8 +22,8 @@ import pytest
 
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step import runner
 from towers.step.rules import coupled
+from towers.step.run import runner
 
 UPDATE_RTOL = 2e-3
 TINY = dict(
@@ -279,7 +279,7 @@ def test_without_xla_the_moe_pass_is_cut_where_it_sums_not_run_in_lockstep(
     def in_turns(*args):
         raise AssertionError("the towers were traced in turns")
 
-    monkeypatch.setattr(runner, "turns", in_turns)
+    monkeypatch.setattr(runner, "in_turns", in_turns)
     build = causal_lm("mixtral")
     want, _ = keras_fit(build)
     engine = Towers(build, devices=devices(3), jit_compile=False)

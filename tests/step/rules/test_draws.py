@@ -13,8 +13,8 @@ import pytest
 from tests.test_equivalence import devices
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step import meetings, runner, segments
 from towers.step.rules import draws, loss_kinds, places
+from towers.step.run import phases, runner, seats
 
 FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
 
@@ -89,16 +89,16 @@ def test_draws_tower_by_tower_are_one_devices(float64, monkeypatch):
     # A divisor from sample weights: without XLA the towers are traced one by
     # one, once the one trace has met at the divisor's sum.
     met = []
-    compute = segments.compute
+    compute = phases.compute
 
     def counted(*args):
         try:
             return compute(*args)
-        except meetings.Unserved:
+        except seats.Unserved:
             met.append(1)
             raise
 
-    monkeypatch.setattr(segments, "compute", counted)
+    monkeypatch.setattr(phases, "compute", counted)
     weighted = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     weights = np.linspace(0.5, 2.0, 23)
     build = lambda: noisy(loss=weighted)  # noqa: E731
@@ -198,10 +198,12 @@ def test_a_draw_is_placed_over_a_part_or_blocks_of_the_shard_else_named(name):
 @pytest.mark.parametrize("cut", [True, False], ids=["phases", "turns"])
 def test_draws_after_global_batch_moments_are_one_devices(float64, monkeypatch, cut):
     if not cut:  # the lockstep the runner falls back to
-        monkeypatch.setattr(segments, "compute", _uncuttable)
+        monkeypatch.setattr(phases, "compute", _uncuttable)
     fallbacks = []
-    turns = runner.turns
-    monkeypatch.setattr(runner, "turns", lambda *a: fallbacks.append(1) or turns(*a))
+    in_turns = runner.in_turns
+    monkeypatch.setattr(
+        runner, "in_turns", lambda *a: fallbacks.append(1) or in_turns(*a)
+    )
     build = lambda: noisy(normalised=True)  # noqa: E731
     trained = fit_both(build, 3, batch_statistics="global")
     assert bool(fallbacks) is not cut
@@ -233,7 +235,7 @@ def test_a_shuffle_of_the_examples_is_refused_by_name_before_any_update():
 
 
 def _uncuttable(*arguments):
-    raise meetings.Unserved("forced by the test")
+    raise seats.Unserved("forced by the test")
 
 
 class PairedNoise(keras.layers.Layer):
@@ -268,7 +270,7 @@ def test_a_draw_over_blocks_of_the_rows_in_towers_own_step_is_one_devices(
     float64, monkeypatch, way
 ):
     if way == "turns":
-        monkeypatch.setattr(segments, "compute", _uncuttable)
+        monkeypatch.setattr(phases, "compute", _uncuttable)
     model, reference, before = fit_both(lambda: paired(normalised=way != "alone"), 3)
     for got, want, b in zip(model.variables, reference.variables, before):
         np.testing.assert_allclose(

@@ -261,7 +261,7 @@ def test_a_coupled_loss_in_the_models_own_step_trains_as_keras_fit(float64, num_
 def test_auto_xla_runs_a_gathered_loss_without_it_saying_so(float64):
     # jit_compile="auto" on accelerators: the towers meet to gather the
     # batch's outputs, in turns, which XLA cannot run: the runner says so once.
-    from towers.step import xla
+    from towers.step.run import xla
 
     x, y = data()
     engine = Towers(clip(), devices=devices(2))

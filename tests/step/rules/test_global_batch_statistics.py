@@ -1,5 +1,5 @@
 """batch_statistics="global": T towers train a BatchNormalization model to one
-device's weights and moving statistics (towers/step/lockstep.py,
+device's weights and moving statistics (towers/step/run/turns.py,
 towers/step/rules/batchnorm.py).
 """
 

@@ -11,7 +11,7 @@ and ``gathered.py`` (a loss or a pass that couples the batch's examples),
 that finds how a step reads its batch (``probe.py``, ``loss_kinds.py``,
 ``loss_terms.py``).
 
-May import: ``towers.step``'s meetings (``meetings.py``, a cluster's handle
+May import: ``towers.step``'s meetings (``seats.py``, a cluster's handle
 included) and ``hooks.py``, and the top-level building blocks; never the
 step, a tower's work or the runner that use them.
 """

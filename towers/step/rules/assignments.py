@@ -41,8 +41,8 @@ from towers._keras.patches import (
     tracked_calls,
 )
 from towers.combine import in_dtype
-from towers.step.meetings import current, over_workers
 from towers.step.rules.state import aggregate, form_of, raw_variables, refused, rule_of
+from towers.step.run.seats import current, over_workers
 
 # Tensors the towers met for, by the meeting that made them: the same value
 # on every tower. Kept while a step's towers are traced (``routed``); the

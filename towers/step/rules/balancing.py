@@ -7,7 +7,7 @@ adds ``E · Σ_e f_e · P_e``, ``f_e`` the share of the unmasked tokens routed t
 expert ``e`` and ``P_e`` its mean router probability, both over the whole
 batch. Each tower counts its own tokens; the counts and probability sums are
 summed over the towers (and workers) in one exchange
-(``towers/step/lockstep.py``), and every tower computes the whole batch's
+(``towers/step/run/turns.py``), and every tower computes the whole batch's
 term from the sums.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.step import meetings
+from towers.step.run import seats
 
 
 def load_balancing_over_towers(
@@ -82,11 +82,11 @@ def _summed(sums: tf.Tensor, counts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
     @tf.custom_gradient
     def summed(local: tf.Tensor):
-        both = meetings.total(tf.concat([local, counts], 0))
+        both = seats.total(tf.concat([local, counts], 0))
 
         def gradient(upstream: Any, _: Any) -> tf.Tensor:
             upstream = tf.zeros_like(local) if upstream is None else upstream
-            return meetings.total(upstream, backward=True)
+            return seats.total(upstream, backward=True)
 
         return (both[:size], both[size:]), gradient
 

@@ -4,7 +4,7 @@ moving statistics moved once a step (docs/batch-statistics.md).
 ``batch_statistics``: ``"tower"`` normalises each shard with its own moments
 (MirroredStrategy's way, not one device's gradients); ``"global"`` with the
 whole batch's, the towers meeting at every layer by sums (cut into phases,
-``segments.py``, or in lockstep), forward and backward, as one device.
+``phases.py``, or in lockstep), forward and backward, as one device.
 
 The moving statistics: each tower's moments are recorded, and after the step
 each statistic moves once by Keras' rule toward the policy's stat:
@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from towers._keras import layers_of, patches
 from towers._keras.current import setting, this_tower
-from towers.step import meetings
+from towers.step.run import seats
 
 MovingStatisticsPolicy = Literal["batch", "tower0", "mean"]
 POLICIES = ("batch", "tower0", "mean")
@@ -116,7 +116,7 @@ class MovingStatistics:
 
     @contextlib.contextmanager
     def moving_at_once(self, device: Any) -> Iterator[None]:
-        """Within (a tower's thread in lockstep, ``towers/step/lockstep.py``),
+        """Within (a tower's thread in lockstep, ``towers/step/run/turns.py``),
         every call of a layer in training mode is a meeting: the towers hand
         in their moments, and the first moves the layer's moving statistics
         at once, as the policy says, on ``device``. So a model's own step that
@@ -181,7 +181,7 @@ class MovingStatistics:
 
         moments = tf.nest.map_structure(tf.stop_gradient, moments)
         moving = None if layer.renorm else [layer.moving_mean, layer.moving_variance]
-        meetings.current().once(moments, move, moving)  # renorm's: any
+        seats.current().once(moments, move, moving)  # renorm's: any
 
     def _statistics(
         self, per_tower: list[tuple], epsilon: float, layer: Any
@@ -303,23 +303,23 @@ def _moments_over_towers(x: tf.Tensor, axes: list[int], kept: Any, epsilon: floa
         if kept is None:  # the count rides along: one per tower
             count = _count(None, x, None, local_sum)
             packed = tf.concat([tf.reshape(local_sum, [-1]), [count]], 0)
-            summed = meetings.total(packed)
+            summed = seats.total(packed)
             total, count = tf.reshape(summed[:-1], tf.shape(local_sum)), summed[-1]
         else:  # a count per channel
             count = tf.reduce_sum(tf.cast(kept, x.dtype), axes, keepdims=True)
-            total, count = tf.unstack(meetings.total(tf.stack([local_sum, count])))
+            total, count = tf.unstack(seats.total(tf.stack([local_sum, count])))
         denominator = count + epsilon if epsilon else count
         mean = total / denominator
         centred = only_kept(x - mean)
         squares = tf.reduce_sum(tf.square(centred), axes, keepdims=True)
-        variance = meetings.total(squares) / denominator
+        variance = seats.total(squares) / denominator
 
         def gradient(d_mean: Any, d_variance: Any, _: Any) -> tf.Tensor:
             upstream = [
                 tf.zeros_like(mean) if d is None else d for d in (d_mean, d_variance)
             ]
             d_mean, d_variance = tf.unstack(
-                meetings.total(tf.stack(upstream), backward=True)
+                seats.total(tf.stack(upstream), backward=True)
             )
             if epsilon:
                 d_mean -= 2.0 * epsilon * mean * d_variance / denominator

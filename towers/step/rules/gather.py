@@ -29,10 +29,10 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import in_dtype
-from towers.step.meetings import current
 from towers.step.rules import probe
 from towers.step.rules.assignments import met_for
 from towers.step.rules.gathered import gathered_rows
+from towers.step.run.seats import current
 
 
 def gather(value: Any) -> Any:

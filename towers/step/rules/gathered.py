@@ -10,7 +10,7 @@ its own rows; ``L_s`` has every output stopped, so what the loss reads
 directly (a temperature, regularisers) counts once. The terms add up to
 ``L``. What ``compute_loss`` assigns is kept from one computation only. In a
 cluster the rows are gathered over the workers too (padded to a power of two
-rows, ``meetings.SIZE_BUCKETS``), each worker weighted by its ``B_w / B``.
+rows, ``seats.SIZE_BUCKETS``), each worker weighted by its ``B_w / B``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from towers._keras.current import setting, this_tower
 from towers._keras.patches import routed_calls
 from towers.combine import in_dtype
 from towers.split import batch_size_of
-from towers.step import meetings
 from towers.step.rules.assignments import met_for, quiet
+from towers.step.run import seats
 
 LOG2 = 0.6931471805599453  # ln 2
 
@@ -46,7 +46,7 @@ def gathered_loss(
     (the module docstring): ``batch`` is its ``(x, y, y_pred, sample_weight)``,
     ``share`` its ``w_t`` (of its worker's examples), ``scope`` the scope its
     pass runs in. In a tower traced in lockstep only."""
-    seat = meetings.current()
+    seat = seats.current()
     x, y, y_pred, sample_weight = batch
     handed = (x, y, _stopped(y_pred), sample_weight)
     rows = gathered_rows(seat, handed)
@@ -54,7 +54,7 @@ def gathered_loss(
     live = _rows_unknown(rows.with_own(2, y_pred))
     # In a model's own step every tower's updates meet (assignments.py): what
     # the loss updates from the batch's outputs is the same on every tower.
-    own_step = meetings.current().own
+    own_step = seats.current().own
     for tensor, theirs in zip(
         _leaves(live) if own_step else [], _leaves(rows.first[2])
     ):
@@ -85,7 +85,7 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
     """
 
     def route(model: Any, own: Any, args: tuple, kwargs: dict) -> Any:
-        here = meetings.current()
+        here = seats.current()
         if not here.own or this_tower().in_loss:  # its own calls pass through
             return own(*args, **kwargs)
         if len(models) > 1:
@@ -170,7 +170,7 @@ def _cluster_rows(seat: Any, local: list[Any]) -> tuple:
         offset, total = tf.reduce_sum(sizes[:index]), tf.reduce_sum(sizes)
 
         # Padded to a power of two rows: a collective's key fixes its shapes
-        # (meetings.SIZE_BUCKETS), so each power takes its own.
+        # (seats.SIZE_BUCKETS), so each power takes its own.
         bucket = tf.cast(
             tf.math.ceil(tf.math.log(tf.cast(tf.maximum(total, 1), tf.float64)) / LOG2),
             tf.int32,

@@ -6,7 +6,7 @@ model's own step, ``towers.gather``: every meeting goes through a tower's
 :class:`Seat`, which :func:`current` returns while the tower is traced to
 meet the others, as a replica context's ``all_reduce``, ``all_gather`` and
 ``merge_call`` serve tf.distribute. Towers traced side by side
-(``lockstep.py``) meet at a seat; a pass traced once and cut
+(``turns.py``) meet at a seat; a pass traced once and cut
 (``cut.py``) records its sums instead. Across workers the sums go through
 TensorFlow's collective runtime, by the step's one handle on the other
 workers (:class:`Across`), whichever way the towers run.
@@ -157,7 +157,7 @@ def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Te
 def current() -> Any:
     """Where this thread's tower meets the others: a :class:`Seat` in
     lockstep, a recording of its sums while traced to be cut
-    (``towers/step/cut.py``), else :data:`ALONE`."""
+    (``towers/step/run/cut.py``), else :data:`ALONE`."""
     return this_tower().seat or ALONE
 
 
@@ -173,7 +173,7 @@ def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
     """The sum of ``value`` over every tower (and worker) this tower meets,
     on its device; no gradient flows back through it. ``backward``: ``value``
     is an upstream gradient of this tower's loss share (across workers it is
-    weighted by each worker's examples, ``lockstep.across_workers``)."""
+    weighted by each worker's examples, ``Across``)."""
     return current().total(value, backward)
 
 

@@ -1,6 +1,6 @@
 """Towers traced side by side, meeting wherever they need each other's values.
 
-Where a pass cannot be traced once and cut (``segments.py``), and for every
+Where a pass cannot be traced once and cut (``phases.py``), and for every
 meeting that is neither a sum nor an action run once (gathered rows, a copy
 per tower's applies), the towers take turns: one Python thread per working tower,
 each tracing its own ops (its device, its name scope) into the one graph,
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from towers._keras import GlobalSeed, loss_ids_kept
-from towers.step.meetings import Across, Seat, seated
+from towers.step.run.seats import Across, Seat, seated
 
 T = TypeVar("T")
 # How long a tower waits at a rendezvous while tracing before giving up: tracing
@@ -174,7 +174,7 @@ def in_lockstep(
       The first error a tower raised (the others are woken and stopped).
 
     Example:
-      >>> from towers.step.meetings import total
+      >>> from towers.step.run.seats import total
       >>> @tf.function
       ... def step(x):
       ...     meet = Rendezvous(2)

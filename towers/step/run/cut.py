@@ -1,7 +1,7 @@
 """A tower's pass traced once and cut into phases where the towers meet by sums.
 
 :func:`trace` traces the pass alone into a graph that never runs, each sum
-(``meetings.total``) a placeholder recorded as an :class:`Exchange`. The
+(``seats.total``) a placeholder recorded as an :class:`Exchange`. The
 graph's inputs are phase 0, a sum's placeholder one phase after what made its
 value, any other op its inputs' latest; each phase becomes one function (with
 XLA, one computation) of ops imported from the trace, and a :class:`Plan`
@@ -19,8 +19,8 @@ from typing import Any
 import tensorflow as tf
 
 from towers import _runtime
-from towers.step import meetings, xla
-from towers.step.recording import Exchange, Once, Recording
+from towers.step.run import seats, xla
+from towers.step.run.recording import Exchange, Once, Recording
 
 # An op of no inputs that is copied into every phase that reads it.
 _COPIED = ("Const",)
@@ -96,7 +96,7 @@ def trace(
              for a in tf.nest.flatten(args, expand_composites=True)],
             expand_composites=True,
         )  # fmt: skip
-        with meetings.seated(recording):
+        with seats.seated(recording):
             leaves: list[Any] = []
             skeleton = xla.split_leaves(work(*inner), leaves)
     inputs = placeholders + [internal for _, internal in graph.captures]
@@ -183,7 +183,7 @@ class _Cut:
                 exchange.phase = -1  # nothing reads it: never summed
 
     def check_compilable(self) -> None:
-        """Raises ``meetings.Unserved`` where a value one XLA computation could
+        """Raises ``seats.Unserved`` where a value one XLA computation could
         not hand the next crosses between phases: a list a loop keeps for its
         backward pass (a recurrent layer's, when the towers meet between its
         forward and backward passes)."""
@@ -191,7 +191,7 @@ class _Cut:
             for name in names:
                 tensor = self.graph.get_tensor_by_name(name)
                 if tensor.dtype == tf.variant:
-                    raise meetings.Unserved(
+                    raise seats.Unserved(
                         f"{tensor.op.name!r}, a list a loop keeps for its "
                         "backward pass (a recurrent layer's), would cross between "
                         "the XLA computations of a pass cut where the towers meet"
@@ -290,7 +290,7 @@ class _Cut:
                 and (once.writes is None or self._touches(op, self.touched[k]))
             ):
                 if op.name not in self.phase:  # made before, phased after
-                    raise meetings.Unserved("the towers' pass reorders its ops")
+                    raise seats.Unserved("the towers' pass reorders its ops")
                 latest.append(self.phase[op.name])
         if k:
             latest.append(self._place(k - 1) - 1)

@@ -10,8 +10,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.step import meetings
 from towers.step.rules.state import Form, form_of
+from towers.step.run import seats
 
 
 @dataclasses.dataclass
@@ -21,7 +21,7 @@ class Exchange:
     Attributes:
       value: what the tower hands in (a tensor of the traced graph).
       result: the placeholder that stands for every tower's sum.
-      backward: ``value`` is an upstream gradient (see ``meetings.total``).
+      backward: ``value`` is an upstream gradient (see ``seats.total``).
       phase: the phase whose ops read ``result``.
     """
 
@@ -54,7 +54,7 @@ class Once:
     phase: int = 0
 
 
-class Recording(meetings.Alone):
+class Recording(seats.Alone):
     """The seat of a tower's pass traced alone to be cut: each sum over the
     towers becomes a placeholder, recorded as an :class:`Exchange`, each
     action run once a :class:`Once`; rows and code on one tower it cannot
@@ -70,17 +70,17 @@ class Recording(meetings.Alone):
         self.inputs: list[tf.Tensor] = []  # the tower's own: its rows, its share
 
     def everyone(self, value: Any) -> list[Any]:
-        raise meetings.Unserved("the towers' pass gathers rows")
+        raise seats.Unserved("the towers' pass gathers rows")
 
     def from_first(self, compute: Callable[[], Any]) -> Any:
-        raise meetings.Unserved("the towers' pass runs code on one tower")
+        raise seats.Unserved("the towers' pass runs code on one tower")
 
     # A tower's share weighs a backward sum as at a Seat (a model's own step).
-    total = meetings.Seat.total
+    total = seats.Seat.total
 
     def _total(self, value: tf.Tensor, backward: bool) -> tf.Tensor:
         if not self.meets:
-            raise meetings.Unserved("the towers' pass meets at a sum")
+            raise seats.Unserved("the towers' pass meets at a sum")
         result = tf.raw_ops.Placeholder(
             dtype=value.dtype, shape=value.shape, name="towers_sum"
         )
@@ -90,7 +90,7 @@ class Recording(meetings.Alone):
     def once(self, value: Any, action: Callable[[list], Any], writes=None) -> None:
         graph = tf.compat.v1.get_default_graph()
         if not self.meets or graph is not self.graph:
-            raise meetings.Unserved("the towers' pass meets inside a loop or branch")
+            raise seats.Unserved("the towers' pass meets inside a loop or branch")
         made = len(graph.get_operations())
         self.exchanges.append(Once(value, action, writes, made))
 

@@ -1,13 +1,13 @@
 """How the towers run a step's passes: decided in one place (:meth:`Runner.way`).
 
 - ``"alone"``: each tower traced in turn; nobody meets.
-- ``"once"``: one trace of the pass serves every tower (``segments.py``).
+- ``"once"``: one trace of the pass serves every tower (``phases.py``).
 - ``"phases"``: the same, cut where the towers meet by sums (``cut.py``).
-- ``"turns"``: the towers traced side by side (``lockstep.py``), where a
+- ``"turns"``: the towers traced side by side (``turns.py``), where a
   meeting gathers rows or runs code on one tower, or a pass cannot be cut.
 
 Towers' own steps, predict and a model's own steps all run through it, and
-every meeting goes through a tower's seat (``meetings.py``).
+every meeting goes through a tower's seat (``seats.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from towers.split import Shards, split_for_towers
-from towers.step import lockstep, meetings, segments, xla
 from towers.step.batches import HOST
 from towers.step.rules import draws, places
+from towers.step.run import phases, seats, turns, xla
 from towers.step.tower import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
-# The way a step takes when its seats cannot serve a verb (meetings.Unserved).
+# The way a step takes when its seats cannot serve a verb (seats.Unserved).
 NEXT: dict[str, Way] = {"once": "alone", "phases": "turns"}
 # What a step runs: towers' own training pass (forward, divisors, backward),
 # a pass without gradients (evaluation, prediction), a model's own step.
@@ -59,9 +59,9 @@ class Runner:
         """Whether the working towers meet anyone: more than one, or a cluster."""
         return len(working) > 1 or self.workers is not None
 
-    def across(self, kind: str) -> meetings.Across | None:
+    def across(self, kind: str) -> seats.Across | None:
         """The step's one handle on the other workers (None: no cluster)."""
-        return None if self.workers is None else meetings.Across(self.workers, kind)
+        return None if self.workers is None else seats.Across(self.workers, kind)
 
     def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
         """How the working towers run a ``kind`` step: the one decision.
@@ -77,7 +77,7 @@ class Runner:
         shape), is cut into phases. A pass nobody meets in is traced once for
         every tower when they share a model and the shard sizes are known;
         else tower by tower. A way whose seat cannot serve a verb says so
-        (``meetings.Unserved``): the step takes the next (:data:`NEXT`).
+        (``seats.Unserved``): the step takes the next (:data:`NEXT`).
         """
         meets = self.meets(working)
         if self.tower.coupled.gathered and self.tower.jit.enabled:  # "auto"
@@ -86,21 +86,21 @@ class Runner:
             # In a cluster every worker cuts, one tower working or more: the
             # workers' collectives come in the cut's order (by phase) on each.
             alone = self.workers is not None and len(working) == 1
-            shared = alone or segments.shareable(self.placement, shards, working)
+            shared = alone or phases.shareable(self.placement, shards, working)
             sized = shards.sizes is not None
             return "phases" if shared and sized else "turns"
         gathered = meets and self.tower.coupled.gathered
         if kind != "train":
             if gathered and kind == "evaluate":
                 return "turns"
-            shared = segments.shareable(self.placement, shards, working)
+            shared = phases.shareable(self.placement, shards, working)
             return "once" if shared else "alone"
         sums = self.moving_statistics.meets
         if meets and (sums or self.tower.coupled.exact):
             return "turns" if gathered else "phases"
         if self.tower.jit.enabled:
             return "phases"
-        shared = segments.shareable(self.placement, shards, working)
+        shared = phases.shareable(self.placement, shards, working)
         return "once" if shared else "alone"
 
     def train(
@@ -131,14 +131,14 @@ class Runner:
         while way in NEXT:
             try:
                 meets = way == "phases"
-                return segments.compute(*args, across, weight_of, meets)
-            except meetings.Unserved as unserved:
+                return phases.compute(*args, across, weight_of, meets)
+            except seats.Unserved as unserved:
                 way = NEXT[way]
                 if way == "turns":
                     xla.refuse_uncut(self.tower.jit, str(unserved))
                 across = self.across("train")  # numbered from the start
         if way == "turns":
-            return turns(*args, across, weight_of)
+            return in_turns(*args, across, weight_of)
         return in_halves(*args, lambda works: [work() for work in works])
 
     def each(
@@ -146,11 +146,11 @@ class Runner:
         shards: Shards,
         work: Callable[..., Any],
         kind: Kind,
-        seats: tuple[Sequence[Any], Any] | None = None,
+        shares: tuple[Sequence[Any], Any] | None = None,
     ) -> list:
         """``work(model, x_t, y_t, sw_t, B)`` on each working tower, under its
         device and scope, in tower order (``predict``: ``work(model, x_t)``),
-        in turns where the way says so. ``seats`` (a model's own step): each
+        in turns where the way says so. ``shares`` (a model's own step): each
         tower's weight (in working order) and the workers' sum, for the
         towers' seats."""
         working = self.placement.working_towers(shards)
@@ -170,22 +170,22 @@ class Runner:
             return partial(on_tower, self.placement, t, partial(work, *args))
 
         way = self.way(kind, working, shards)
-        if way == "once":  # (training's: segments.py)
+        if way == "once":  # (training's: phases.py)
             model = self.placement.model_of(working[0])
             work = xla.function(partial(work, model), False, self.tower.inline)
             run = partial(_run_shared, self.placement, shards, work, kind)
-        weights, across = seats or (None, self.across("eval"))
+        weights, across = shares or (None, self.across("eval"))
         if way == "phases":  # a model's own step (its sums, its actions)
             try:
                 args = (self.placement, shards, working, work, weights, across)
-                return segments.own(*args, self.tower.inline)
-            except meetings.Unserved:
+                return phases.own(*args, self.tower.inline)
+            except seats.Unserved:
                 way = "turns"  # it gathers rows, or a trace per shard differs
         works = [run(t) for t in working]
         if way != "turns":
             return [work() for work in works]
-        meet = lockstep.meeting(len(works), self.placement, across)
-        return lockstep.in_lockstep(works, meet, weights, seats is not None)
+        meet = turns.meeting(len(works), self.placement, across)
+        return turns.in_lockstep(works, meet, weights, shares is not None)
 
 
 def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any]:
@@ -223,13 +223,13 @@ def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
     return partial(on_tower, placement, t, forward)
 
 
-def turns(
+def in_turns(
     placement,
     tower,
     shards,
     working: list[int],
     divisors_of: Callable[[list], Any],
-    across: meetings.Across | None = None,
+    across: seats.Across | None = None,
     weight_of: Callable[[list], Any] | None = None,
 ) -> list:
     """:meth:`Runner.train` in turns: every tower's forward pass traced in
@@ -240,9 +240,9 @@ def turns(
     is this worker's weight in the cluster's sum (None for a sum loss): each
     worker's loss is a mean over its own examples, weighted by them when the
     workers' gradients are summed, and so is its upstream gradient in a
-    backward sum (``meetings.Across``).
+    backward sum (``seats.Across``).
     """
-    meet = lockstep.meeting(len(working), placement, across)
+    meet = turns.meeting(len(working), placement, across)
 
     def divided(passes: list) -> list[Any]:
         divisors = divisors_of(passes)
@@ -250,7 +250,7 @@ def turns(
             across.weight = weight_of(passes)
         return divisors
 
-    run = partial(lockstep.in_lockstep, meet=meet)
+    run = partial(turns.in_lockstep, meet=meet)
     return in_halves(placement, tower, shards, working, divided, run)
 
 

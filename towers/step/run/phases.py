@@ -9,7 +9,7 @@ divisor no tower knows alone), the pass is cut there (``cut.py``) and
 :func:`run` calls each phase of every tower in rank order, adding each sum
 between phases (then over the workers). A pass that cannot be cut runs in
 lockstep instead, and a pass the towers were not sent to meet in but that
-sums (a divisor) tower by tower: ``meetings.Unserved`` tells the runner.
+sums (a divisor) tower by tower: ``seats.Unserved`` tells the runner.
 Every call starts from the step's seed states (``draws.py``).
 """
 
@@ -23,11 +23,11 @@ import tensorflow as tf
 
 from towers.combine import in_dtype
 from towers.split import Shards, batch_size_of
-from towers.step import cut, meetings, xla
-from towers.step.cut import Plan
-from towers.step.recording import Once
 from towers.step.rules import draws, places
 from towers.step.rules.state import Form
+from towers.step.run import cut, seats, xla
+from towers.step.run.cut import Plan
+from towers.step.run.recording import Once
 from towers.step.tower import Tower, TowerResult
 
 
@@ -52,7 +52,7 @@ def run(
     Returns each tower's result, as ``work`` returned it.
 
     Raises:
-      meetings.Unserved: the towers' passes meet at different phases (their
+      seats.Unserved: the towers' passes meet at different phases (their
         shards' shapes made the traces differ).
     """
     _check_alike(plans)
@@ -76,7 +76,7 @@ def run(
                 handed = [_handed(plan.exchanges[c].value, plan, known)
                           for plan, known in zip(plans, values)]  # fmt: skip
                 with tf.device(devices[0]), tf.name_scope(f"tower_{ranks[0]}"):
-                    with meetings.seated(None):
+                    with seats.seated(None):
                         exchange.action(handed)
                 continue
             handed = [_value(plan, known, plan.exchanges[c].value.name)
@@ -101,7 +101,7 @@ def compute(
     weight_of: Callable[[list], Any] | None = None,
     meets: bool = True,
 ) -> list[TowerResult]:
-    """The runner's ``"once"`` and ``"phases"`` (``towers/step/runner.py``):
+    """The runner's ``"once"`` and ``"phases"`` (``towers/step/run/runner.py``):
     each working tower's loss share and gradients, its pass traced once per
     model and shard shape, cut where the towers meet.
 
@@ -112,7 +112,7 @@ def compute(
     (``"phases"``).
 
     Raises:
-      meetings.Unserved: the pass cannot run so (the runner takes the next way).
+      seats.Unserved: the pass cannot run so (the runner takes the next way).
     """
     models = [placement.model_of(t) for t in working]
     traced: list[Any] = []
@@ -157,10 +157,10 @@ def own(
     """A model's own step, ``work(model, x, y, sw, B)``, on every working
     tower (``weights``: their shares), traced once per shard shape and cut
     where the towers meet: each action run once (an apply, an assignment,
-    a metric update: ``meetings.Seat.once``) and each sum.
+    a metric update: ``seats.Seat.once``) and each sum.
 
     Raises:
-      meetings.Unserved: the step meets otherwise (the runner takes turns).
+      seats.Unserved: the step meets otherwise (the runner takes turns).
     """
     model = placement.model_of(working[0])
     firsts = places.first_rows(shards)
@@ -183,7 +183,7 @@ def own(
 
 def _own_pass(model, work, examples, x, y, sample_weight, first, share) -> Any:
     """A tower's own step as traced to be cut: its seat's share, its rows."""
-    meetings.current().weight = share
+    seats.current().weight = share
     with places.rows_of((x, y, sample_weight), first, places.batch_rows()):
         return work(model, x, y, sample_weight, examples)
 
@@ -245,7 +245,7 @@ def _sums(
     sums = []
     for device in devices[: 1 if across else None]:
         with tf.device(device), tf.name_scope("towers_sum"):
-            sums.append(meetings.summed(handed, across, backward))
+            sums.append(seats.summed(handed, across, backward))
     return sums * (len(devices) if across else 1)
 
 
@@ -262,7 +262,7 @@ def _check_alike(plans: list[Plan]) -> None:
     for plan in plans[1:]:
         other = [key(e) for e in plan.exchanges]
         if other != first:
-            raise meetings.Unserved(
+            raise seats.Unserved(
                 "the towers' passes meet by sums (global batch statistics, a "
                 f"divisor) {len(first)} and {len(other)} times, or at different "
                 "phases, on shards of different shapes: the model's trace depends "
@@ -278,4 +278,4 @@ def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any):
         return None
     if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
         return divisor // size * examples if size else divisor  # empty: 0, as summed
-    return meetings.total(tf.cast(divisor, term.total.dtype))
+    return seats.total(tf.cast(divisor, term.total.dtype))
