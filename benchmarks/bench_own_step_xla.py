@@ -15,7 +15,7 @@ batch 256, SGD):
 
 ``plain XLA / plain`` above 1 says XLA cannot make the own step faster on this
 machine, and the refusal of ``jit_compile=True`` with an own step stands
-(``towers/step/custom.py``); ``own / plain`` is what running the model's own
+(``towers/step/work/own.py``); ``own / plain`` is what running the model's own
 code costs over towers' step. No targets: these decide, they do not gate.
 """
 

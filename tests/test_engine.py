@@ -233,7 +233,7 @@ def test_x_and_y_with_different_batch_sizes_raise_and_change_nothing():
 
 def test_loss_returning_a_mean_trains_as_keras_on_one_device():
     # One value for the batch, as Keras takes it: its compute_loss of the
-    # batch (towers/step/losses.py's OneValue), here each tower's by share.
+    # batch (towers/step/work/losses.py's OneValue), here each tower's by share.
     def mean_squared(y, p):
         return tf.reduce_mean(tf.square(y - p))
 

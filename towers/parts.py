@@ -22,16 +22,16 @@ from towers.placement.base import Placement
 from towers.placement.replicas import Independent, Replicated
 from towers.placement.shared import Balanced, Central
 from towers.placement.update import Update
-from towers.step import outputs
-from towers.step.custom import CustomStep
-from towers.step.hooks import custom_hooks, kinds_of, overrides, refuse_with_hooks
-from towers.step.losses import StepLoss
 from towers.step.metrics import Metrics
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.rules.coupled import CoupledLosses
 from towers.step.run import xla
 from towers.step.step import Step
-from towers.step.tower import Tower
+from towers.step.work import outputs
+from towers.step.work.builtin import Tower
+from towers.step.work.hooks import custom_hooks, kinds_of, overrides, refuse_with_hooks
+from towers.step.work.losses import StepLoss
+from towers.step.work.own import CustomStep
 from towers.training.compiling import FROM_COMPILE, compile_model, given, option
 
 PlacementName = Literal["central", "balanced", "replicated", "independent"]
@@ -272,7 +272,7 @@ def _loss_of(
 
 def _own_loss(model: keras.Model, loss: Any, loss_weights: Any) -> bool:
     """Whether the model computes its loss itself (it overrides Keras'
-    ``compute_loss``, which every tower then calls: ``towers/step/tower.py``).
+    ``compute_loss``, which every tower then calls: ``towers/step/work/builtin.py``).
 
     Raises:
       ValueError: the model overrides ``compute_loss`` and is given a loss

@@ -187,7 +187,7 @@ def as_one_tower(tmp_path, model, *more):
 def test_a_clip_dual_encoder_trains_in_a_cluster_as_one_device(tmp_path):
     # Its compute_loss is a softmax over the whole batch's similarities: every
     # worker's outputs are gathered through the collective runtime
-    # (towers/step/rules/gathered.py), worker 1 joining with nothing in the batch of
+    # (towers/step/rules/whole_batch.py), worker 1 joining with nothing in the batch of
     # one; its own Sum metric counts each batch once. The reference is one
     # tower in one process.
     expected, results = as_one_tower(tmp_path, "clip")

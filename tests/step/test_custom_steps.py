@@ -1,7 +1,7 @@
 """A model's own train_step, test_step and predict_step on towers, against
 Keras' own fit, evaluate and predict on one device (float64, uneven shards,
 2 and 3 towers): every tower runs the model's step on its shard and the
-towers meet at each apply (towers/step/custom.py)."""
+towers meet at each apply (towers/step/work/own.py)."""
 
 import keras
 import numpy as np

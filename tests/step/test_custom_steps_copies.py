@@ -2,7 +2,7 @@
 (the towers' weighted gradients all-reduced at each apply, every copy
 applying the sum with its own optimizer) against Keras' own fit on one
 device, float64, uneven shards; independent (nothing exchanged) as the
-floor it is (towers/step/custom_copies.py)."""
+floor it is (towers/step/work/copies.py)."""
 
 import numpy as np
 import pytest

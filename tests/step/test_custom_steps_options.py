@@ -1,5 +1,5 @@
 """The engine's options with a model's own train_step, per apply
-(towers/step/applies.py), against Keras' own fit on one device in float64:
+(towers/step/work/applies.py), against Keras' own fit on one device in float64:
 accumulate_steps as one step on each window's batches, and
 on_nonfinite skipping (or raising at) an apply whose combined gradient is
 not finite, nothing half-applied."""

@@ -1,4 +1,4 @@
-"""The loss as terms that shards add up to exactly (towers/step/losses.py).
+"""The loss as terms that shards add up to exactly (towers/step/work/losses.py).
 
 Each check cuts a batch into uneven shards, adds up the shards' terms and divides
 as the step does, and compares with Keras' own value on the whole batch.
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tests.tolerances import EQUIVALENCE_RTOL
-from towers.step.losses import StepLoss, over, step_divisors
+from towers.step.work.losses import StepLoss, over, step_divisors
 
 Y_TRUE = tf.constant([[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]])
 Y_PRED = tf.constant([[1.0, 0.0], [2.0, 0.0], [1.0, 1.0]])

@@ -1,4 +1,4 @@
-"""One tower's work: loss share, regularisers, gradients (towers/step/tower.py)."""
+"""One tower's work: loss share, regularisers, gradients (step/work/builtin.py)."""
 
 import gc
 
@@ -10,10 +10,10 @@ import tensorflow as tf
 from tests.models import build_dense_sparse_unused, dense_sparse_batch
 from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
-from towers.step.losses import StepLoss
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.run import phases
-from towers.step.tower import Tower, weights_here
+from towers.step.work.builtin import Tower, weights_here
+from towers.step.work.losses import StepLoss
 
 
 def tower_for(model, loss="mse", loss_scale=1.0):

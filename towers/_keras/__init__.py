@@ -1,7 +1,7 @@
 """The non-public parts of Keras towers uses, in one place (this package): jobs
 with no public call.
 
-Loss terms (``step/losses.py``): a loss *before* its reduction, weighted as
+Loss terms (``step/work/losses.py``): a loss *before* its reduction, weighted as
 Keras weights it, and what the reduction divides by (``Loss.__call__``'s
 helpers), checked against Keras 3.15 (tests/step/test_losses.py); a model's
 own ``compute_loss`` called as Keras' steps call it, a loss spec checked by
@@ -281,7 +281,7 @@ def build_compiled_metrics(model: keras.Model, batch: tuple) -> None:
     fit does under a distribution strategy (``Trainer._symbolic_build``); the
     variables are made under the current device scope. Not the optimizer:
     a fit with no strategy builds it at its first apply (an own train_step's
-    may accumulate, towers/step/applies.py), towers' own step at its start."""
+    may accumulate, towers/step/work/applies.py), towers' own step at its start."""
     optimizer = getattr(model, "optimizer", None)
     unbuilt = optimizer is not None and not optimizer.built
     if unbuilt:

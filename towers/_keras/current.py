@@ -28,7 +28,7 @@ class Tower:
       moments: where BatchNormalization's moments go, by the
         ``MovingStatistics`` recording them (``step/rules/batchnorm.py``).
       recorder: the loss probe's recorder (``step/rules/loss_kinds.py``).
-      in_loss: within a gathered loss's own call (``step/rules/gathered.py``).
+      in_loss: within a gathered loss's own call (``step/rules/whole_batch.py``).
     """
 
     def __init__(self) -> None:

@@ -14,9 +14,9 @@ replaced, and why:
   (``step/rules/coupled.py``): the whole batch's, when the towers meet;
 - in a model's own step, Keras' optimizers' ``apply``, Keras variables'
   ``assign``, metrics' ``update_state`` and ``result``, and a model's
-  ``compute_loss`` (``step/applies.py``, ``step/rules/assignments.py``,
-  ``step/rules/gathered.py``): routed to where the towers meet; and
-  ``tf.GradientTape.gradient`` (``step/applies.py``): a gradient handed
+  ``compute_loss`` (``step/work/applies.py``, ``step/rules/assignments.py``,
+  ``step/rules/whole_batch.py``): routed to where the towers meet; and
+  ``tf.GradientTape.gradient`` (``step/work/applies.py``): a gradient handed
   in as a mean's, however the loss reads the batch;
 - Keras' random draws (``step/rules/draws.py``), and TensorFlow's stateless
   uniform and normal draws under them: a tower draws its rows of the

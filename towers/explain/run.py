@@ -60,7 +60,7 @@ class Explanation:
     # the variables the towers' passes assign, each with the rule that assigns
     # it once a step (towers/step/rules/state.py)
     assigned: list[str] = field(default_factory=list)
-    # where a model's own train_step made the towers meet (towers/step/custom.py)
+    # where a model's own train_step made the towers meet (towers/step/work/own.py)
     meetings: list[str] = field(default_factory=list)
 
     def ran_on(self, stage: str) -> list[str]:

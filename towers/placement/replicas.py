@@ -163,7 +163,7 @@ class Replicated(Copies):
         ``tower_grads[t][v]`` for ``variables[t][v]`` (default: each copy's
         trainable variables), the collectives' keys from ``first_instance``
         (each apply of a model's own step takes its own,
-        ``towers/step/custom_copies.py``). None where no tower has one."""
+        ``towers/step/work/copies.py``). None where no tower has one."""
         if variables is None:
             variables = [m.trainable_variables for m in self.models]
         used = [

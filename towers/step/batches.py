@@ -76,7 +76,7 @@ def check_targets(loss: Any, y: Any) -> None:
     """Refuses a training or evaluation batch without targets when ``loss``
     (a ``StepLoss``) compares predictions with them, naming the loss.
 
-    >>> from towers.step.losses import StepLoss
+    >>> from towers.step.work.losses import StepLoss
     >>> check_targets(StepLoss("mse"), None)
     Traceback (most recent call last):
     ...

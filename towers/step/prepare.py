@@ -11,8 +11,8 @@ from typing import Any
 from towers._keras import built_symbolically, trainable_capable
 from towers.split import examples_of, split_sizes
 from towers.step.batches import check_sizes, check_targets, first_example, on_host
-from towers.step.custom_copies import build_copies
-from towers.step.hooks import overrides
+from towers.step.work.copies import build_copies
+from towers.step.work.hooks import overrides
 
 
 class Preparing:

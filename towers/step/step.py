@@ -25,11 +25,9 @@ from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, batch_size_of
 from towers.step.batches import HOST
-from towers.step.losses import normalisation, step_divisors
 from towers.step.metrics import Metrics
 from towers.step.prepare import Preparing
 from towers.step.rules.batchnorm import MovingStatistics
-from towers.step.rules.gathered import concat_rows
 from towers.step.rules.grad_rules import combined
 from towers.step.rules.state import (
     assign,
@@ -38,8 +36,10 @@ from towers.step.rules.state import (
     settle_apart_metrics,
     state_variables,
 )
+from towers.step.rules.whole_batch import concat_rows
 from towers.step.run.runner import Runner
-from towers.step.tower import Tower, TowerResult
+from towers.step.work.builtin import Tower, TowerResult
+from towers.step.work.losses import normalisation, step_divisors
 
 
 class Step(Preparing):
@@ -73,13 +73,13 @@ class Step(Preparing):
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
         self._sized = False  # the first batch looked at for idle towers
-        self.custom: Any = None  # the model's own steps (custom.py), if any
+        self.custom: Any = None  # the model's own steps (own.py), if any
         # What the towers' passes assign (state.py): variable path -> its rule.
         self.assigned: dict[str, str] = {}
 
     def owns(self, kind: str) -> bool:
         """Whether the towers' work in the ``kind`` step is the model's own
-        step (``custom.py``) in place of the built-in pass."""
+        step (``own.py``) in place of the built-in pass."""
         return self.custom is not None and kind in self.custom.kinds
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
@@ -246,7 +246,7 @@ class Step(Preparing):
     # -- helpers ------------------------------------------------------------------
 
     def _divisors(self, passes: list) -> list[Any]:
-        """The step's divisor per loss term (towers/step/losses.py)."""
+        """The step's divisor per loss term (towers/step/work/losses.py)."""
         if not any(p.terms for p in passes) and all(p.extra is None for p in passes):
             raise ValueError(
                 "the step has no loss: loss=None needs a model that adds its own "

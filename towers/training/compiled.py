@@ -15,9 +15,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.step.losses import OneValue
 from towers.step.run import xla
 from towers.step.step import Step
+from towers.step.work.losses import OneValue
 from towers.training.executions import any_count, looped, runs, stack, stackable
 
 

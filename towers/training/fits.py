@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from towers._keras import compute_loss, compute_output_spec
 from towers.split import examples_of, split_sizes
-from towers.step.hooks import overrides, raised_in_towers
+from towers.step.work.hooks import overrides, raised_in_towers
 
 
 def misfit(

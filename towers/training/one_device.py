@@ -20,7 +20,7 @@ import tensorflow as tf
 from towers._keras import GlobalSeed
 from towers._keras.optimizers import optimizer_variables
 from towers._keras.patches import routed_applies
-from towers.step.hooks import own_hook
+from towers.step.work.hooks import own_hook
 
 # Stateful TensorFlow random ops: a second run draws other numbers.
 STATEFUL_DRAWS = frozenset(

@@ -35,7 +35,7 @@ import tensorflow as tf
 from towers._keras import layers_of
 from towers._runtime import unoptimised_calls
 from towers.split import split_for_towers
-from towers.step.rules.gathered import concat_rows
+from towers.step.rules.whole_batch import concat_rows
 from towers.training.comparison import Comparison
 
 # A variable this far apart (relative to its change) in the model's dtype

@@ -1,6 +1,6 @@
 """A model's compute_loss that couples the batch's examples (a contrastive
 loss) is computed on the whole batch's gathered outputs, so T towers train to
-Keras' own fit on one device (``towers/step/rules/gathered.py``). Compared in
+Keras' own fit on one device (``towers/step/rules/whole_batch.py``). Compared in
 float64, every variable's update, the logs and evaluate, on batches that do
 not divide by the towers."""
 

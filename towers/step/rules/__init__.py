@@ -3,7 +3,7 @@ rule for under towers, each found on the user's model rather than declared.
 
 ``batchnorm.py`` (a batch's statistics, the moving ones moved once),
 ``balancing.py`` (a mixture of experts' load-balancing sums), ``coupled.py``
-and ``gathered.py`` (a loss or a pass that couples the batch's examples),
+and ``whole_batch.py`` (a loss or a pass that couples the batch's examples),
 ``gather.py`` (``towers.gather``: every tower's rows), ``draws.py`` and
 ``places.py`` (random draws as one device's), ``state.py`` and
 ``assignments.py`` (state a pass or a model's own step assigns, once),

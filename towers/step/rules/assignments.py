@@ -55,7 +55,7 @@ _FORMS: dict[Any, Any] = {}  # the forms found, by tensor (state.form_of)
 def quiet() -> Iterator[None]:
     """Within, what this tower's own step assigns and updates is dropped
     (its seat says so): a loss computed again only for a part of its
-    gradient (``towers/step/rules/gathered.py``). Every tower is quiet alike, so
+    gradient (``towers/step/rules/whole_batch.py``). Every tower is quiet alike, so
     they still meet alike."""
     seat = current()
     before = seat.quiet
@@ -260,7 +260,7 @@ class Assignments:
         copies = len(self.models) > 1
         if isinstance(metric, keras.metrics.Mean) and value is not None:
             # The batch's number: the towers' weighted, in one update (with
-            # copies, of the first's copy; custom_copies.py gathers it).
+            # copies, of the first's copy; copies.py gathers it).
             what = self._metric_place[id(metric)] if copies else metric
 
             def weighted(handed: list) -> None:
@@ -278,7 +278,7 @@ class Assignments:
             handed = (what, tf.convert_to_tensor(value), here.weight)
             here.once(handed, weighted, variables)
             return None
-        if copies:  # each copy's own, their changes added (custom_copies.py)
+        if copies:  # each copy's own, their changes added (copies.py)
             return update(*args, **kwargs)
         after = metric.stateless_update_state(_read(variables), *args, **kwargs)
         after = [tf.convert_to_tensor(a) for a in after]

@@ -9,7 +9,7 @@ term that couples them is not: keras_hub's mixture-of-experts router loss
 - ``"exact"``: the towers meet at each block and compute ``f_e`` and ``P_e``
   from the whole batch (``balancing.py``; keras-hub versions in
   :data:`CHECKED_KERAS_HUB`); a coupled ``compute_loss`` is gathered
-  (``gathered.py``);
+  (``whole_batch.py``);
 - ``"per_tower"``: each tower's shard alone, warned of once;
 - ``"refuse"``: any coupled term refused.
 
@@ -137,7 +137,7 @@ class CoupledLosses:
         self.terms = coupled_terms(model) if towers > 1 else []
         self.exact = False
         # The model's compute_loss is computed on the gathered batch
-        # (towers/step/rules/gathered.py), in towers' step or in the model's own.
+        # (towers/step/rules/whole_batch.py), in towers' step or in the model's own.
         self.gathered = False
         splits = towers > 1 or accumulate_steps > 1
         self.probed: list[Measured] | None = None if splits else []
@@ -181,7 +181,7 @@ class CoupledLosses:
             )
         gathered = (
             "on the whole batch's outputs, gathered from every tower; each "
-            "tower's gradient through its own slice (towers/step/rules/gathered.py)"
+            "tower's gradient through its own slice (towers/step/rules/whole_batch.py)"
         )
         how_probed = gathered if self.gathered else per_tower
         return [f"{term}: {how}" for term in self.terms] + [

@@ -4,19 +4,19 @@
 A loss over the whole batch's similarity matrix (SimCLR's NT-Xent, CLIP's
 symmetric cross-entropy) computed inside a model's own ``train_step`` sees only
 its tower's shard, as under MirroredStrategy; towers gathers what a
-``compute_loss`` override needs by itself (``towers/step/rules/gathered.py``), but
+``compute_loss`` override needs by itself (``towers/step/rules/whole_batch.py``), but
 cannot see into a step. ``towers.gather(embeddings)`` is the step's way to ask:
 every tower gets the batch's rows, in example order, and computes the whole
 batch's loss from them, each tower's gradient flowing back through its own
 rows only, divided by its share of the examples (``n_t / B``). The towers'
 gradients are weighted by those shares where they meet at the apply
-(``towers/step/custom.py``), so its rows' gradients add up to one device's,
+(``towers/step/work/own.py``), so its rows' gradients add up to one device's,
 and what the loss reads directly (a learned temperature) counts once: the
 shares sum to 1. Outside towers (Keras' own fit on one device) it returns the
 tensor as it is, so the same step runs both ways.
 
 In a cluster, every worker's rows are gathered too (the one gather,
-``towers/step/rules/gathered.py``), each tower's rows' gradient divided by its
+``towers/step/rules/whole_batch.py``), each tower's rows' gradient divided by its
 share of the global batch (``n_t / B``). Whatever its form, such a loss is
 the whole batch's on every tower, so it is weighed as a mean
 (``towers/step/rules/loss_kinds.py``).
@@ -31,7 +31,7 @@ import tensorflow as tf
 from towers.combine import in_dtype
 from towers.step.rules import probe
 from towers.step.rules.assignments import met_for
-from towers.step.rules.gathered import gathered_rows
+from towers.step.rules.whole_batch import gathered_rows
 from towers.step.run.seats import current
 
 

@@ -24,8 +24,8 @@ import tensorflow as tf
 from towers._keras import built_symbolically, call_model, layers_of, own_losses
 from towers.combine import in_dtype
 from towers.split import batch_size_of, split_sizes, take_rows
-from towers.step.rules.gathered import concat_rows
 from towers.step.rules.state import Reads
+from towers.step.rules.whole_batch import concat_rows
 
 # "whole_sum": a sum whose terms that read no tensor of the batch still move
 # with its rows (a draw per row of a static shape): nothing is set apart.

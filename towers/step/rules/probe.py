@@ -9,7 +9,7 @@ applied or kept: a model's own ``train_step`` or ``test_step``
 example (``loss_kinds.batch_free``, read from its graph): a mean takes the
 mean of its values alone, a sum their sum; one that is neither couples the
 examples (a contrastive loss, a variance over the batch), gathered or
-refused by name before any update (``coupled.py``, ``custom.py``).
+refused by name before any update (``coupled.py``, ``own.py``).
 
 Every draw takes its rows of the two examples' draw (``places.py``), and
 BatchNormalization normalises with its moving moments (``batchnorm.Steady``).
@@ -37,7 +37,6 @@ from towers._keras.patches import (
     routed_gradients,
 )
 from towers.split import examples_of, take_rows, units_of
-from towers.step.hooks import own_hook, raised_in_towers
 from towers.step.rules import draws, places
 from towers.step.rules.batchnorm import Steady
 from towers.step.rules.loss_kinds import (
@@ -50,6 +49,7 @@ from towers.step.rules.loss_kinds import (
     readings,
 )
 from towers.step.rules.state import raw_variables
+from towers.step.work.hooks import own_hook, raised_in_towers
 
 # Pairs of examples tried while a loss is zero on them (both readings fit).
 PAIRS = 4

@@ -28,7 +28,7 @@ from towers.step.rules.state import Form
 from towers.step.run import cut, seats, xla
 from towers.step.run.cut import Plan
 from towers.step.run.recording import Once
-from towers.step.tower import Tower, TowerResult
+from towers.step.work.builtin import Tower, TowerResult
 
 
 def shareable(placement: Any, shards: Shards, working: list[int]) -> bool:

@@ -23,7 +23,7 @@ from towers.split import Shards, split_for_towers
 from towers.step.batches import HOST
 from towers.step.rules import draws, places
 from towers.step.run import phases, seats, turns, xla
-from towers.step.tower import TowerResult
+from towers.step.work.builtin import TowerResult
 
 Way = Literal["alone", "once", "phases", "turns"]
 # The way a step takes when its seats cannot serve a verb (seats.Unserved).

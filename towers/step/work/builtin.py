@@ -6,7 +6,7 @@ work has two halves, because its loss divides by the whole step's divisor,
 which needs every tower's shard::
 
     forward:    y_pred = model(x_t)                 under a GradientTape
-                S_to, D_to per output               (towers/step/losses.py)
+                S_to, D_to per output               (towers/step/work/losses.py)
                 extra_t = model.losses * n_t / B    (regularisers, add_loss)
     gradients:  D_o = sum_t D_to                    (the step, towers/step/step.py)
                 loss_t  = sum_o w_o S_to / D_o + extra_t
@@ -36,13 +36,13 @@ from towers._keras import (
     own_losses,
 )
 from towers.split import batch_size_of
-from towers.step.losses import StepLoss, Term, over
 from towers.step.rules import places
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.rules.coupled import CoupledLosses
-from towers.step.rules.gathered import gathered_loss
 from towers.step.rules.state import form_of, state_variables
+from towers.step.rules.whole_batch import gathered_loss
 from towers.step.run import xla
+from towers.step.work.losses import StepLoss, Term, over
 
 
 @dataclasses.dataclass
@@ -272,7 +272,7 @@ class Tower:
         y_pred = call_model(model, x, training)
         terms, extra = [], None
         if self.own_loss and self.coupled.gathered:
-            # The whole batch's loss, this tower's term of it (gathered.py).
+            # The whole batch's loss, this tower's term of it (whole_batch.py).
             share = tf.cast(batch_size_of(x), tf.float64) / tf.cast(
                 examples, tf.float64
             )

@@ -30,15 +30,15 @@ from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards, examples_of
-from towers.step.applies import INSTANCES_PER_APPLY, Applies
 from towers.step.batches import HOST
-from towers.step.custom_copies import gather_metrics, level_metrics
-from towers.step.hooks import own_hook
 from towers.step.rules import draws, loss_kinds, probe
 from towers.step.rules.assignments import Assignments
-from towers.step.rules.gathered import concat_rows, whole_batch_loss
+from towers.step.rules.whole_batch import concat_rows, whole_batch_loss
 from towers.step.run.runner import Runner
 from towers.step.run.seats import current
+from towers.step.work.applies import INSTANCES_PER_APPLY, Applies
+from towers.step.work.copies import gather_metrics, level_metrics
+from towers.step.work.hooks import own_hook
 
 
 class CustomStep:
@@ -49,7 +49,7 @@ class CustomStep:
       placement: where the variables live (one model the towers share).
       runner: how the towers run (``towers/step/run/runner.py``): the step's.
       update: the engine's update: its policies, per apply
-        (``towers/step/applies.py``).
+        (``towers/step/work/applies.py``).
       kinds: the steps that are the model's own (``kinds_of``).
     """
 
@@ -142,7 +142,7 @@ class CustomStep:
                 return concat_rows(outputs)
         kind = "train" if hook == "train_step" else "eval"
         self._across = self.runner.across(kind)
-        copies = len(self.placement.models) > 1  # custom_copies.py
+        copies = len(self.placement.models) > 1  # copies.py
         levelled = level_metrics(self.placement.models) if copies else None
         self._batch = tf.nest.flatten(batch, expand_composites=True)
         before, examples = None, tf.cast(shards.size, tf.float64)

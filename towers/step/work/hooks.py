@@ -1,5 +1,5 @@
 """Which of Keras' step hooks a model overrides, and what towers runs with
-them: the steps that are the model's own (``towers/step/custom.py``), and
+them: the steps that are the model's own (``towers/step/work/own.py``), and
 the options refused before any step.
 """
 

@@ -39,7 +39,7 @@ from towers._keras import (
     is_binary_or_sparse_categorical,
     squeeze_or_expand_to_same_rank,
 )
-from towers.step import outputs
+from towers.step.work import outputs
 
 _REDUCTIONS = (
     None,

@@ -73,7 +73,7 @@ def gathered_loss(
 @contextlib.contextmanager
 def whole_batch_loss(models: list[Any]) -> Iterator[None]:
     """Within, a model's own ``compute_loss`` called in its own step's tower
-    (``towers/step/custom.py``) is the whole batch's: :func:`gathered_loss`'s
+    (``towers/step/work/own.py``) is the whole batch's: :func:`gathered_loss`'s
     term over the tower's share ``w_t`` (the apply weighs its gradient by
     ``w_t`` again), so its value is the batch's loss ``L``, its gradient
     through the tower's own rows ``dL/d rows_t / w_t`` and the direct part

@@ -3,7 +3,7 @@
 the copies' metrics.
 
 Each tower runs its own copy's step and applies to its own copy
-(``towers/step/applies.py``). The metrics each copy's step updates are
+(``towers/step/work/applies.py``). The metrics each copy's step updates are
 gathered into copy 0's (the engine's ``model``, whose metrics fit reports):
 before the step every copy's metric variables are set to copy 0's, after it
 copy 0 takes every copy's change.
