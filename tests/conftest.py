@@ -57,16 +57,15 @@ SLOW = {
     "tests/bench/test_bench_cli.py": "the bench CLI's full run",
     "tests/test_real_models.py": "keras.applications and keras_hub models",
     "tests/step/rules/test_coupled.py": "keras_hub's mixture-of-experts models",
-    "tests/step/test_segments.py": "XLA compilations of cut passes",
-    "tests/step/test_xla.py": "XLA compilations against Keras' XLA fit",
-    "tests/step/test_cut.py::test_a_recurrent_model_trains_with_xla_as_keras_xla_fit": (
-        "recurrent layers' XLA compilations"
-    ),
-    "tests/step/test_cut.py::test_a_loops_kept_values_between_xla_phases_are_named_"
-    "or_run_without_xla": "recurrent layers' XLA compilations",
+    "tests/step/run/test_phases.py": "XLA compilations of cut passes",
+    "tests/step/run/test_xla.py": "XLA compilations against Keras' XLA fit",
+    "tests/step/run/test_cut.py::test_a_recurrent_model_trains_with_xla_as_keras_"
+    "xla_fit": "recurrent layers' XLA compilations",
+    "tests/step/run/test_cut.py::test_a_loops_kept_values_between_xla_phases_are_"
+    "named_or_run_without_xla": "recurrent layers' XLA compilations",
     "tests/training/test_loop.py::test_sigkill_mid_epoch_then_resume_equals_an_"
     "uninterrupted_run": "a run killed and resumed in processes",
-    "tests/step/test_xla_cache.py": "XLA compilations counted across towers",
+    "tests/step/run/test_xla_cache.py": "XLA compilations counted across towers",
     "tests/cluster/test_workers.py::test_fit_shuffles_arrays_in_the_chiefs_order_"
     "on_every_worker": "a cluster of worker processes",
     "tests/test_docs.py::test_make_docs_builds_the_reference_without_warnings": (
@@ -77,10 +76,10 @@ SLOW = {
     ),
     "tests/step/rules/test_probe.py::test_a_deep_float32_networks_own_step_is_found_a_"
     "mean_and_trains_as_keras_fit": "twenty blocks traced in an own step",
-    "tests/step/test_custom_steps.py::test_a_gan_resumed_from_its_checkpoint_"
+    "tests/step/work/test_own.py::test_a_gan_resumed_from_its_checkpoint_"
     "trains_as_one_never_stopped": "a GAN trained, saved and resumed twice",
-    "tests/step/rules/test_gathered_loss.py::test_auto_xla_runs_a_gathered_loss_without_"
-    "it_saying_so": "a gathered loss's XLA compilations",
+    "tests/step/rules/test_gathered_loss.py::test_auto_xla_runs_a_gathered_loss_"
+    "without_it_saying_so": "a gathered loss's XLA compilations",
     **{
         f"tests/bench/test_workers.py::{name}": "a 2-worker bench job in processes"
         for name in (
@@ -93,24 +92,25 @@ SLOW = {
     **{
         f"tests/step/{case}[{param}]": "more towers of a case run at two"
         for case, params in {
-            "test_cut.py::test_a_recurrent_model_trains_as_keras_fit": (
+            "run/test_cut.py::test_a_recurrent_model_trains_as_keras_fit": (
                 "3-once",
                 "3-phases",
             ),
-            "test_gathered_loss.py::test_a_clip_loss_trains_to_keras_fit_on_the_"
+            "rules/test_gathered_loss.py::test_a_clip_loss_trains_to_keras_fit_on_the_"
             "whole_batch": ("3",),
-            "test_gathered_loss.py::test_a_coupled_loss_in_the_models_own_step_"
+            "rules/test_gathered_loss.py::test_a_coupled_loss_in_the_models_own_step_"
             "trains_as_keras_fit": ("3",),
-            "test_custom_steps_batchnorm.py::test_a_gan_with_batchnorm_trains_as_"
+            "work/test_own_batchnorm.py::test_a_gan_with_batchnorm_trains_as_"
             "keras_fit_with_global_statistics": ("3",),
-            "test_custom_steps_draws.py::test_keras_ios_ddim_as_written_trains_as_"
+            "work/test_own_draws.py::test_keras_ios_ddim_as_written_trains_as_"
             "keras_fit": ("4",),
-            "test_custom_steps_copies.py::test_a_gan_trains_replicated_as_keras_fit": (
+            "work/test_own_copies.py::test_a_gan_trains_replicated_as_keras_fit": (
                 "3",
             ),
-            "test_custom_steps.py::test_a_gan_with_two_optimizers_trains_as_keras_"
-            "fit": ("3",),
-            "test_gather.py::test_a_contrastive_loss_in_the_step_trains_as_keras_fit_"
+            "work/test_own.py::test_a_gan_with_two_optimizers_trains_as_keras_fit": (
+                "3",
+            ),
+            "rules/test_gather.py::test_a_contrastive_loss_in_the_step_trains_as_keras_fit_"
             "when_gathered": ("3-activity", "3-"),
         }.items()
         for param in params

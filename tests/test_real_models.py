@@ -93,7 +93,7 @@ def test_resnet_with_xla_trains_as_keras_xla_fit(float64, xla_allowed):
     cut at its 9 BatchNormalization layers, two of them branches into one Add
     (towers/step/run/phases.py), against Keras' fit with XLA on one device. One
     step of 8, 4 + 4: every phase compiles once per shard shape and device,
-    and the small models cover uneven shards (tests/step/test_segments.py)."""
+    and the small models cover uneven shards (tests/step/run/test_phases.py)."""
     trains_as_keras_fit("ResNet", jit_compile=True, examples=8, batch=8)
 
 

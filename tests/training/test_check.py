@@ -116,7 +116,7 @@ def test_an_own_steps_optimizers_built_at_its_apply_are_checked_eagerly(monkeypa
     # the step eagerly as the reference (no trace), building them at their
     # first apply, and compares every variable, slots included; nothing is
     # kept (the slots it made are put back to their first values).
-    from tests.step.test_custom_steps import gan
+    from tests.step.work.test_own import gan
     from towers.training import one_device
 
     traced = []

@@ -3,7 +3,7 @@ with no public call.
 
 Loss terms (``step/work/losses.py``): a loss *before* its reduction, weighted as
 Keras weights it, and what the reduction divides by (``Loss.__call__``'s
-helpers), checked against Keras 3.15 (tests/step/test_losses.py); a model's
+helpers), checked against Keras 3.15 (tests/step/work/test_losses.py); a model's
 own ``compute_loss`` called as Keras' steps call it, a loss spec checked by
 Keras' own ``CompileLoss`` for its error; "accuracy" as a loss name by
 Keras' rule of shapes.

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.step.test_custom_steps_state import assert_every_variable_moved_alike
+from tests.step.work.test_own_state import assert_every_variable_moved_alike
 from tests.test_equivalence import devices
 from towers import Towers
 

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import towers
-from tests.step.test_custom_steps import assert_same_updates
+from tests.step.work.test_own import assert_same_updates
 from tests.test_equivalence import devices
 from towers import Towers
 

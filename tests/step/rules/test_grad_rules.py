@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.step.test_custom_steps import GuideStep
+from tests.step.work.test_own import GuideStep
 from tests.test_equivalence import devices
 from tests.training.test_keras_fit_cases import assert_same_fit, twins
 from towers import Towers

@@ -10,7 +10,7 @@ divides by the whole batch's ``D = sum_t D_t``::
 
     loss = sum_o weight_o * (sum_t S_to) / (sum_t D_to)   (+ the model's own losses)
 
-which is Keras' value on the whole batch (``tests/step/test_losses.py`` checks each
+which is Keras' value on the whole batch (``tests/step/work/test_losses.py`` checks each
 reduction, with sample weights and masks, against Keras itself).
 
 The loss is one loss for every output, one per output (a list in output order or

@@ -9,9 +9,9 @@ Keras' fit's update."""
 import numpy as np
 import pytest
 
-from tests.step.test_custom_steps import regression
-from tests.step.test_custom_steps_options import executing
-from tests.step.test_custom_steps_state import assert_every_variable_moved_alike
+from tests.step.work.test_own import regression
+from tests.step.work.test_own_options import executing
+from tests.step.work.test_own_state import assert_every_variable_moved_alike
 from tests.test_equivalence import devices
 from towers import Towers
 

@@ -1,6 +1,6 @@
 """Keras' customisation hooks are part of the model: towers honours
 ``compute_loss`` (each tower calls it; a model's own steps are
-tests/step/test_custom_steps.py). The reference is Keras' own ``fit`` and
+tests/step/work/test_own.py). The reference is Keras' own ``fit`` and
 ``evaluate`` on one device."""
 
 import keras

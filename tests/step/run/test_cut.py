@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.step.test_custom_steps import assert_same_updates
+from tests.step.work.test_own import assert_same_updates
 from tests.test_equivalence import devices
 from towers import Towers
 from towers.step.run import xla

@@ -7,7 +7,7 @@ floor it is (towers/step/work/copies.py)."""
 import numpy as np
 import pytest
 
-from tests.step.test_custom_steps import (
+from tests.step.work.test_own import (
     assert_same_updates,
     gan,
     guide_model,
@@ -78,7 +78,7 @@ def test_independent_copies_each_train_on_their_own_shard():
 
 
 def test_independent_copies_with_batchnorm_each_move_their_own_statistics():
-    from tests.step.test_custom_steps_batchnorm import NormalisedGAN
+    from tests.step.work.test_own_batchnorm import NormalisedGAN
 
     rng = np.random.default_rng(0)
     real, z = rng.standard_normal((16, 2)), rng.standard_normal((16, 3))

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tests.models import step_graph
 from tests.step.rules.test_global_batch_statistics import bn_cnn, bn_mlp
-from tests.step.test_xla import BATCH, assert_close, assert_same_updates, data, fit
+from tests.step.run.test_xla import BATCH, assert_close, assert_same_updates, data, fit
 from tests.test_equivalence import devices
 from towers import Towers
 from towers.devices import canonical_device

@@ -9,7 +9,7 @@ import pytest
 from tests.models import build_mlp
 from tests.step.rules.test_gathered_loss import clip
 from tests.step.rules.test_gathered_loss import data as clip_data
-from tests.step.test_custom_steps import guide_model
+from tests.step.work.test_own import guide_model
 from tests.test_equivalence import devices
 from towers import Towers
 from towers.step.run import runner as runner_module

@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 from tests.placement.test_placement import OwnStep
-from tests.step.test_custom_steps import gan, guide_model, regression
-from tests.step.test_custom_steps_state import (
+from tests.step.work.test_own import gan, guide_model, regression
+from tests.step.work.test_own_state import (
     EMAStep,
     assert_every_variable_moved_alike,
     built,

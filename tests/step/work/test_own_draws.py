@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.step.test_custom_steps import FLOAT64_ATOL, FLOAT64_RTOL, GAN, gan
+from tests.step.work.test_own import FLOAT64_ATOL, FLOAT64_RTOL, GAN, gan
 from tests.test_equivalence import devices
 from towers import Towers
 

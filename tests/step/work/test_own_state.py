@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import towers
-from tests.step.test_custom_steps import FLOAT64_RTOL, VAE, regression
+from tests.step.work.test_own import FLOAT64_RTOL, VAE, regression
 from tests.test_equivalence import devices
 from towers import Towers
 

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
-from tests.step.test_custom_steps import assert_same_updates, regression
+from tests.step.work.test_own import assert_same_updates, regression
 from tests.test_equivalence import devices
 from towers import Towers
 
