@@ -1,5 +1,5 @@
 """Why, without XLA, a divisor from sample weights traces the towers one by one
-(``towers/step/run/recording.py``'s ``Recording`` does not serve the sum in ``"once"``).
+(``step/run/seats.py``'s ``CutSeat`` does not serve the sum in ``"shared"``).
 
 Keras' ``mean_with_sample_weight`` divides by the batch's sum of sample
 weights, which no tower knows alone. The one trace for every tower can be cut
@@ -51,7 +51,7 @@ def cut_at_the_divisor(monkeypatch):
 
     def way(self, kind, working, shards=None):
         chosen = own(self, kind, working, shards)
-        return "phases" if kind == "train" and chosen == "once" else chosen
+        return "phases" if kind == "train" and chosen == "shared" else chosen
 
     monkeypatch.setattr(runner.Runner, "way", way)
 

@@ -93,7 +93,7 @@ SLOW = {
         f"tests/step/{case}[{param}]": "more towers of a case run at two"
         for case, params in {
             "run/test_cut.py::test_a_recurrent_model_trains_as_keras_fit": (
-                "3-once",
+                "3-shared",
                 "3-phases",
             ),
             "rules/test_gathered_loss.py::test_a_clip_loss_trains_to_keras_fit_on_the_"

@@ -1,7 +1,7 @@
 """A tower's pass traced once and cut into phases (towers/step/run/cut.py) runs
 what one device's step runs: a recurrent layer's loop and its gradient, and
 the ops that run for what they do (an assert, a print), on every tower, in
-each way the cut serves: one phase ("once"), and phases around the sums of
+each way the cut serves: one phase ("shared"), and phases around the sums of
 global batch statistics, with XLA and without. Against Keras' own fit,
 float64, uneven shards."""
 
@@ -15,7 +15,7 @@ from tests.test_equivalence import devices
 from towers import Towers
 from towers.step.run import xla
 
-WAYS = {"once": {}, "phases": {"batch_statistics": "global"}}
+WAYS = {"shared": {}, "phases": {"batch_statistics": "global"}}
 
 
 def recurrent(normalised=False, jit_compile=False):

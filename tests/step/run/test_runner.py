@@ -61,10 +61,10 @@ def by_kind(decided):
     "build, towers, options, train, inference",
     [
         (build_mlp, 1, {}, "alone", "alone"),  # nobody to share a trace with
-        (build_mlp, 3, {}, "once", "once"),
+        (build_mlp, 3, {}, "shared", "shared"),
         (build_mlp, 3, {"placement": "replicated"}, "alone", "alone"),  # a copy each
-        (build_mlp, 3, {"jit_compile": True}, "phases", "once"),  # cut where met
-        (batch_norm_mlp, 3, {"batch_statistics": "global"}, "phases", "once"),
+        (build_mlp, 3, {"jit_compile": True}, "phases", "shared"),  # cut where met
+        (batch_norm_mlp, 3, {"batch_statistics": "global"}, "phases", "shared"),
         (batch_norm_mlp, 1, {"batch_statistics": "global"}, "alone", "alone"),
     ],
     ids=["one", "shared", "replicated", "xla", "global", "global-alone"],
@@ -105,7 +105,7 @@ def test_a_models_own_train_step_is_traced_once_a_shard_shape_and_cut(
     assert by_kind(ways)["own"] == {"phases"}
     # 4 + 4 + 4 rows: one trace for the three towers; 4 + 4 + 3: two. (The
     # probe and the first step's check call it alone: Alone seats.)
-    assert seen.count("Recording") == traces
+    assert seen.count("CutSeat") == traces
     assert "Seat" not in seen  # no tower traced in turns
 
 
@@ -116,7 +116,7 @@ def test_a_gathered_loss_takes_turns_in_training_and_evaluation(ways):
     assert by_kind(ways) == {
         "train": {"turns"},
         "evaluate": {"turns"},
-        "predict": {"once"},
+        "predict": {"shared"},
     }
 
 

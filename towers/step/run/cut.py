@@ -1,7 +1,7 @@
 """A tower's pass traced once and cut into phases where the towers meet by sums.
 
 :func:`trace` traces the pass alone into a graph that never runs, each sum
-(``seats.total``) a placeholder recorded as an :class:`Exchange`. The
+(``seats.total``) a placeholder recorded as an :class:`Sum`. The
 graph's inputs are phase 0, a sum's placeholder one phase after what made its
 value, any other op its inputs' latest; each phase becomes one function (with
 XLA, one computation) of ops imported from the trace, and a :class:`Plan`
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from towers import _runtime
 from towers.step.run import seats, xla
-from towers.step.run.recording import Exchange, Once, Recording
+from towers.step.run.seats import Action, CutSeat, Sum
 
 # An op of no inputs that is copied into every phase that reads it.
 _COPIED = ("Const",)
@@ -52,7 +52,7 @@ class Plan:
         (:func:`tensors_of`), then the outer tensors the trace captured.
       captured: the outer tensors the trace captured.
       phases: by phase, its function (None: no op of that phase is needed).
-      exchanges: the sums over the towers, in the order the pass made them.
+      meetings: the sums over the towers, in the order the pass made them.
       skeleton: the pass's result, its tensors replaced (``xla.function``).
       results: names of the result's tensors, in the skeleton's order.
       constants: values of the result's tensors that are constants, by name.
@@ -61,7 +61,7 @@ class Plan:
     inputs: list[str]
     captured: list[tf.Tensor]
     phases: list[Phase | None]
-    exchanges: list[Exchange]
+    meetings: list[Sum]
     skeleton: Any
     results: list[str]
     constants: dict[str, tf.Tensor]
@@ -80,15 +80,15 @@ def trace(
     ``args``: a nest of tensors (and None); the plan serves any call with
     tensors of the same shapes and dtypes. Each phase is an ``xla.function``
     (``inline``: inlined into the step's graph); ``meets``, ``own``:
-    :class:`Recording`'s.
+    :class:`CutSeat`'s.
     """
-    recording = Recording(meets, own)
+    seat = CutSeat(meets, own)
     with _runtime.pass_graph("tower_pass", jit) as graph:
         placeholders = [
             tf.raw_ops.Placeholder(dtype=a.dtype, shape=a.shape, name="arg")
             for a in tensors_of(args)
         ]
-        recording.graph, recording.inputs = graph, placeholders
+        seat.graph, seat.inputs = graph, placeholders
         fed = iter(placeholders)
         inner = tf.nest.pack_sequence_as(
             args,
@@ -96,12 +96,12 @@ def trace(
              for a in tf.nest.flatten(args, expand_composites=True)],
             expand_composites=True,
         )  # fmt: skip
-        with seats.seated(recording):
+        with seats.seated(seat):
             leaves: list[Any] = []
             skeleton = xla.split_leaves(work(*inner), leaves)
     inputs = placeholders + [internal for _, internal in graph.captures]
     results = list(tf.nest.flatten(leaves, expand_composites=True))
-    cut = _Cut(graph, inputs, recording.exchanges, results)
+    cut = _Cut(graph, inputs, seat.meetings, results)
     if jit:
         cut.check_compilable()
     library = graph.as_graph_def().library
@@ -112,7 +112,7 @@ def trace(
             cut.phase_function(k, library, jit, inline) if cut.by_phase[k] else None
             for k in range(len(cut.outputs))
         ],
-        exchanges=recording.exchanges,
+        meetings=seat.meetings,
         skeleton=(skeleton, leaves),
         results=[t.name for t in results],
         constants={
@@ -137,20 +137,20 @@ class _Cut:
     """Each op of a traced tower's pass with its phase, and what each phase
     reads and gives."""
 
-    def __init__(self, graph, inputs, exchanges, results):
+    def __init__(self, graph, inputs, meetings, results):
         self.graph = graph
         self.fed = {t.op.name for t in inputs}
-        self.sums = {e.result.op.name: e for e in exchanges if isinstance(e, Exchange)}
-        self.onces = [e for e in exchanges if isinstance(e, Once)]
+        self.sums = {e.result.op.name: e for e in meetings if isinstance(e, Sum)}
+        self.actions = [e for e in meetings if isinstance(e, Action)]
         # What the towers hand in: each sum's value, each action's tensors
         # (an action runs for what it does: what it is handed is needed).
-        acted = [t for e in self.onces for t in tensors_of(e.value)]
+        acted = [t for e in self.actions for t in tensors_of(e.value)]
         self.handed = [e.value for e in self.sums.values()] + acted
         roots = [t.op for t in results + acted] + self._effects()
         self.needed = self._needed(roots)
         self.ops = graph.get_operations()
         self.made = {op.name: i for i, op in enumerate(self.ops)}
-        self.touched = [_touched(graph, once.writes) for once in self.onces]
+        self.touched = [_touched(graph, action.writes) for action in self.actions]
         handles = set().union(*self.touched)
         self.reads = {op.name: {t.name for t in op.inputs if t.name in handles}
                       for op in self.ops} if handles else {}  # fmt: skip
@@ -158,9 +158,9 @@ class _Cut:
         self.phase: dict[str, int] = {}
         for op in ordered:
             self.phase[op.name] = self._phase_of(op)
-        for k in range(len(self.onces)):
+        for k in range(len(self.actions)):
             self._place(k)  # an action after the pass's last op
-        count = max([*self.phase.values(), *(o.phase for o in self.onces)]) + 1
+        count = max([*self.phase.values(), *(o.phase for o in self.actions)]) + 1
         # The needed ops each phase runs, in trace order.
         self.by_phase: list[list[tf.Operation]] = [[] for _ in range(count)]
         for op in ordered:
@@ -178,9 +178,9 @@ class _Cut:
             if self.kind(tensor.op) == "op" and tensor.name not in given:
                 given.add(tensor.name)
                 self.outputs[self.phase[tensor.op.name]].append(tensor.name)
-        for exchange in self.sums.values():
-            if exchange.result.op.name not in self.needed:
-                exchange.phase = -1  # nothing reads it: never summed
+        for meeting in self.sums.values():
+            if meeting.result.op.name not in self.needed:
+                meeting.phase = -1  # nothing reads it: never summed
 
     def check_compilable(self) -> None:
         """Raises ``seats.Unserved`` where a value one XLA computation could
@@ -253,9 +253,9 @@ class _Cut:
 
     def _phase_of(self, op: tf.Operation) -> int:
         if op.name in self.sums:  # after the phase that makes its value
-            exchange = self.sums[op.name]
-            exchange.phase = self.phase[exchange.value.op.name] + 1
-            return exchange.phase
+            meeting = self.sums[op.name]
+            meeting.phase = self.phase[meeting.value.op.name] + 1
+            return meeting.phase
         if self.kind(op) != "op":
             return 0
         if op.type == "Placeholder":
@@ -267,10 +267,10 @@ class _Cut:
         before += [self.phase[c.name] for c in op.control_inputs]
         # After each action met before it that changes what it reads.
         made = self.made[op.name]
-        for k, once in enumerate(self.onces):
-            if once.made > made:
+        for k, action in enumerate(self.actions):
+            if action.made > made:
                 break
-            if once.writes is None or self._touches(op, self.touched[k]):
+            if action.writes is None or self._touches(op, self.touched[k]):
                 before.append(self._place(k))
         return max(before, default=0)
 
@@ -279,23 +279,23 @@ class _Cut:
         after its value, after every needed op made before it that touches
         what it changes (any, when that is not known), and not before the
         action met before it (the actions run in the order met)."""
-        once = self.onces[k]
-        if once.phase:
-            return once.phase
-        latest = [self.phase.get(t.op.name, 0) for t in tensors_of(once.value)]
-        for op in self.ops[: once.made]:
+        action = self.actions[k]
+        if action.phase:
+            return action.phase
+        latest = [self.phase.get(t.op.name, 0) for t in tensors_of(action.value)]
+        for op in self.ops[: action.made]:
             if (
                 op.name in self.needed
                 and self.kind(op) == "op"
-                and (once.writes is None or self._touches(op, self.touched[k]))
+                and (action.writes is None or self._touches(op, self.touched[k]))
             ):
                 if op.name not in self.phase:  # made before, phased after
                     raise seats.Unserved("the towers' pass reorders its ops")
                 latest.append(self.phase[op.name])
         if k:
             latest.append(self._place(k - 1) - 1)
-        once.phase = max(latest, default=0) + 1
-        return once.phase
+        action.phase = max(latest, default=0) + 1
+        return action.phase
 
     def _touches(self, op: tf.Operation, handles: set[str]) -> bool:
         return bool(handles and self.reads.get(op.name, set()) & handles)

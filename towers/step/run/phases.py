@@ -27,7 +27,7 @@ from towers.step.rules import draws, places
 from towers.step.rules.state import Form
 from towers.step.run import cut, seats, xla
 from towers.step.run.cut import Plan
-from towers.step.run.recording import Once
+from towers.step.run.seats import Action
 from towers.step.work.builtin import Tower, TowerResult
 
 
@@ -69,22 +69,22 @@ def run(
             with tf.device(devices[i]), tf.name_scope(f"tower_{ranks[i]}"):
                 outputs = phase.function(*[known[name] for name in phase.inputs])
             known.update(zip(phase.outputs, outputs))
-        for c, exchange in enumerate(plans[0].exchanges):
-            if exchange.phase != k + 1:
+        for c, meeting in enumerate(plans[0].meetings):
+            if meeting.phase != k + 1:
                 continue
-            if isinstance(exchange, Once):  # run once, as the first tower
-                handed = [_handed(plan.exchanges[c].value, plan, known)
+            if isinstance(meeting, Action):  # run once, as the first tower
+                handed = [_handed(plan.meetings[c].value, plan, known)
                           for plan, known in zip(plans, values)]  # fmt: skip
                 with tf.device(devices[0]), tf.name_scope(f"tower_{ranks[0]}"):
                     with seats.seated(None):
-                        exchange.action(handed)
+                        meeting.action(handed)
                 continue
-            handed = [_value(plan, known, plan.exchanges[c].value.name)
+            handed = [_value(plan, known, plan.meetings[c].value.name)
                       for plan, known in zip(plans, values)]  # fmt: skip
             for plan, known, total in zip(
-                plans, values, _sums(handed, devices, across, exchange.backward)
+                plans, values, _sums(handed, devices, across, meeting.backward)
             ):
-                known[plan.exchanges[c].result.name] = total
+                known[plan.meetings[c].result.name] = total
     return [
         cut.join(plan.skeleton, [_value(plan, known, name) for name in plan.results])
         for plan, known in zip(plans, values)
@@ -101,7 +101,7 @@ def compute(
     weight_of: Callable[[list], Any] | None = None,
     meets: bool = True,
 ) -> list[TowerResult]:
-    """The runner's ``"once"`` and ``"phases"`` (``towers/step/run/runner.py``):
+    """The runner's ``"shared"`` and ``"phases"`` (``towers/step/run/runner.py``):
     each working tower's loss share and gradients, its pass traced once per
     model and shard shape, cut where the towers meet.
 
@@ -118,27 +118,25 @@ def compute(
     traced: list[Any] = []
     starts = draws.Starts(models)
     scale = tower.loss_scale()
-    plans: dict[tuple, Plan] = {}
-    chosen, calls = [], []
     firsts, total = places.first_rows(shards), places.batch_rows()
-    for t, model in zip(working, models):
+
+    def args_of(t: int) -> tuple:
         x, y, sample_weight = shards.parts[t]
+        model = placement.model_of(t)
         with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
             weights = xla.read_weights(model)
             first = tf.cast(firsts[t], tf.int32)
-        args = (x, y, sample_weight, first, total, starts.of(model), weights, scale)
-        key = (id(model), xla.signature(args))
-        if key not in plans:
-            work = tower_pass(tower, model, shards, divisors_of, traced)
-            jit, inline = tower.jit.enabled, tower.inline
-            with tf.name_scope(f"tower_{t}"):
-                plans[key] = cut.trace(work, args, jit, inline, meets)
-        chosen.append(plans[key])
-        calls.append(args)
+        return (x, y, sample_weight, first, total, starts.of(model), weights, scale)
+
+    def pass_of(model: Any) -> Callable[..., tuple]:
+        return tower_pass(tower, model, shards, divisors_of, traced)
+
+    trace = dict(jit=tower.jit.enabled, inline=tower.inline, meets=meets)
+    plans, calls = plans_for(placement, working, args_of, pass_of, **trace)
     if across is not None:
         across.weight = weight_of(traced[:1])
     devices = [placement.devices[t] for t in working]
-    outputs = run(chosen, calls, devices, working, across)
+    outputs = run(plans, calls, devices, working, across)
     for model, (_, ended) in zip(models, outputs):
         starts.ended(model, ended)
     starts.settle()
@@ -162,23 +160,45 @@ def own(
     Raises:
       seats.Unserved: the step meets otherwise (the runner takes turns).
     """
-    model = placement.model_of(working[0])
     firsts = places.first_rows(shards)
-    plans: dict[tuple, Plan] = {}
-    chosen, calls = [], []
-    for t, weight in zip(working, weights):
+    shares = dict(zip(working, weights))
+
+    def args_of(t: int) -> tuple:
         x, y, sample_weight = shards.parts[t]
         with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):
-            share = in_dtype(weight, tf.float64)  # a float64 model's digits
-            args = (x, y, sample_weight, tf.cast(firsts[t], tf.int32), share)
-            key = xla.signature(args)
-            if key not in plans:
-                step = partial(_own_pass, model, work, shards.normaliser)
-                plans[key] = cut.trace(step, args, False, inline, own=True)
+            share = in_dtype(shares[t], tf.float64)  # a float64 model's digits
+            return (x, y, sample_weight, tf.cast(firsts[t], tf.int32), share)
+
+    def pass_of(model: Any) -> Callable[..., Any]:
+        return partial(_own_pass, model, work, shards.normaliser)
+
+    trace = dict(jit=False, inline=inline, own=True)
+    plans, calls = plans_for(placement, working, args_of, pass_of, **trace)
+    devices = [placement.devices[t] for t in working]
+    return run(plans, calls, devices, working, across)
+
+
+def plans_for(
+    placement: Any,
+    working: list[int],
+    args_of: Callable[[int], tuple],
+    pass_of: Callable[[Any], Callable[..., Any]],
+    **trace: Any,
+) -> tuple[list[Plan], list[tuple]]:
+    """Each working tower's plan and call: its ``args_of(t)``, and its
+    model's pass (``pass_of(model)``) traced and cut (``cut.trace``, with
+    ``trace``) once per model and shard shape."""
+    plans: dict[tuple, Plan] = {}
+    chosen, calls = [], []
+    for t in working:
+        model, args = placement.model_of(t), args_of(t)
+        key = (id(model), xla.signature(args))
+        if key not in plans:
+            with tf.name_scope(f"tower_{t}"):
+                plans[key] = cut.trace(pass_of(model), args, **trace)
         chosen.append(plans[key])
         calls.append(args)
-    devices = [placement.devices[t] for t in working]
-    return run(chosen, calls, devices, working, across)
+    return chosen, calls
 
 
 def _own_pass(model, work, examples, x, y, sample_weight, first, share) -> Any:
@@ -251,16 +271,16 @@ def _sums(
 
 def _check_alike(plans: list[Plan]) -> None:
     def key(e: Any) -> tuple:
-        if isinstance(e, Once):  # the same objects, tensors of one dtype
+        if isinstance(e, Action):  # the same objects, tensors of one dtype
             flat = tf.nest.flatten(e.value, expand_composites=True)
             return e.phase, tuple(a.dtype if cut.is_tensor(a) else
                                   "form" if isinstance(a, Form) else id(a)
                                   for a in flat)  # fmt: skip
         return e.phase, e.backward, e.value.dtype
 
-    first = [key(e) for e in plans[0].exchanges]
+    first = [key(e) for e in plans[0].meetings]
     for plan in plans[1:]:
-        other = [key(e) for e in plan.exchanges]
+        other = [key(e) for e in plan.meetings]
         if other != first:
             raise seats.Unserved(
                 "the towers' passes meet by sums (global batch statistics, a "

@@ -1,7 +1,7 @@
 """How the towers run a step's passes: decided in one place (:meth:`Runner.way`).
 
 - ``"alone"``: each tower traced in turn; nobody meets.
-- ``"once"``: one trace of the pass serves every tower (``phases.py``).
+- ``"shared"``: one trace of the pass serves every tower (``phases.py``).
 - ``"phases"``: the same, cut where the towers meet by sums (``cut.py``).
 - ``"turns"``: the towers traced side by side (``turns.py``), where a
   meeting gathers rows or runs code on one tower, or a pass cannot be cut.
@@ -25,9 +25,9 @@ from towers.step.rules import draws, places
 from towers.step.run import phases, seats, turns, xla
 from towers.step.work.builtin import TowerResult
 
-Way = Literal["alone", "once", "phases", "turns"]
+Way = Literal["alone", "shared", "phases", "turns"]
 # The way a step takes when its seats cannot serve a verb (seats.Unserved).
-NEXT: dict[str, Way] = {"once": "alone", "phases": "turns"}
+NEXT: dict[str, Way] = {"shared": "alone", "phases": "turns"}
 # What a step runs: towers' own training pass (forward, divisors, backward),
 # a pass without gradients (evaluation, prediction), a model's own step.
 Kind = Literal["train", "evaluate", "predict", "own"]
@@ -94,14 +94,14 @@ class Runner:
             if gathered and kind == "evaluate":
                 return "turns"
             shared = phases.shareable(self.placement, shards, working)
-            return "once" if shared else "alone"
+            return "shared" if shared else "alone"
         sums = self.moving_statistics.meets
         if meets and (sums or self.tower.coupled.exact):
             return "turns" if gathered else "phases"
         if self.tower.jit.enabled:
             return "phases"
         shared = phases.shareable(self.placement, shards, working)
-        return "once" if shared else "alone"
+        return "shared" if shared else "alone"
 
     def train(
         self,
@@ -116,7 +116,7 @@ class Runner:
 
         A pass that cannot be cut runs in turns, without XLA (with
         ``jit_compile=True`` the error names why; ``"auto"`` warns); without
-        XLA, one sent ``"once"`` whose divisors need every tower's forward
+        XLA, one sent ``"shared"`` whose divisors need every tower's forward
         pass runs alone.
         """
         working = self.placement.working_towers(shards)
@@ -125,21 +125,32 @@ class Runner:
             return self._train(shards, working, divisors_of, weight_of)
 
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
-        way = self.way("train", working, shards)
         args = (self.placement, self.tower, shards, working, divisors_of)
-        across = self.across("train")
-        while way in NEXT:
+
+        def cut(meets: bool) -> list[TowerResult]:  # a new handle: numbered anew
+            across = self.across("train")
+            return phases.compute(*args, across, weight_of, meets)
+
+        return self._run("train", working, shards, {
+            "shared": partial(cut, False),
+            "phases": partial(cut, True),
+            "turns": lambda: in_turns(*args, self.across("train"), weight_of),
+            "alone": lambda: in_halves(*args, _one_by_one),
+        })  # fmt: skip
+
+    def _run(self, kind: Kind, working, shards, ways: dict[Way, Callable]) -> list:
+        """The one dispatcher: ``ways[way]()`` for the way :meth:`way` decides,
+        the next way (:data:`NEXT`) where its seats cannot serve a verb."""
+        way = self.way(kind, working, shards)
+        while True:
             try:
-                meets = way == "phases"
-                return phases.compute(*args, across, weight_of, meets)
+                return ways[way]()
             except seats.Unserved as unserved:
+                if way not in NEXT:
+                    raise
                 way = NEXT[way]
-                if way == "turns":
+                if way == "turns" and kind == "train":
                     xla.refuse_uncut(self.tower.jit, str(unserved))
-                across = self.across("train")  # numbered from the start
-        if way == "turns":
-            return in_turns(*args, across, weight_of)
-        return in_halves(*args, lambda works: [work() for work in works])
 
     def each(
         self,
@@ -169,23 +180,33 @@ class Runner:
                 return partial(on_tower, self.placement, t, partial(work, *args), rows)
             return partial(on_tower, self.placement, t, partial(work, *args))
 
-        way = self.way(kind, working, shards)
-        if way == "once":  # (training's: phases.py)
-            model = self.placement.model_of(working[0])
-            work = xla.function(partial(work, model), False, self.tower.inline)
-            run = partial(_run_shared, self.placement, shards, work, kind)
         weights, across = shares or (None, self.across("eval"))
-        if way == "phases":  # a model's own step (its sums, its actions)
-            try:
-                args = (self.placement, shards, working, work, weights, across)
-                return phases.own(*args, self.tower.inline)
-            except seats.Unserved:
-                way = "turns"  # it gathers rows, or a trace per shard differs
-        works = [run(t) for t in working]
-        if way != "turns":
-            return [work() for work in works]
-        meet = turns.meeting(len(works), self.placement, across)
-        return turns.in_lockstep(works, meet, weights, shares is not None)
+
+        def shared() -> list:  # one trace for every tower (training's: phases.py)
+            model = self.placement.model_of(working[0])
+            traced = xla.function(partial(work, model), False, self.tower.inline)
+            return _one_by_one(
+                [_run_shared(self.placement, shards, traced, kind, t) for t in working]
+            )
+
+        def in_lockstep() -> list:
+            meet = turns.meeting(len(working), self.placement, across)
+            works = [run(t) for t in working]
+            return turns.in_lockstep(works, meet, weights, shares is not None)
+
+        return self._run(kind, working, shards, {
+            "alone": lambda: _one_by_one([run(t) for t in working]),
+            "shared": shared,
+            "phases": lambda: phases.own(
+                self.placement, shards, working, work, weights, across,
+                self.tower.inline,
+            ),
+            "turns": in_lockstep,
+        })  # fmt: skip
+
+
+def _one_by_one(works: list[Callable[[], Any]]) -> list:
+    return [work() for work in works]
 
 
 def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any]:

@@ -1,20 +1,20 @@
 """Where the towers meet mid-step: one abstraction, a few verbs.
 
-The whole batch's BatchNormalization moments, a mixture of experts' sums, a
-coupled loss's gathered rows, each apply, assignment and metric update of a
-model's own step, ``towers.gather``: every meeting goes through a tower's
-:class:`Seat`, which :func:`current` returns while the tower is traced to
-meet the others, as a replica context's ``all_reduce``, ``all_gather`` and
-``merge_call`` serve tf.distribute. Towers traced side by side
-(``turns.py``) meet at a seat; a pass traced once and cut
-(``cut.py``) records its sums instead. Across workers the sums go through
-TensorFlow's collective runtime, by the step's one handle on the other
-workers (:class:`Across`), whichever way the towers run.
+Every meeting (the whole batch's BatchNormalization moments, a mixture of
+experts' sums, a coupled loss's gathered rows, each apply, assignment and
+metric update of a model's own step, ``towers.gather``) goes through the
+seat :func:`current` returns while a tower is traced, as a replica
+context's ``all_reduce``, ``all_gather`` and ``merge_call`` serve
+tf.distribute: a :class:`Seat` in turns, a :class:`CutSeat` while a pass is
+traced to be cut, :data:`ALONE` for a tower that meets nobody. Across
+workers the sums go through TensorFlow's collective runtime by the step's
+one handle on them (:class:`Across`), whichever way the towers run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -33,21 +33,16 @@ SIZE_BUCKETS = 32
 
 
 class Unserved(Exception):
-    """The seat protocol's one signal: a verb the way the towers run cannot
-    serve (a cut pass cannot gather rows; a pass traced once for towers that
-    do not meet cannot sum). Its message says why; the runner
-    (``Runner._train``) takes the next way."""
+    """A verb the way the towers run cannot serve (a cut pass cannot gather
+    rows; a pass traced once for towers that do not meet cannot sum): the
+    runner takes the next way (``runner.NEXT``)."""
 
 
 class Seat:
-    """Tower ``rank``'s place at ``meet``, with its verbs: :meth:`total` (a
-    sum over the towers and workers, with its backward), :meth:`everyone`
-    (every tower's value in rank order), :meth:`from_first` (the first
-    tower computes, every tower reads) and :meth:`once` (an action run once
-    with every tower's value: an apply, an assignment).
+    """Tower ``rank``'s place at ``meet`` (a ``turns.Rendezvous``).
 
     ``weight``: the tower's share when its loss is a mean over its own shard
-    (a model's own step): a backward sum then weighs each tower's upstream
+    (a model's own step): a backward sum weighs each tower's upstream
     gradient by it and hands back the sum over this tower's weight; None:
     the losses are shares of the step's already. ``own``: the towers run a
     model's own step. ``summing``: while that step takes the gradient of a
@@ -61,28 +56,27 @@ class Seat:
 
     @property
     def first(self) -> bool:
-        """Whether this is the first tower, the one that acts for all."""
-        return self.rank == 0
+        return self.rank == 0  # the tower that acts for all
 
     @property
     def worker(self) -> tuple[int, int] | None:
-        """This worker's index and the number of workers (None: no cluster)."""
-        return self.meet.worker
+        return self.meet.worker  # (this worker's index, the workers), or None
 
     @property
     def across(self) -> Callable | None:
-        """The sum over the cluster's workers (None: no cluster)."""
         return self.meet.across
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
+        """``value`` summed over the towers and workers, with its backward
+        (``backward``: ``value`` is an upstream gradient)."""
         if not backward or self.weight is None or self.summing:
             return self._total(value, backward and not self.summing)
         weight = in_dtype(self.weight, value.dtype)  # a float64 model's digits
         return self._total(value * weight, backward) / weight  # rows here
 
     def _total(self, value: tf.Tensor, backward: bool) -> tf.Tensor:
-        """``value`` summed over the towers, then the workers (rank 0 sends
-        this process's sum; every tower takes the cluster's)."""
+        # Rank 0 sends this process's sum over the workers; every tower
+        # takes the cluster's.
         handed = self.meet.exchange(self.rank, value)
         if self.across is None:
             return summed(handed)
@@ -90,17 +84,17 @@ class Seat:
         return self.meet.exchange(self.rank, total)[0]
 
     def everyone(self, value: Any) -> list[Any]:
-        """Hands in ``value``; every tower's, in rank order, once all have."""
+        """Every tower's ``value``, in rank order."""
         return self.meet.exchange(self.rank, value)
 
     def from_first(self, compute: Callable[[], T]) -> T:
-        """``compute()`` run by the first tower only; every tower reads it."""
+        """``compute()`` run by the first tower; every tower reads it."""
         return self.meet.exchange(self.rank, compute() if self.first else None)[0]
 
     def once(self, value: Any, action: Callable[[list], T], writes=None) -> T | None:
-        """Hands in ``value``; ``action(every tower's)`` runs once, for all,
-        as the first tower (what it returns, there; None on the others).
-        ``writes``: the variables it changes (a cut pass orders by them)."""
+        """``action(every tower's value)`` run once for all, as the first
+        tower (its result there, None elsewhere); ``writes``: the variables
+        it changes (a cut pass orders by them)."""
         handed = self.everyone(value)
         if not self.first:
             return None
@@ -134,20 +128,92 @@ class Alone:
         with seated(None):
             return action([value])
 
-    def form(self, value: Any, marks: dict, forms: dict) -> Any:
-        return Form(form_of(value, (), marks, None, forms))
+    form = Seat.form
 
 
 ALONE = Alone()
 
 
+@dataclasses.dataclass
+class Sum:
+    """A sum over the towers as a pass traced to be cut made it: the tower's
+    ``value``, the placeholder ``result`` that stands for every tower's sum,
+    whether ``value`` is an upstream gradient, and the phase that reads it."""
+
+    value: tf.Tensor
+    result: tf.Tensor
+    backward: bool
+    phase: int = 0
+
+
+@dataclasses.dataclass
+class Action:
+    """An action run once with every tower's ``value`` (an own step's apply,
+    assignment, metric update; a layer's moving statistics), as a pass
+    traced to be cut met it: ``action(handed)``, the variables it
+    ``writes`` (None: any; every op traced after it runs after it), the ops
+    the graph ``made`` before it, and the phase it runs before."""
+
+    value: Any
+    action: Callable[[list], Any]
+    writes: list[Any] | None
+    made: int
+    phase: int = 0
+
+
+class CutSeat(Alone):
+    """The seat of a tower's pass traced alone to be cut (``cut.py``): each
+    sum becomes a placeholder (a :class:`Sum`), each action an
+    :class:`Action`; rows and code on one tower it cannot serve. ``meets``:
+    the towers were sent to meet, else a sum is not served either (tracing
+    them one by one beats the cut's steady steps: bench_divisor.py).
+    ``own``: the pass is a model's own step, ``weight`` its share."""
+
+    def __init__(self, meets: bool, own: bool = False) -> None:
+        self.meetings: list[Sum | Action] = []
+        self.meets, self.own = meets, own
+        self.graph: Any = None
+        self.inputs: list[tf.Tensor] = []  # the tower's own: its rows, its share
+
+    def everyone(self, value: Any) -> list[Any]:
+        raise Unserved("the towers' pass gathers rows")
+
+    def from_first(self, compute: Callable[[], Any]) -> Any:
+        raise Unserved("the towers' pass runs code on one tower")
+
+    total = Seat.total  # a share weighs a backward sum, as at a Seat
+
+    def _total(self, value: tf.Tensor, backward: bool) -> tf.Tensor:
+        if not self.meets:
+            raise Unserved("the towers' pass meets at a sum")
+        result = tf.raw_ops.Placeholder(
+            dtype=value.dtype, shape=value.shape, name="towers_sum"
+        )
+        self.meetings.append(Sum(value, result, backward))
+        return result
+
+    def once(self, value: Any, action: Callable[[list], Any], writes=None) -> None:
+        graph = tf.compat.v1.get_default_graph()
+        if not self.meets or graph is not self.graph:
+            raise Unserved("the towers' pass meets inside a loop or branch")
+        made = len(graph.get_operations())
+        self.meetings.append(Action(value, action, writes, made))
+
+    def form(self, value: Any, marks: dict, forms: dict) -> Any:
+        # A tower's own inputs read are its rows; a capture is named by what
+        # it captures: every tower's trace of this pass makes the same form.
+        captured = {id(inner): ("captured", id(outer))
+                    for outer, inner in self.graph.captures}  # fmt: skip
+        return Form(form_of(value, self.inputs, marks, captured, forms))
+
+
 def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Tensor:
     """The towers' ``handed`` values summed (then over the workers, with
     ``across``): the one sum every meeting takes. No gradient flows back
-    through it: its caller writes it (``towers/step/rules/batchnorm.py``), and a
-    graph walk from it (``tf.custom_gradient``'s, for variables) stops here
-    instead of running through every tower traced so far (a trace that grew
-    with the square of the depth)."""
+    through it: its caller writes it (``rules/batchnorm.py``), and a graph
+    walk from it (``tf.custom_gradient``'s, for variables) stops here instead
+    of running through every tower traced so far (a trace that grew with
+    the square of the depth)."""
     local = tf.add_n(handed)
     if across is not None:
         local = across(local, backward)
@@ -155,9 +221,7 @@ def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Te
 
 
 def current() -> Any:
-    """Where this thread's tower meets the others: a :class:`Seat` in
-    lockstep, a recording of its sums while traced to be cut
-    (``towers/step/run/cut.py``), else :data:`ALONE`."""
+    """Where this thread's tower meets the others (:data:`ALONE` outside)."""
     return this_tower().seat or ALONE
 
 
@@ -171,17 +235,15 @@ def seated(meeting: Any) -> Iterator[None]:
 
 def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
     """The sum of ``value`` over every tower (and worker) this tower meets,
-    on its device; no gradient flows back through it. ``backward``: ``value``
-    is an upstream gradient of this tower's loss share (across workers it is
-    weighted by each worker's examples, ``Across``)."""
+    on its device (:meth:`Seat.total`); no gradient flows back through it."""
     return current().total(value, backward)
 
 
 class Across:
-    """The one handle on a cluster's other workers for one ``kind`` step's
-    meetings (``"train"``, ``"eval"``, ``"predict"``), made by the runner:
-    ``across(value, backward)`` is ``value`` summed over the workers, the
-    sums numbered in the order they are made (the same on every worker).
+    """The step's one handle on a cluster's other workers for one ``kind``
+    step (``"train"``, ``"eval"``, ``"predict"``), made by the runner:
+    ``across(value, backward)`` sums ``value`` over the workers, the sums
+    numbered in the order they are made (the same on every worker).
 
     ``weight``: this worker's weight in the step (its examples, or its share
     ``B_w / B``), once known: a backward sum weighs each worker's upstream
