@@ -178,6 +178,7 @@ def make_step(
             workers,
             moving,
             options["accumulate_steps"],
+            step.tail,
         )
         if own_train and not own_loss:  # its own data to its model
             coupled.probed = []

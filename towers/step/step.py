@@ -20,24 +20,18 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.cluster.workers import Summed, Workers
+from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards, batch_size_of
+from towers.split import Shards
 from towers.step.batches import HOST
 from towers.step.metrics import Metrics
 from towers.step.prepare import Preparing
 from towers.step.rules.batchnorm import MovingStatistics
-from towers.step.rules.grad_rules import combined
-from towers.step.rules.state import (
-    assign,
-    exchanged,
-    rule_of,
-    settle_apart_metrics,
-    state_variables,
-)
+from towers.step.rules.state import state_variables
 from towers.step.rules.whole_batch import concat_rows
 from towers.step.run.runner import Runner
+from towers.step.tail import Tail
 from towers.step.work.builtin import Tower, TowerResult
 from towers.step.work.losses import normalisation, step_divisors
 
@@ -70,12 +64,16 @@ class Step(Preparing):
         self.moving_statistics = moving_statistics
         self.workers = workers
         self.runner = Runner(placement, tower, moving_statistics, workers)
+        self.tail = Tail(placement, metrics, moving_statistics, workers)
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
         self._sized = False  # the first batch looked at for idle towers
-        self.custom: Any = None  # the model's own steps (own.py), if any
-        # What the towers' passes assign (state.py): variable path -> its rule.
-        self.assigned: dict[str, str] = {}
+        self.custom: Any = None  # the model's own steps (work/own.py), if any
+
+    @property
+    def assigned(self) -> dict[str, str]:
+        """What the towers' passes assign: variable path -> its rule."""
+        return self.tail.assigned
 
     def owns(self, kind: str) -> bool:
         """Whether the towers' work in the ``kind`` step is the model's own
@@ -99,13 +97,13 @@ class Step(Preparing):
             if self.workers is not None:
                 out["stop"] = self.custom.stop()
             return out
-        before = self._before()
+        tail, before = self.tail, self.tail.before()
         towers = self.compute(shards)
         loss = self.sum_losses([r.loss for r in towers])
         grads = self.combine([r.grads for r in towers], (x, y, sample_weight))
         weight = self._weight(towers, shards)
         batch, outputs = (x, y, sample_weight), [r.output_losses for r in towers]
-        settled, summed = self._after_towers(
+        settled, summed = tail.across(
             before, batch, shards, towers, loss, outputs, grads, weight, "train"
         )
         if self.workers is not None and weight is not None:
@@ -116,10 +114,10 @@ class Step(Preparing):
             moments = [r.moments for r in towers]
             # A trainable variable its forward pass assigned (a masked or
             # normalised kernel) takes the gradient after, as on one device.
-            assign(settled, summed.state, trainable=True)
-            rest = lambda: assign(settled, summed.state, trainable=False)  # noqa: E731
+            tail.assign(settled, summed.state, trainable=True)
+            rest = lambda: tail.assign(settled, summed.state, trainable=False)  # noqa: E731
             finite = self.apply(summed.grads, variables, moments, weight, rest)
-        reported = self._track(summed)
+        reported = tail.track(summed, self.tower.own_loss)
         out = {"logs": {**reported, "loss": summed.loss}, "reported": reported}
         if finite is not None:
             out["finite"] = finite
@@ -135,18 +133,18 @@ class Step(Preparing):
         shards = self.split(x, y, sample_weight)
         if self.owns("evaluate"):
             return self.custom.run("test_step", shards, (x, y, sample_weight))
-        before = self._before()
+        before = self.tail.before()
         passes = self.runner.each(shards, self.tower.evaluate, "evaluate")
         divisors = step_divisors([p.terms for p in passes])
         loss = self.sum_losses([p.loss(divisors) for p in passes])
         outputs = [p.output_losses(divisors) for p in passes]
         weight = None if self.workers is None else self._weight(passes, shards)
         batch = (x, y, sample_weight)
-        settled, summed = self._after_towers(
+        settled, summed = self.tail.across(
             before, batch, shards, passes, loss, outputs, [], weight, "eval"
         )
-        assign(settled, summed.state)
-        return self._track(summed)
+        self.tail.assign(settled, summed.state)
+        return self.tail.track(summed, self.tower.own_loss)
 
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: the towers' shards', in tower order."""
@@ -154,7 +152,7 @@ class Step(Preparing):
         if self.owns("predict"):
             return self.custom.run("predict_step", shards, (x,))
         passes = self.runner.each(shards, self.tower.predict, "predict")
-        assign(self._settle_state(passes, shards, predict=True))
+        self.tail.assign(self.tail.settle(passes, shards, predict=True))
         with tf.device(HOST):
             return concat_rows([p.predictions for p in passes])
 
@@ -211,13 +209,11 @@ class Step(Preparing):
 
     def sum_losses(self, losses: list[tf.Tensor]) -> tf.Tensor:
         """The step's loss: the towers' shares, summed on the variable device."""
-        with tf.device(self.device), tf.name_scope("combine"):
-            return tf.add_n(losses)
+        return self.tail.sum_losses(losses)
 
     def combine(self, tower_grads: list[list[Any]], batch: Any = None) -> list[Any]:
-        """``tower_grads[t][v]`` combined by the placement, as one device's
-        where adding them up is not (``grad_rules.combined``)."""
-        return combined(self.placement, tower_grads, batch)
+        """``tower_grads[t][v]`` combined by the placement (``Tail.combine``)."""
+        return self.tail.combine(tower_grads, batch)
 
     def apply(
         self,
@@ -239,9 +235,7 @@ class Step(Preparing):
         with tf.name_scope("apply"):
             with tf.device(self.device):
                 self.update.count_step()
-            return self.placement.apply(
-                self.update, grads, tower_variables, also=updates, weight=weight
-            )
+            return self.tail.apply(self.update, grads, tower_variables, weight, updates)
 
     # -- helpers ------------------------------------------------------------------
 
@@ -285,66 +279,3 @@ class Step(Preparing):
         if mode == "sum":
             return None
         return tf.cast(shards.size, tf.float32)
-
-    def _update_metrics(self, x, y, sample_weight, towers: list) -> None:
-        with tf.device(self.device), tf.name_scope("metrics"):
-            predictions = [r.predictions for r in towers]
-            self.metrics.update(x, y, predictions, sample_weight)
-
-    def _output_losses(self, shares: list[dict]) -> dict[str, tf.Tensor]:
-        """Each output's loss this step (the towers' shares summed), for a
-        model with several: what the per-output loss trackers take."""
-        if not shares or not shares[0]:
-            return {}
-        with tf.device(self.device), tf.name_scope("metrics"):
-            return {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
-
-    def _track(self, summed: Summed) -> dict[str, tf.Tensor]:
-        """Adds the step's loss and each output's to their trackers; returns
-        every metric's value, the loss tracker's included."""
-        with tf.device(self.device), tf.name_scope("metrics"):
-            outputs = None if self.tower.own_loss else summed.outputs
-            self.metrics.track(summed.loss, summed.examples, outputs)
-            return self.metrics.results()
-
-    def _before(self) -> Any:
-        """In a cluster, the metrics as they are before any tower updates one."""
-        return None if self.workers is None else self.metrics.snapshot()
-
-    def _after_towers(
-        self, before, batch, shards, passes, loss, outputs, grads, weight, kind
-    ) -> tuple[list, Summed]:
-        """What the built-in train and evaluation steps do after their
-        towers: the state the towers assigned settled, each output's loss
-        summed (``outputs``), the metrics updated;
-        in a cluster all of it and ``grads`` every worker's, in one packed
-        sum (metrics changed since ``before``). Returns the settled state and
-        the step's sums (``Summed.outputs``: each output's loss)."""
-        settled = self._settle_state(passes, shards)
-        named = self._output_losses(outputs)
-        self._update_metrics(*batch, passes)
-        if self.workers is None:
-            summed = Summed(grads, loss, shards.size, [], None, list(named.values()))
-            summed.state = None
-        else:
-            with tf.device(self.device), tf.name_scope("across_workers"):
-                deltas, sent = before.deltas(), exchanged(settled)
-                summed = self.workers.step(
-                    grads, loss, shards.size, [*deltas, *sent], weight, kind,
-                    means=list(named.values()),
-                )  # fmt: skip
-                before.set(summed.extras[: len(deltas)])
-                summed.state = summed.extras[len(deltas) :]
-        summed.outputs = dict(zip(named, summed.means))
-        return settled, summed
-
-    def _settle_state(self, passes: list, shards: Shards, predict=False) -> list:
-        """The towers' assigned state, settled (``towers/step/rules/state.py``); each
-        variable's rule kept in ``assigned`` (``towers explain`` lists them)."""
-        for tower_pass in passes[:1]:
-            self.assigned.update({v.path: rule_of(v) for v in tower_pass.state})
-        cluster = None if self.workers is None else self.workers.cluster
-        working = shards.working() if predict else self.placement.working_towers(shards)
-        sizes = [batch_size_of(shards.parts[t]) for t in working]
-        models = self.placement.models
-        return settle_apart_metrics(passes, sizes, models, cluster)

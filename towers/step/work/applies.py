@@ -26,8 +26,8 @@ from towers._keras.optimizers import optimizer_variables
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import Update
 from towers.step.rules import loss_kinds
-from towers.step.rules.grad_rules import combined
 from towers.step.run.seats import current, seated
+from towers.step.tail import Tail
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
 # range (the shapes differ from apply to apply).
@@ -42,6 +42,7 @@ class Applies:
         a copy per tower, all-reduces.
       update: the engine's (its ``on_nonfinite``, its steps counter).
       accumulate_steps: the engine's, for each optimizer's update.
+      tail: the step's: what runs after the gradients, at each apply.
 
     Attributes:
       names: the optimizers met at, in order, while a step is traced.
@@ -49,8 +50,11 @@ class Applies:
       saved: what checkpoints save: each update's accumulator.
     """
 
-    def __init__(self, placement: Any, update: Update, accumulate_steps: int):
+    def __init__(
+        self, placement: Any, update: Update, accumulate_steps: int, tail: Tail
+    ):
         self.placement = placement
+        self.tail = tail
         self.engine_update = update
         self.on_nonfinite = update.on_nonfinite
         self.accumulate_steps = accumulate_steps
@@ -192,37 +196,20 @@ class Applies:
         def once(handed: list) -> None:
             check_same(handed)
             self.names.append(optimizer.name)
-            # Out of tower 0's scope ("x/" names a scope from the top), each
-            # variable's sum where the placement combines it.
-            with tf.name_scope("combine/"):
-                weighted = [grads for _, _, grads in handed]
-                grads = combined(self.placement, weighted, self.batch, listed)
-            with tf.device(self.placement.variable_device):
-                if self.across is not None:  # the workers' mean, by examples
-                    with tf.name_scope("across_workers/"):
-                        first = (len(self.names) - 1) * INSTANCES_PER_APPLY
-                        workers, mine = self.across.workers, self.mine
-                        grads, _ = workers.weighted_sum(grads, mine, first=first)
-                with tf.name_scope("apply/"):
-                    self._apply(optimizer, grads, variables, apply)
+            weighted = [grads for _, _, grads in handed]
+            if all(g is None for grads in weighted for g in grads):
+                return apply(handed[0][2], listed)  # Keras' own refusal
+            if not optimizer.built:  # on every variable given, as its apply would
+                optimizer.build(listed)
+            update = self._update_of(optimizer, listed)
+            first = (len(self.names) - 1) * INSTANCES_PER_APPLY
+            flags = self.tail.apply_met(
+                update, weighted, listed, self.batch, self.examples, self.mine, first
+            )
+            if flags is not None:
+                self.checked.append((flags, list(update.applied)))
 
         return here.once(handed, once)
-
-    def _apply(self, optimizer: Any, grads: list, variables: Any, apply: Any) -> Any:
-        """``grads`` applied by the optimizer's :class:`Update`: the engine's
-        policies, as the built-in step's apply takes them."""
-        if variables is None:  # the variables it was built with (Keras' rule)
-            variables = optimizer_variables(optimizer)
-        if all(g is None for g in grads):
-            return apply(grads, variables)  # Keras' own refusal
-        if not optimizer.built:  # on every variable given, as its apply would
-            optimizer.build(variables)
-        update = self._update_of(optimizer, variables)
-        with self.placement.placing_updates(optimizer):  # "balanced": where each lives
-            flags = update.apply(grads, variables, lambda: None, self.examples)
-        if flags is not None:
-            self.checked.append((flags, list(update.applied)))
-        return None
 
     def _update_of(self, optimizer: Any, variables: list) -> Update:
         """``optimizer``'s update, made at its first apply (out of the trace:

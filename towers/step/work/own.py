@@ -63,6 +63,7 @@ class CustomStep:
         workers: Any = None,
         moving: Any = None,
         accumulate_steps: int = 1,
+        tail: Any = None,
     ):
         self.placement = placement
         self.runner = runner
@@ -70,7 +71,7 @@ class CustomStep:
         self.metrics = metrics  # the engine's (towers/step/metrics.py)
         self.workers = workers  # a cluster's (towers/cluster/workers.py), or None
         self.moving = moving  # BatchNormalization's (towers/step/rules/batchnorm.py)
-        self.applies = Applies(placement, update, accumulate_steps)
+        self.applies = Applies(placement, update, accumulate_steps, tail)
         # In a cluster, while a step is traced: the runner's handle on the
         # workers, its weight this worker's B_w / B (0 without examples).
         self._across: Any = None
