@@ -68,7 +68,23 @@ class Step(Preparing):
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
         self._sized = False  # the first batch looked at for idle towers
-        self.custom: Any = None  # the model's own steps (work/own.py), if any
+        # Each kind's work, the built-in pass's unless the model's own
+        # (work/own.py) takes its place: nothing below asks which it is.
+        self.works: dict[str, Callable[[Shards, tuple], Any]] = {
+            "train": self._train, "evaluate": self._evaluate,
+            "predict": self._predict,
+        }  # fmt: skip
+        self._custom: Any = None
+
+    @property
+    def custom(self) -> Any:
+        """The model's own steps (``work/own.py``), or None."""
+        return self._custom
+
+    @custom.setter
+    def custom(self, own: Any) -> None:
+        self._custom = own
+        self.works.update({kind: getattr(own, kind) for kind in own.kinds})
 
     @property
     def assigned(self) -> dict[str, str]:
@@ -76,8 +92,7 @@ class Step(Preparing):
         return self.tail.assigned
 
     def owns(self, kind: str) -> bool:
-        """Whether the towers' work in the ``kind`` step is the model's own
-        step (``own.py``) in place of the built-in pass."""
+        """Whether the ``kind`` step's work is the model's own step."""
         return self.custom is not None and kind in self.custom.kinds
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
@@ -86,23 +101,16 @@ class Step(Preparing):
         (the loss's running mean; a model's own step's logs), ``"finite"``
         (per applied gradient) when the update checks its gradients, in a
         cluster ``"stop"``: workers asking to stop."""
-        shards = self.split(x, y, sample_weight)
-        if self.owns("train"):  # the model's own step on every tower
-            logs = self.custom.run("train_step", shards, (x, y, sample_weight))
-            self.update.count_step()
-            out = {"logs": logs, "reported": logs}
-            checked = self.custom.applies.finite()
-            if checked is not None:  # named by the engine under "raise"
-                out["finite"], self.update.applied = checked
-            if self.workers is not None:
-                out["stop"] = self.custom.stop()
-            return out
+        batch = (x, y, sample_weight)
+        return self.works["train"](self.split(*batch), batch)
+
+    def _train(self, shards: Shards, batch: tuple) -> dict[str, Any]:
         tail, before = self.tail, self.tail.before()
         towers = self.compute(shards)
         loss = self.sum_losses([r.loss for r in towers])
-        grads = self.combine([r.grads for r in towers], (x, y, sample_weight))
+        grads = self.combine([r.grads for r in towers], batch)
         weight = self._weight(towers, shards)
-        batch, outputs = (x, y, sample_weight), [r.output_losses for r in towers]
+        outputs = [r.output_losses for r in towers]
         settled, summed = tail.across(
             before, batch, shards, towers, loss, outputs, grads, weight, "train"
         )
@@ -130,16 +138,16 @@ class Step(Preparing):
     ) -> dict[str, tf.Tensor]:
         """Updates the loss and metrics with one batch; returns their results
         (a model's own ``test_step``: its logs)."""
-        shards = self.split(x, y, sample_weight)
-        if self.owns("evaluate"):
-            return self.custom.run("test_step", shards, (x, y, sample_weight))
+        batch = (x, y, sample_weight)
+        return self.works["evaluate"](self.split(*batch), batch)
+
+    def _evaluate(self, shards: Shards, batch: tuple) -> dict[str, tf.Tensor]:
         before = self.tail.before()
         passes = self.runner.each(shards, self.tower.evaluate, "evaluate")
         divisors = step_divisors([p.terms for p in passes])
         loss = self.sum_losses([p.loss(divisors) for p in passes])
         outputs = [p.output_losses(divisors) for p in passes]
         weight = None if self.workers is None else self._weight(passes, shards)
-        batch = (x, y, sample_weight)
         settled, summed = self.tail.across(
             before, batch, shards, passes, loss, outputs, [], weight, "eval"
         )
@@ -148,9 +156,9 @@ class Step(Preparing):
 
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: the towers' shards', in tower order."""
-        shards = self.split(x, None, None)
-        if self.owns("predict"):
-            return self.custom.run("predict_step", shards, (x,))
+        return self.works["predict"](self.split(x, None, None), (x,))
+
+    def _predict(self, shards: Shards, batch: tuple) -> Any:
         passes = self.runner.each(shards, self.tower.predict, "predict")
         self.tail.assign(self.tail.settle(passes, shards, predict=True))
         with tf.device(HOST):

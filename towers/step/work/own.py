@@ -126,10 +126,24 @@ class CustomStep:
                 traced = tf.function(step, autograph=False)
                 traced.get_concrete_function(keras.utils.pack_x_y_sample_weight(*batch))
 
-    def stop(self) -> tf.Tensor:
-        """In a cluster, after a training step: the workers that asked to
-        stop (summed with the step's metrics, :meth:`_over_workers`)."""
-        return self._stop
+    def train(self, shards: Shards, batch: tuple) -> dict[str, Any]:
+        """The step's ``train`` (``Step.train``'s return) by the model's own
+        ``train_step``: its logs, the finiteness of what it applied."""
+        logs = self.run("train_step", shards, batch)
+        self.applies.engine_update.count_step()
+        out = {"logs": logs, "reported": logs}
+        checked = self.applies.finite()
+        if checked is not None:  # named by the engine under "raise"
+            out["finite"], self.applies.engine_update.applied = checked
+        if self.workers is not None:
+            out["stop"] = self._stop
+        return out
+
+    def evaluate(self, shards: Shards, batch: tuple) -> Any:
+        return self.run("test_step", shards, batch)
+
+    def predict(self, shards: Shards, batch: tuple) -> Any:
+        return self.run("predict_step", shards, batch)
 
     def run(self, hook: str, shards: Shards, batch: tuple) -> Any:
         """``model.<hook>`` (``"train_step"``, ``"test_step"``) as every
