@@ -110,7 +110,7 @@ def trains_as_keras_fit(name, jit_compile, examples=EXAMPLES, batch=BATCH):
         batch_statistics="global",
         jit_compile=jit_compile,
     )
-    assert engine.step.tower.jit.enabled is jit_compile
+    assert engine.step.builtin.jit.enabled is jit_compile
     reference = build()
     reference.set_weights(engine.model.get_weights())
     reference.compile(
@@ -199,7 +199,7 @@ def test_a_keras_hub_causal_lm_trains_as_keras_fit(float64, name, jit_compile, r
     x = {"token_ids": tokens[:, :-1] * mask, "padding_mask": mask}
     y, weights = tokens[:, 1:] * mask, mask.astype("float64")
     engine = Towers(causal_lm(name, jit_compile), devices=devices(2))
-    assert engine.step.tower.jit.enabled is jit_compile
+    assert engine.step.builtin.jit.enabled is jit_compile
     reference = causal_lm(name, jit_compile)
     for theirs, mine in zip(reference.variables, engine.model.variables, strict=True):
         theirs.assign(mine)  # the dropout layers' seed states too

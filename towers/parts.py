@@ -28,7 +28,7 @@ from towers.step.rules.coupled import CoupledLosses
 from towers.step.run import xla
 from towers.step.step import Step
 from towers.step.work import outputs
-from towers.step.work.builtin import Tower
+from towers.step.work.builtin import BuiltIn
 from towers.step.work.hooks import custom_hooks, kinds_of, overrides, refuse_with_hooks
 from towers.step.work.losses import StepLoss
 from towers.step.work.own import CustomStep
@@ -164,9 +164,9 @@ def make_step(
             variable_device,
         )
     metrics = Metrics(lambda: where.model, variable_device)
-    tower = Tower(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
-    tower.inline = _tower_functions(options.get("tower_functions", "inline"))
-    step = Step(where, tower, update, metrics, moving, workers)
+    builtin = BuiltIn(step_loss, moving, update.loss_scale, own_loss, jit, coupled)
+    builtin.inline = _tower_functions(options.get("tower_functions", "inline"))
+    step = Step(where, builtin, update, metrics, moving, workers)
     if hooks:
         refuse_with_hooks(hooks, where, options, jit)
         step.custom = CustomStep(

@@ -117,7 +117,7 @@ def test_float16_each_tower_scales_its_loss_before_the_gradient(policy):
     engine = make_engine()
     engine.train_step(*batch(0))
     x, y, _ = engine.prepare(*batch(1, examples=3))
-    tower = engine.step.tower
+    tower = engine.step.builtin
 
     def grads():
         tower_pass = tower.forward(engine.model, x, y, None, examples=3)

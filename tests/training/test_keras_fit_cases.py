@@ -243,7 +243,7 @@ def test_an_add_loss_term_that_sums_over_the_batch_adds_up_as_on_one_device():
     x, y = arrays(27)
     engine = Towers(mine, devices=devices(3))
     assert_same_fit(engine, model, x, y)
-    assert engine.step.tower.coupled.sums == [(mine.layers[1].path, 0)]
+    assert engine.step.builtin.coupled.sums == [(mine.layers[1].path, 0)]
 
 
 def test_an_add_loss_sum_is_refused_with_micro_batches_before_any_update():

@@ -168,7 +168,7 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
         unknown_bytes=crossed.unknown,
         workers=1 if engine.cluster is None else engine.cluster.num_workers,
         xla=xla_calls(concrete.graph),
-        coupled=engine.step.tower.coupled.describe(),
+        coupled=engine.step.builtin.coupled.describe(),
         assigned=[
             f"{path}: {describe(rule)}" for path, rule in engine.step.assigned.items()
         ],

@@ -40,8 +40,12 @@ class Preparing:
         the model's loss terms that are not a mean over the examples gathered,
         refused by name or warned of (``towers/step/rules/coupled.py``); a no-op
         after."""
-        coupled, jit, model = self.tower.coupled, self.tower.jit, self.placement.model
-        batch, own = (x, y, sample_weight), self.tower.own_loss
+        coupled, jit, model = (
+            self.builtin.coupled,
+            self.builtin.jit,
+            self.placement.model,
+        )
+        batch, own = (x, y, sample_weight), self.builtin.own_loss
         coupled.probe(model, batch, own, self.device, jit.strict, training)
         if self.custom is not None:
             self.custom.probe(batch, training)
@@ -53,7 +57,7 @@ class Preparing:
         shapes (tensors or ``tf.TensorSpec``), as Keras' fit does."""
         own = self.owns("train" if training else "evaluate")
         if not own:
-            check_targets(self.tower.loss, y)
+            check_targets(self.builtin.loss, y)
         # Else built by the step, as in Keras' fit; a model with no call()
         # is never called to build them (keras.io's forward-forward).
         if not own or (y is not None and overrides(self.placement.model, "call")):
@@ -67,11 +71,11 @@ class Preparing:
         ``compute_loss`` of the whole batch instead, with the compiled loss,
         gathered (its per-output trackers see the batch's; the probe runs
         again on this batch). False if it did already: the error stands."""
-        if self.tower.own_loss:
+        if self.builtin.own_loss:
             return False
-        self.tower.own_loss = True
-        self.tower.coupled.probe_again()
-        self.tower.coupled.gather_compute_loss()
+        self.builtin.own_loss = True
+        self.builtin.coupled.probe_again()
+        self.builtin.coupled.gather_compute_loss()
         self.probe(x, y, sample_weight)
         return True
 

@@ -32,7 +32,7 @@ from towers.step.rules.state import state_variables
 from towers.step.rules.whole_batch import concat_rows
 from towers.step.run.runner import Runner
 from towers.step.tail import Tail
-from towers.step.work.builtin import Tower, TowerResult
+from towers.step.work.builtin import BuiltIn, TowerResult
 from towers.step.work.losses import normalisation, step_divisors
 
 
@@ -51,19 +51,19 @@ class Step(Preparing):
     def __init__(
         self,
         placement: Placement,
-        tower: Tower,
+        builtin: BuiltIn,
         update: Update,
         metrics: Metrics,
         moving_statistics: MovingStatistics,
         workers: Workers | None,
     ):
         self.placement = placement
-        self.tower = tower
+        self.builtin = builtin
         self.update = update
         self.metrics = metrics
         self.moving_statistics = moving_statistics
         self.workers = workers
-        self.runner = Runner(placement, tower, moving_statistics, workers)
+        self.runner = Runner(placement, builtin, moving_statistics, workers)
         self.tail = Tail(placement, metrics, moving_statistics, workers)
         self.device = placement.variable_device
         self.started = False  # start() ran: the model's parts are ready
@@ -125,7 +125,7 @@ class Step(Preparing):
             tail.assign(settled, summed.state, trainable=True)
             rest = lambda: tail.assign(settled, summed.state, trainable=False)  # noqa: E731
             finite = self.apply(summed.grads, variables, moments, weight, rest)
-        reported = tail.track(summed, self.tower.own_loss)
+        reported = tail.track(summed, self.builtin.own_loss)
         out = {"logs": {**reported, "loss": summed.loss}, "reported": reported}
         if finite is not None:
             out["finite"] = finite
@@ -143,7 +143,7 @@ class Step(Preparing):
 
     def _evaluate(self, shards: Shards, batch: tuple) -> dict[str, tf.Tensor]:
         before = self.tail.before()
-        passes = self.runner.each(shards, self.tower.evaluate, "evaluate")
+        passes = self.runner.each(shards, self.builtin.evaluate, "evaluate")
         divisors = step_divisors([p.terms for p in passes])
         loss = self.sum_losses([p.loss(divisors) for p in passes])
         outputs = [p.output_losses(divisors) for p in passes]
@@ -152,14 +152,14 @@ class Step(Preparing):
             before, batch, shards, passes, loss, outputs, [], weight, "eval"
         )
         self.tail.assign(settled, summed.state)
-        return self.tail.track(summed, self.tower.own_loss)
+        return self.tail.track(summed, self.builtin.own_loss)
 
     def predict(self, x: Any) -> Any:
         """The model's outputs on ``x``: the towers' shards', in tower order."""
         return self.works["predict"](self.split(x, None, None), (x,))
 
     def _predict(self, shards: Shards, batch: tuple) -> Any:
-        passes = self.runner.each(shards, self.tower.predict, "predict")
+        passes = self.runner.each(shards, self.builtin.predict, "predict")
         self.tail.assign(self.tail.settle(passes, shards, predict=True))
         with tf.device(HOST):
             return concat_rows([p.predictions for p in passes])

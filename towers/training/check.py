@@ -263,7 +263,7 @@ def _reference(engine: Any, batches: list) -> tuple:
     compare with: stateful draws, or it does not run (towers' own step then
     says what is wrong in its words)."""
     try:
-        jit, model = engine.step.tower.jit.enabled, engine.model
+        jit, model = engine.step.builtin.jit.enabled, engine.model
         # Eager where it can: an optimizer built at its first apply there.
         reference = OneDevice(model, batches, engine.variable_device, jit)
     except Exception as error:  # noqa: BLE001 - towers' step says its own
@@ -286,7 +286,7 @@ def _run_reference(engine: Any, batches: list, reference: Any, kept: Kept) -> di
         if reference.traced:
             raise
         kept.restore()
-        jit = engine.step.tower.jit.enabled
+        jit = engine.step.builtin.jit.enabled
         device = engine.variable_device
         traced = OneDevice(engine.model, batches, device, jit, unbuilt=True)
         return traced.run()[1]

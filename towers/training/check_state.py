@@ -175,7 +175,7 @@ def not_compared(engine: Any) -> str | None:
         options.append("batch_statistics='tower'")
     if moving.layers and moving.policy != "batch":
         options.append(f"moving_statistics={moving.policy!r}")
-    if step.tower.coupled.policy == "per_tower":
+    if step.builtin.coupled.policy == "per_tower":
         options.append("coupled_losses='per_tower'")
     if getattr(engine.reducer, "wire_dtype", None) is not None:
         options.append(f"reducer={engine.reducer.name!r} (16 bits on the wire)")

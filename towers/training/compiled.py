@@ -108,7 +108,7 @@ class Compiled:
         """
         try:
             function = self._function(kind)
-            if self.step.tower.jit.enabled:
+            if self.step.builtin.jit.enabled:
                 xla.warm_up(function, *batch)  # one compilation per shard shape
             return call(function, *batch)
         except OneValue:  # raised while traced: Keras' compute_loss instead
@@ -120,7 +120,7 @@ class Compiled:
             if not self.step.whole_batch_loss(*one):
                 raise
         except tf.errors.InvalidArgumentError as error:
-            tower = self.step.tower
+            tower = self.step.builtin
             tower.jit = xla.after_failure(tower.jit, error, self.step.placement.model)
         self._retired = self.train_traces
         self._train, self._trainable, self._train_steps = None, None, None

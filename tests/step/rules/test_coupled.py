@@ -155,8 +155,8 @@ def test_a_moe_causal_lm_trains_as_keras_fit(family, num_towers, jit_compile):
     build = causal_lm(family)
     want, expected = keras_fit(build)
     engine = Towers(build, devices=devices(num_towers), jit_compile=jit_compile)
-    assert engine.step.tower.coupled.exact
-    assert engine.step.tower.jit.enabled is jit_compile
+    assert engine.step.builtin.coupled.exact
+    assert engine.step.builtin.jit.enabled is jit_compile
     got, history = updates(engine.model, fit_once(engine.fit))
     assert_updates_close(got, want, engine.model.trainable_variables)
     np.testing.assert_allclose(
@@ -185,7 +185,7 @@ def test_gpt_oss_adds_no_load_balancing_loss_and_trains_as_keras_fit():
     build = causal_lm("gpt_oss")
     want, _ = keras_fit(build)
     engine = Towers(build, devices=devices(2))
-    assert engine.step.tower.coupled.terms == []
+    assert engine.step.builtin.coupled.terms == []
     got, _ = updates(engine.model, fit_once(engine.fit))
     assert_updates_close(got, want, engine.model.trainable_variables)
 
@@ -248,9 +248,9 @@ def test_another_keras_hub_version_is_refused_naming_both(monkeypatch):
 def test_one_tower_or_no_term_changes_nothing_and_warns_of_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not engine(mixtral_block, 1).step.tower.coupled.terms
+        assert not engine(mixtral_block, 1).step.builtin.coupled.terms
         zero = engine(lambda: mixtral_block(coefficient=0.0), 2)
-        assert not zero.step.tower.coupled.terms
+        assert not zero.step.builtin.coupled.terms
     with pytest.raises(ValueError, match="coupled_losses must be one of"):
         engine(mixtral_block, 2, coupled_losses="mean")
 

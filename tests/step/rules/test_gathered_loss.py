@@ -192,7 +192,7 @@ def test_towers_explain_says_the_loss_is_gathered():
     x, y = data()
     engine = Towers(clip(), devices=devices(2))
     engine.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    described = engine.step.tower.coupled.describe()
+    described = engine.step.builtin.coupled.describe()
     assert len(described) == 1
     assert described[0].startswith("Clip.compute_loss is")
     assert "gathered from every tower" in described[0]
@@ -265,13 +265,13 @@ def test_auto_xla_runs_a_gathered_loss_without_it_saying_so(float64):
 
     x, y = data()
     engine = Towers(clip(), devices=devices(2))
-    engine.step.tower.jit = xla.Jit(enabled=True, strict=False)  # "auto" on GPUs
+    engine.step.builtin.jit = xla.Jit(enabled=True, strict=False)  # "auto" on GPUs
     reference = clip()
     reference.set_weights(engine.model.get_weights())
     with pytest.warns(UserWarning, match="compute_loss gathers the batch") as caught:
         engine.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert sum("gathers the batch" in str(w.message) for w in caught) == 1
-    assert engine.step.tower.jit == xla.OFF
+    assert engine.step.builtin.jit == xla.OFF
     for got, want in zip(engine.model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=FLOAT64_UPDATE_RTOL, atol=1e-12)

@@ -71,7 +71,7 @@ def test_a_recurrent_model_trains_with_xla_as_keras_xla_fit():
     history = engine.fit(x, y, **fit)
     expected = reference.fit(x, y, **fit)
 
-    assert reference.jit_compile and engine.step.tower.jit.enabled
+    assert reference.jit_compile and engine.step.builtin.jit.enabled
     assert_same_updates(engine.model, reference, before)
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=1e-12
@@ -97,7 +97,7 @@ def test_a_loops_kept_values_between_xla_phases_are_named_or_run_without_xla():
         np.testing.assert_array_equal(got, want)  # nothing was applied
 
     auto = Towers(build, devices=devices(2), batch_statistics="global")
-    auto.step.tower.jit = xla.Jit(enabled=True, strict=False)  # "auto" on a GPU
+    auto.step.builtin.jit = xla.Jit(enabled=True, strict=False)  # "auto" on a GPU
     reference = build()
     before = reference.get_weights()
     with pytest.warns(UserWarning, match="so the towers run without XLA"):

@@ -83,7 +83,7 @@ def test_global_statistics_with_xla_train_as_keras_xla_fit(
     want = fit(reference, x, y, sample_weight).history
     model = compiled(build, loss, metric=metric)
     engine = Towers(model, devices=devices(num_towers), batch_statistics="global")
-    assert engine.step.tower.jit.enabled
+    assert engine.step.builtin.jit.enabled
     got = fit(engine, x, y, sample_weight)
     assert_same_updates(model, reference, before)
     assert_close(got["loss"], want["loss"])

@@ -106,7 +106,7 @@ def test_fit_evaluate_and_predict_match_keras_xla_fit_on_one_device(
     reference, before, want = keras_xla_fit(build, x, y, sample_weight)
     model = compiled(build, True)
     engine = Towers(model, devices=devices(num_towers))  # the model's jit_compile
-    assert engine.step.tower.jit.enabled
+    assert engine.step.builtin.jit.enabled
     got = fit(engine, x, y, sample_weight)
     assert_same_updates(model, reference, before)
     assert_close(got["loss"], want["loss"])
@@ -188,8 +188,8 @@ def test_a_copy_per_tower_compiles_each_copy_and_stays_exact(xla_allowed):
 def test_the_argument_wins_over_the_compiled_models_choice():
     on = Towers(compiled(classifier, False), devices=devices(2), jit_compile=True)
     off = Towers(compiled(classifier, True), devices=devices(2), jit_compile=False)
-    assert on.step.tower.jit == xla.Jit(enabled=True, strict=True)
-    assert off.step.tower.jit == xla.OFF
+    assert on.step.builtin.jit == xla.Jit(enabled=True, strict=True)
+    assert off.step.builtin.jit == xla.OFF
 
 
 def test_auto_decides_as_keras_does():
@@ -197,9 +197,9 @@ def test_auto_decides_as_keras_does():
     # Keras' "auto": no XLA on a CPU; here Keras' compile agrees.
     assert xla.resolve("auto", model, ["/cpu:0", "/cpu:1"]) == xla.OFF
     assert compiled(classifier, "auto").jit_compile is False
-    assert Towers(compiled(classifier, "auto"), devices=devices(2)).step.tower.jit == (
-        xla.OFF
-    )
+    assert Towers(
+        compiled(classifier, "auto"), devices=devices(2)
+    ).step.builtin.jit == (xla.OFF)
     # Op determinism (on in this suite) turns "auto" off, as in Keras.
     assert xla.resolve("auto", model, ["/gpu:0", "/gpu:1"]) == xla.OFF
 
@@ -261,14 +261,14 @@ def test_auto_falls_back_without_xla_naming_the_layer():
     """On an accelerator "auto" chooses XLA (the test above); an op it cannot
     compile then warns, and the step runs as it does without XLA."""
     engine, plain = text_engine(False), text_engine(False)
-    engine.step.tower.jit = xla.Jit(enabled=True, strict=False)  # "auto" on a GPU
+    engine.step.builtin.jit = xla.Jit(enabled=True, strict=False)  # "auto" on a GPU
     x = np.random.default_rng(3).standard_normal((5, 3)).astype("float32")
     y = np.zeros((5, 1), "float32")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logs = engine.train_step(x, y)
     assert any("via_text" in str(w.message) for w in caught), caught
-    assert engine.step.tower.jit == xla.OFF
+    assert engine.step.builtin.jit == xla.OFF
     want = plain.train_step(x, y)
     assert_close(float(logs["loss"]), float(want["loss"]))
     for got, wanted in zip(engine.model.weights, plain.model.weights):

@@ -12,12 +12,12 @@ from tests.tolerances import EQUIVALENCE_ATOL, EQUIVALENCE_RTOL
 from towers import Towers
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.run import phases
-from towers.step.work.builtin import Tower, weights_here
+from towers.step.work.builtin import BuiltIn, weights_here
 from towers.step.work.losses import StepLoss
 
 
 def tower_for(model, loss="mse", loss_scale=1.0):
-    return Tower(StepLoss(loss), MovingStatistics(lambda: model), lambda: loss_scale)
+    return BuiltIn(StepLoss(loss), MovingStatistics(lambda: model), lambda: loss_scale)
 
 
 def train(tower, model, x, y, examples, sample_weight=None):

@@ -91,7 +91,7 @@ def fit_both(loss, outputs=1, num_towers=3):
 def test_a_loss_of_one_value_for_the_batch_trains_as_keras_fit(loss):
     engine = fit_both(loss)
     # Keras' compute_loss of the whole batch, gathered from the towers.
-    assert engine.step.tower.own_loss and engine.step.tower.coupled.gathered
+    assert engine.step.builtin.own_loss and engine.step.builtin.coupled.gathered
 
 
 def test_one_outputs_loss_of_one_value_beside_a_per_example_one():

@@ -28,7 +28,7 @@ from towers.step.rules.state import Form
 from towers.step.run import cut, seats, xla
 from towers.step.run.cut import Plan
 from towers.step.run.seats import Action
-from towers.step.work.builtin import Tower, TowerResult
+from towers.step.work.builtin import BuiltIn, TowerResult
 
 
 def shareable(placement: Any, shards: Shards, working: list[int]) -> bool:
@@ -93,7 +93,7 @@ def run(
 
 def compute(
     placement: Any,
-    tower: Tower,
+    builtin: BuiltIn,
     shards: Shards,
     working: list[int],
     divisors_of: Callable[[list], list[Any]],
@@ -117,7 +117,7 @@ def compute(
     models = [placement.model_of(t) for t in working]
     traced: list[Any] = []
     starts = draws.Starts(models)
-    scale = tower.loss_scale()
+    scale = builtin.loss_scale()
     firsts, total = places.first_rows(shards), places.batch_rows()
 
     def args_of(t: int) -> tuple:
@@ -129,9 +129,9 @@ def compute(
         return (x, y, sample_weight, first, total, starts.of(model), weights, scale)
 
     def pass_of(model: Any) -> Callable[..., tuple]:
-        return tower_pass(tower, model, shards, divisors_of, traced)
+        return tower_pass(builtin, model, shards, divisors_of, traced)
 
-    trace = dict(jit=tower.jit.enabled, inline=tower.inline, meets=meets)
+    trace = dict(jit=builtin.jit.enabled, inline=builtin.inline, meets=meets)
     plans, calls = plans_for(placement, working, args_of, pass_of, **trace)
     if across is not None:
         across.weight = weight_of(traced[:1])
@@ -209,7 +209,7 @@ def _own_pass(model, work, examples, x, y, sample_weight, first, share) -> Any:
 
 
 def tower_pass(
-    tower: Tower,
+    builtin: BuiltIn,
     model: Any,
     shards: Shards,
     divisors_of: Callable[[list], list[Any]],
@@ -225,7 +225,7 @@ def tower_pass(
     examples = shards.normaliser
 
     def run(x, y, sample_weight, first, total, states, weights, scale) -> tuple:
-        recorded = tower.forward(
+        recorded = builtin.forward(
             model, x, y, sample_weight, examples, states, weights, first, total
         )
         size = batch_size_of(x)
@@ -234,7 +234,7 @@ def tower_pass(
             for term, d in zip(recorded.terms, divisors_of([recorded]))
         ]
         traced.append(recorded)
-        return tower.gradients(recorded, divisors, scale), recorded.states
+        return builtin.gradients(recorded, divisors, scale), recorded.states
 
     return run
 

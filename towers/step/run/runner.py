@@ -38,14 +38,14 @@ class Runner:
 
     Args:
       placement: where the variables live; each tower's device and model.
-      tower: one tower's work (its options: XLA, the coupled losses).
+      builtin: one tower's work (its options: XLA, the coupled losses).
       moving_statistics: BatchNormalization's (its batch statistics).
       workers: the other workers of a cluster, or None.
     """
 
-    def __init__(self, placement: Any, tower: Any, moving_statistics: Any, workers):
+    def __init__(self, placement: Any, builtin: Any, moving_statistics: Any, workers):
         self.placement = placement
-        self.tower = tower
+        self.builtin = builtin
         self.moving_statistics = moving_statistics
         self.workers = workers
 
@@ -80,8 +80,8 @@ class Runner:
         (``seats.Unserved``): the step takes the next (:data:`NEXT`).
         """
         meets = self.meets(working)
-        if self.tower.coupled.gathered and self.tower.jit.enabled:  # "auto"
-            self.tower.jit = xla.without("the model's compute_loss gathers the batch")
+        if self.builtin.coupled.gathered and self.builtin.jit.enabled:  # "auto"
+            self.builtin.jit = xla.without("the model's compute_loss gathers the batch")
         if kind == "own":  # cut at its meetings where one trace serves all
             # In a cluster every worker cuts, one tower working or more: the
             # workers' collectives come in the cut's order (by phase) on each.
@@ -89,16 +89,16 @@ class Runner:
             shared = alone or phases.shareable(self.placement, shards, working)
             sized = shards.sizes is not None
             return "phases" if shared and sized else "turns"
-        gathered = meets and self.tower.coupled.gathered
+        gathered = meets and self.builtin.coupled.gathered
         if kind != "train":
             if gathered and kind == "evaluate":
                 return "turns"
             shared = phases.shareable(self.placement, shards, working)
             return "shared" if shared else "alone"
         sums = self.moving_statistics.meets
-        if meets and (sums or self.tower.coupled.exact):
+        if meets and (sums or self.builtin.coupled.exact):
             return "turns" if gathered else "phases"
-        if self.tower.jit.enabled:
+        if self.builtin.jit.enabled:
             return "phases"
         shared = phases.shareable(self.placement, shards, working)
         return "shared" if shared else "alone"
@@ -125,7 +125,7 @@ class Runner:
             return self._train(shards, working, divisors_of, weight_of)
 
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:
-        args = (self.placement, self.tower, shards, working, divisors_of)
+        args = (self.placement, self.builtin, shards, working, divisors_of)
 
         def cut(meets: bool) -> list[TowerResult]:  # a new handle: numbered anew
             across = self.across("train")
@@ -150,7 +150,7 @@ class Runner:
                     raise
                 way = NEXT[way]
                 if way == "turns" and kind == "train":
-                    xla.refuse_uncut(self.tower.jit, str(unserved))
+                    xla.refuse_uncut(self.builtin.jit, str(unserved))
 
     def each(
         self,
@@ -184,7 +184,7 @@ class Runner:
 
         def shared() -> list:  # one trace for every tower (training's: phases.py)
             model = self.placement.model_of(working[0])
-            traced = xla.function(partial(work, model), False, self.tower.inline)
+            traced = xla.function(partial(work, model), False, self.builtin.inline)
             return _one_by_one(
                 [_run_shared(self.placement, shards, traced, kind, t) for t in working]
             )
@@ -199,7 +199,7 @@ class Runner:
             "shared": shared,
             "phases": lambda: phases.own(
                 self.placement, shards, working, work, weights, across,
-                self.tower.inline,
+                self.builtin.inline,
             ),
             "turns": in_lockstep,
         })  # fmt: skip
@@ -226,7 +226,7 @@ def on_tower(placement: Any, t: int, work: Callable[[], Any], within=None) -> An
             return work()
 
 
-def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
+def _forward(placement, builtin, shards, starts, t: int) -> Callable[[], Any]:
     """Tower ``t``'s forward pass in training mode, to run: from the step's
     seed states (``starts``), its draws its rows of the batch's."""
     x, y, sample_weight = shards.parts[t]
@@ -234,7 +234,7 @@ def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
     first, total = places.first_rows(shards)[t], places.batch_rows()
 
     def forward() -> Any:
-        tower_pass = tower.forward(
+        tower_pass = builtin.forward(
             model, x, y, sample_weight, shards.normaliser, starts.of(model),
             first=first, total=total,
         )  # fmt: skip
@@ -246,7 +246,7 @@ def _forward(placement, tower, shards, starts, t: int) -> Callable[[], Any]:
 
 def in_turns(
     placement,
-    tower,
+    builtin,
     shards,
     working: list[int],
     divisors_of: Callable[[list], Any],
@@ -272,12 +272,12 @@ def in_turns(
         return divisors
 
     run = partial(turns.in_lockstep, meet=meet)
-    return in_halves(placement, tower, shards, working, divided, run)
+    return in_halves(placement, builtin, shards, working, divided, run)
 
 
 def in_halves(
     placement,
-    tower,
+    builtin,
     shards,
     working: list[int],
     divisors_of: Callable[[list], Any],
@@ -285,16 +285,16 @@ def in_halves(
 ) -> list[TowerResult]:
     """Every working tower's forward pass (from the step's seed states), the
     step's divisors of them all, then every tower's loss share and
-    gradients; ``run(works)`` runs each half's works (one per tower, in
+    gradients; ``run(works)`` runs each half's works (one per builtin, in
     order) and returns their results: one by one, or in lockstep."""
     starts = draws.Starts([placement.model_of(t) for t in working])
-    forward = partial(_forward, placement, tower, shards, starts)
+    forward = partial(_forward, placement, builtin, shards, starts)
     passes = run([forward(t) for t in working])
     starts.settle()
     divisors = divisors_of(passes)
     return run(
         [
-            partial(on_tower, placement, t, partial(tower.gradients, p, divisors))
+            partial(on_tower, placement, t, partial(builtin.gradients, p, divisors))
             for t, p in zip(working, passes)
         ]
     )

@@ -116,7 +116,7 @@ class TowerResult:
     state_forms: list[Any] = dataclasses.field(default_factory=list)
 
 
-class Tower:
+class BuiltIn:
     """The work of one tower, the same on every device.
 
     Args:
@@ -130,10 +130,10 @@ class Tower:
     Example:
       >>> import keras, numpy as np
       >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-      >>> tower = Tower(StepLoss("mse"), MovingStatistics(lambda: model), lambda: 1.0)
+      >>> work = BuiltIn(StepLoss("mse"), MovingStatistics(lambda: model), lambda: 1.0)
       >>> x, y = np.zeros((3, 2), "float32"), np.ones((3, 1), "float32")
-      >>> tower_pass = tower.forward(model, x, y, None, examples=6)  # 3 of 6
-      >>> result = tower.gradients(tower_pass, divisors=[6])
+      >>> tower_pass = work.forward(model, x, y, None, examples=6)  # 3 of 6
+      >>> result = work.gradients(tower_pass, divisors=[6])
       >>> float(result.loss), len(result.grads)  # errors of 1: 3 * 1 / 6
       (0.5, 2)
     """

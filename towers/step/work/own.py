@@ -95,7 +95,7 @@ class CustomStep:
         kind = "train" if training else "evaluate"
         if kind not in self.kinds or hook in self._logs_found:
             return
-        self.applies.whole_batch = self.runner.tower.coupled.gathered
+        self.applies.whole_batch = self.runner.builtin.coupled.gathered
         alone = len(self.placement.devices) == 1 and self.workers is None
         if self.applies.whole_batch or alone:
             return
@@ -250,7 +250,7 @@ class CustomStep:
         """Where the model's ``compute_loss`` couples the batch's examples
         (the probe found it, ``towers/step/rules/coupled.py``): within, the step's
         calls of it are the whole batch's (``gathered.whole_batch_loss``)."""
-        if not self.runner.tower.coupled.gathered:
+        if not self.runner.builtin.coupled.gathered:
             return contextlib.nullcontext()
         return whole_batch_loss(self.placement.models)
 
