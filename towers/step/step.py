@@ -33,7 +33,7 @@ from towers.step.rules.whole_batch import concat_rows
 from towers.step.run.runner import Runner
 from towers.step.tail import Tail
 from towers.step.work.builtin import BuiltIn, TowerResult
-from towers.step.work.losses import normalisation, step_divisors
+from towers.step.work.losses import step_divisors, step_kind
 
 
 class Step(Preparing):
@@ -254,7 +254,7 @@ class Step(Preparing):
                 "the step has no loss: loss=None needs a model that adds its own "
                 "(add_loss); received a model with no losses"
             )
-        if self.workers is not None and self._normalisation(passes) == "global":
+        if self.workers is not None and self._kind(passes) == "global":
             raise ValueError(
                 "in a cluster, a loss must be a mean over examples (Keras' default "
                 "reductions, sample weights included) or a sum without model losses; "
@@ -264,13 +264,13 @@ class Step(Preparing):
         with tf.device(self.device), tf.name_scope("divisors"):
             return step_divisors([p.terms for p in passes])
 
-    def _normalisation(self, passes: list) -> str:
-        return normalisation(passes[0].terms, passes[0].extra is not None)
+    def _kind(self, passes: list) -> str:
+        return step_kind(passes[0].terms, passes[0].extra is not None)
 
     def _weight(self, towers: list, shards: Shards) -> Any:
         """What this step weighs when steps are added up (workers, micro-batches):
         its examples for a mean, nothing (None) for a sum."""
-        mode = self._normalisation(towers)
+        mode = self._kind(towers)
         if mode == "global" and self.update.accumulate_steps > 1:
             sums = {t.kind for t in towers[0].terms} == {"sum"}
             why = (

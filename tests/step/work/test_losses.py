@@ -156,7 +156,7 @@ def test_per_example_function_is_a_mean_over_examples():
 
     [term] = step_loss.terms(Y_TRUE, Y_PRED, None)
 
-    assert (float(term.total), term.divisor, term.kind) == (12.0, 3, "examples")
+    assert (float(term.total), term.divisor, term.kind) == (12.0, 3, "mean")
 
 
 def test_sequence_loss_divides_by_every_timestep():

@@ -27,9 +27,12 @@ from towers.split import batch_size_of, split_sizes, take_rows
 from towers.step.rules.state import Reads
 from towers.step.rules.whole_batch import concat_rows
 
-# "whole_sum": a sum whose terms that read no tensor of the batch still move
-# with its rows (a draw per row of a static shape): nothing is set apart.
-Kind = Literal["mean", "sum", "whole_sum"]
+# How a loss reads its batch, the one vocabulary: a mean over its examples,
+# a sum of per-example values, a "whole_sum" (a sum whose terms that read no
+# tensor of the batch still move with its rows: a draw per row of a static
+# shape), or "global" (divided by what only the whole batch holds: its
+# sample weights, a mask, a mix of means and sums).
+Kind = Literal["mean", "sum", "whole_sum", "global"]
 # How far apart a number's value on two examples and the mean (or sum) of
 # its values on each may be and still be read as one: a thousandth, far
 # above the rounding between a batch of 1 and of 2 (TF32 matmuls on a GPU

@@ -296,6 +296,6 @@ def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any):
     of theirs (a meeting)."""
     if divisor is None:
         return None
-    if term.kind == "examples" and isinstance(divisor, int) and isinstance(size, int):
+    if term.kind == "mean" and isinstance(divisor, int) and isinstance(size, int):
         return divisor // size * examples if size else divisor  # empty: 0, as summed
     return seats.total(tf.cast(divisor, term.total.dtype))

@@ -1,103 +1,76 @@
 """The user's loss as terms that T shards add up to exactly.
 
-A Keras loss reduces over the batch it sees: ``S / D``, the weighted values summed
-(``S``) over what its reduction divides by (``D``): the number of loss values for
-``sum_over_batch_size`` (Keras' default), the sum of the sample weights for
-``mean_with_sample_weight``, the valid entries when a mask is set, 1 for ``sum``.
-``S`` and ``D`` add up over shards; their quotient does not. So each tower
-computes, per output, a :class:`Term` (its ``S_t`` and ``D_t``), and the step
-divides by the whole batch's ``D = sum_t D_t``::
+A Keras loss reduces over the batch it sees: ``S / D``, the weighted values
+summed (``S``) over what its reduction divides by (``D``: the loss values for
+``sum_over_batch_size``, the sample weights' sum for
+``mean_with_sample_weight``, the valid entries under a mask, 1 for ``sum``).
+``S`` and ``D`` add up over shards, their quotient does not; so each tower
+computes a :class:`Term` per output and the step divides by ``sum_t D_t``::
 
     loss = sum_o weight_o * (sum_t S_to) / (sum_t D_to)   (+ the model's own losses)
 
-which is Keras' value on the whole batch (``tests/step/work/test_losses.py`` checks each
-reduction, with sample weights and masks, against Keras itself).
-
-The loss is one loss for every output, one per output (a list in output order or
-a dict by output name, as ``model.compile`` takes them), or None when the model
-adds its loss itself (``add_loss``). A loss that gives one value for the batch
-raises :class:`OneValue` while the step is traced: the step then takes Keras'
-``compute_loss`` of the batch instead (``Step.whole_batch_loss``), as it does
-from the start for losses nested as only Keras' compile maps them
-(``towers/parts.py``).
+which is Keras' value on the whole batch (``tests/step/work/test_losses.py``).
+A loss that gives one value for the batch raises :class:`OneValue` while
+the step is traced: the step then takes Keras' ``compute_loss`` of the
+batch instead (``Step.whole_batch_loss``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from towers._keras import (
-    LossFunctionWrapper,
     apply_mask,
     get_keras_mask,
-    is_binary_or_sparse_categorical,
     squeeze_or_expand_to_same_rank,
 )
+from towers.step.rules.loss_kinds import Kind
 from towers.step.work import outputs
-
-_REDUCTIONS = (
-    None,
-    "none",
-    "sum_over_batch_size",
-    "mean",
-    "mean_with_sample_weight",
-    "sum",
-)
-
-TermKind = Literal["examples", "sum", "weights"]
 
 
 @dataclasses.dataclass
 class Term:
-    """One output's loss on a tower's shard, before the reduction.
-
-    Attributes:
-      total: ``S_t``: the weighted loss values, summed; a scalar in the loss's
-        dtype (Keras' floatx: float32, or float64 for a float64 model).
-      divisor: ``D_t``: what Keras' reduction divides ``S_t`` by on this shard
-        (a number when known at trace time, else a scalar tensor in the total's
-        dtype); None for a ``sum``, which divides by nothing.
-      weight: the output's loss weight.
-      name: the output's name (``"loss"`` for a model with one output).
-      kind: ``"examples"``: ``D_t`` is the shard's examples times a constant;
-        ``"sum"``: ``D_t`` is 1; ``"weights"``: ``D_t`` comes from sample
-        weights or a mask.
-    """
+    """One output's loss on a tower's shard, before the reduction: ``total``
+    (``S_t``, a scalar in the loss's dtype), ``divisor`` (``D_t``: a number
+    where known at trace time, else a scalar tensor; None for a sum), the
+    output's loss ``weight`` and ``name``; ``kind``: ``"mean"`` (``D_t`` is
+    the shard's examples times a constant), ``"sum"`` or ``"global"``
+    (``D_t`` from sample weights or a mask)."""
 
     total: tf.Tensor
     divisor: Any
     weight: float
     name: str
-    kind: TermKind
+    kind: Kind
 
 
 class StepLoss:
     """The user's loss, per output, as terms each tower computes on its shard.
 
     Args:
-      loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name
-        (``"mse"``), or a function ``(y_true, y_pred) -> one value per example``;
-        a list (output order) or dict (output names) of those, None for an
-        output without a loss; or None when the model adds its loss itself.
+      loss: a ``keras.losses.Loss`` (any reduction), a Keras loss name, or a
+        function ``(y_true, y_pred) -> one value per example``; a list
+        (output order) or dict (output names) of those, None for an output
+        without a loss; or None when the model adds its loss itself.
       loss_weights: None, or one number per loss, in the loss's structure.
       output_names: the model's output names, for a dict over list outputs.
 
     Raises:
-      ValueError: an unknown loss or reduction, or weights that do not match the
-        losses; the message names what was received.
+      ValueError: an unknown loss or reduction, or weights that do not match
+        the losses; the message names what was received.
 
     Example:
       >>> loss = StepLoss("mse")
       >>> y, p = tf.constant([[1.0], [3.0]]), tf.constant([[0.0], [0.0]])
       >>> [term] = loss.terms(y[:1], p[:1], None)  # a tower with 1 of 2 examples
       >>> float(term.total), term.divisor, term.kind  # 1^2, over 1 example
-      (1.0, 1, 'examples')
+      (1.0, 1, 'mean')
     """
 
     def __init__(
@@ -107,7 +80,7 @@ class StepLoss:
         output_names: Sequence[str] | None = None,
     ):
         self.output_names = list(output_names) if output_names else None
-        self.losses = outputs.map_spec(_as_loss, loss)
+        self.losses = outputs.map_spec(outputs.as_loss, loss)
         self.loss_weights = outputs.check_weights(loss_weights, self.losses)
         if self.output_names and len(self.output_names) > 1:
             # Known before any batch: a loss for an output the model lacks.
@@ -115,8 +88,8 @@ class StepLoss:
             outputs.check_keys(self.loss_weights, self.output_names, "loss_weights")
 
     def output_names_with_losses(self) -> list[str]:
-        """The outputs with a loss of their own, known before any batch: for a
-        model with several outputs (a single one reports only ``loss``).
+        """The outputs with a loss of their own (a single output reports
+        only ``loss``).
 
         >>> StepLoss({"a": "mse", "b": None}).output_names_with_losses()
         ['a']
@@ -130,8 +103,7 @@ class StepLoss:
         return list(names) if self.losses is not None and len(names) > 1 else []
 
     def needs_targets(self) -> str | None:
-        """The name of the first loss that compares predictions with
-        targets, or None when there is none (a model that adds its own).
+        """The first loss that compares predictions with targets, or None.
 
         >>> StepLoss("mse").needs_targets(), StepLoss(None).needs_targets()
         ('mse', None)
@@ -177,8 +149,8 @@ class StepLoss:
 
 
 def _term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, weight, name):
-    """As ``loss(y_true, y_pred, sample_weight)`` computes it, stopped before the
-    reduction: the weighted values' sum and the reduction's divisor."""
+    # As loss(y_true, y_pred, sample_weight) computes it, stopped before the
+    # reduction.
     if y_true is None:
         raise ValueError(
             f"loss {loss.name} compares predictions with targets; received a batch "
@@ -214,113 +186,39 @@ def _both(in_mask: Any, out_mask: Any) -> Any:
 
 
 def _divisor(reduction: Any, values: tf.Tensor, weights: Any, mask: Any):
-    """What Keras' ``reduction`` divides the summed values by, and its kind."""
+    # What Keras' reduction divides the summed values by, and its kind.
     if reduction == "sum":
         return None, "sum"
     dtype = values.dtype
     if reduction == "mean_with_sample_weight" and weights is not None:
-        return tf.reduce_sum(weights), "weights"
+        return tf.reduce_sum(weights), "global"
     size = _size(values)
     if mask is None or reduction == "mean_with_sample_weight":
-        return size, "examples"
+        return size, "mean"
     # Keras scales a mask by total / valid, so the mean is over the valid entries.
     mask = tf.cast(mask, dtype)
     return tf.cast(size, dtype) * tf.reduce_sum(mask) / tf.cast(
         tf.size(mask), dtype
-    ), "weights"
+    ), "global"
 
 
-def _size(values: tf.Tensor) -> Any:
-    """The number of loss values: an int when the shape is known, else a tensor
-    in the values' dtype."""
+def _size(values: tf.Tensor) -> Any:  # an int where the shape is known
     if values.shape.is_fully_defined():
         return int(np.prod(values.shape.as_list()))
     return tf.cast(tf.size(values), values.dtype)
 
 
-class PerExample(keras.losses.Loss):
-    """A function ``(y_true, y_pred) -> one value per example`` as a Keras loss:
-    the mean over examples (checked: one value per example, no more).
-
-    >>> float(PerExample(lambda y, p: tf.abs(y - p))(tf.ones(4), tf.zeros(4)))
-    1.0
-    """
-
-    def __init__(self, fn: Any, name: str | None = None):
-        super().__init__(name=name or getattr(fn, "__name__", "loss"))
-        self.fn = fn
-
-    def call(self, y_true: Any, y_pred: Any) -> Any:
-        return self.fn(y_true, y_pred)
-
-
-class CrossentropyByShapes(keras.losses.Loss):
-    """The loss names ``"crossentropy"`` and ``"ce"``: binary, sparse
-    categorical or categorical crossentropy, picked by the targets' and
-    predictions' shapes as Keras' ``compile`` picks it.
-
-    >>> ce = CrossentropyByShapes()
-    >>> y, p = tf.constant([0, 1]), tf.constant([[0.8, 0.2], [0.4, 0.6]])
-    >>> round(float(ce(y, p)), 4)  # sparse targets: sparse categorical
-    0.367
-    """
-
-    def __init__(self, name: str = "crossentropy"):
-        super().__init__(name=name)
-
-    def call(self, y_true: Any, y_pred: Any) -> Any:
-        binary, sparse = is_binary_or_sparse_categorical(y_true, y_pred)
-        picked = (
-            keras.losses.binary_crossentropy
-            if binary
-            else keras.losses.sparse_categorical_crossentropy
-            if sparse
-            else keras.losses.categorical_crossentropy
-        )
-        return LossFunctionWrapper(picked, name=self.name).call(y_true, y_pred)
-
-
-def _as_loss(loss: Any) -> keras.losses.Loss | None:
-    """A Keras loss object for one output's loss spec."""
-    if loss is None:
-        return None
-    if isinstance(loss, str) and loss.lower() in ("crossentropy", "ce"):
-        return CrossentropyByShapes(name=loss)
-    if isinstance(loss, str):
-        name, loss = loss, keras.losses.get(loss)
-        if not isinstance(loss, keras.losses.Loss):
-            # As Keras' compile wraps a loss named by its function: targets
-            # squeezed or expanded to the predictions' rank, then the function.
-            loss = LossFunctionWrapper(loss, name=name)
-    if isinstance(loss, keras.losses.Loss):
-        if loss.reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"unsupported loss reduction {loss.reduction!r} on {loss.name}; "
-                f"expected one of {['sum', *_REDUCTIONS[:-1]]}"
-            )
-        return loss
-    if callable(loss):
-        return PerExample(loss)
-    raise ValueError(
-        "loss must be a keras.losses.Loss, a Keras loss name, or a function "
-        f"(y_true, y_pred) -> per-example losses; received {loss!r}"
-    )
-
-
 class OneValue(ValueError):
-    """A loss gives one value for the batch, not one per example (a ``Loss``
-    that overrides ``__call__`` only, a function returning a number or a
-    scalar)."""
+    """A loss gives one value for the batch, not one per example."""
 
 
 def _check_per_example(loss: keras.losses.Loss, values: tf.Tensor, y_pred: Any):
-    """The values, if they are one per example (more per example for a Keras
-    loss, e.g. per timestep); :class:`OneValue` for one value in all; else a
-    ValueError naming the loss."""
+    # One value per example (more for a Keras loss: per timestep); OneValue
+    # for one value in all; else a ValueError naming the loss.
     if values.shape.rank == 0:
         raise OneValue(f"loss {loss.name} gives one value for the batch")
     examples = tf.nest.flatten(y_pred)[0].shape[0]
-    strict = isinstance(loss, PerExample)
+    strict = isinstance(loss, outputs.PerExample)
     rank_ok = values.shape.rank == 1 or (not strict and values.shape.rank)
     if values.shape.rank is not None and not rank_ok:
         raise ValueError(
@@ -344,35 +242,30 @@ def _check_per_example(loss: keras.losses.Loss, values: tf.Tensor, y_pred: Any):
         return tf.identity(values)
 
 
-Normalisation = Literal["examples", "sum", "global"]
+def step_kind(terms: list[Term], has_extra: bool) -> Kind:
+    """How a step's loss reads its batch, from one tower's terms: a
+    ``"mean"`` (every divisor the examples times a constant: a worker's or a
+    micro-batch's loss, weighted by its examples, adds up to the batch's), a
+    ``"sum"`` (no divisor, no model losses, which are means), else
+    ``"global"`` (the step needs every divisor of the batch).
 
-
-def normalisation(terms: list[Term], has_extra: bool) -> Normalisation:
-    """How a step's loss is normalised, from one tower's terms.
-
-    ``"examples"``: every divisor is the examples times a constant (Keras'
-    default reductions, with or without sample weights), so a worker's or a
-    micro-batch's loss, weighted by its examples, adds up to the whole batch's.
-    ``"sum"``: nothing is divided (and no model losses, which are means).
-    ``"global"``: anything else; the step needs every divisor of the batch.
-
-    >>> normalisation([], has_extra=True)  # a model that adds its own loss
-    'examples'
+    >>> step_kind([], has_extra=True)  # a model that adds its own loss
+    'mean'
     """
     kinds = {term.kind for term in terms}
-    if kinds <= {"examples"}:
-        return "examples"
+    if kinds <= {"mean"}:
+        return "mean"
     if kinds == {"sum"} and not has_extra:
         return "sum"
     return "global"
 
 
 def step_divisors(tower_terms: list[list[Term]]) -> list[Any]:
-    """Each term's divisor for the whole step: the towers' divisors summed (a
-    number when every one is), None for a sum.
+    """Each term's divisor for the whole step: the towers' summed (a number
+    where every one is), None for a sum.
 
-    >>> t = [[Term(tf.constant(1.0), 3, 1.0, "loss", "examples")],
-    ...      [Term(tf.constant(2.0), 2, 1.0, "loss", "examples")]]
+    >>> t = [[Term(tf.constant(1.0), 3, 1.0, "loss", "mean")],
+    ...      [Term(tf.constant(2.0), 2, 1.0, "loss", "mean")]]
     >>> step_divisors(t)
     [5]
     """
@@ -390,8 +283,8 @@ def step_divisors(tower_terms: list[list[Term]]) -> list[Any]:
 
 
 def over(value: Any, divisor: Any) -> Any:
-    """``value / divisor`` in ``value``'s dtype, 0 where the divisor is 0 (as
-    Keras' reductions), and ``value`` itself for no divisor."""
+    """``value / divisor`` in ``value``'s dtype, 0 over 0 (as Keras'
+    reductions), ``value`` for no divisor."""
     if divisor is None:
         return value
     if isinstance(divisor, (int, float)):

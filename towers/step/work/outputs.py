@@ -1,6 +1,7 @@
 """A per-output spec, as ``model.compile`` takes its loss, loss weights and
 metrics, and as ``fit`` takes targets and sample weights: one value for every
-output, a list in output order, or a dict by output name.
+output, a list in output order, or a dict by output name; a loss spec's
+entries as Keras loss objects (:func:`as_loss`).
 
 >>> entry({"a": 1.0, "b": 2.0}, "b", 1, repeat=True), entry(3.0, "b", 1, repeat=True)
 (2.0, 3.0)
@@ -10,6 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import keras
+
+from towers._keras import LossFunctionWrapper, is_binary_or_sparse_categorical
 
 
 def map_spec(fn, spec: Any) -> Any:
@@ -132,3 +137,81 @@ def check_weights(weights: Any, losses: Any) -> Any:
             f"loss_weights weigh losses; received {weights!r} with loss=None"
         )
     return weights
+
+
+REDUCTIONS = (
+    None,
+    "none",
+    "sum_over_batch_size",
+    "mean",
+    "mean_with_sample_weight",
+    "sum",
+)
+
+
+class PerExample(keras.losses.Loss):
+    """A function ``(y_true, y_pred) -> one value per example`` as a Keras
+    loss: the mean over examples.
+
+    >>> import numpy as np
+    >>> float(PerExample(lambda y, p: abs(y - p))(np.ones(4), np.zeros(4)))
+    1.0
+    """
+
+    def __init__(self, fn: Any, name: str | None = None):
+        super().__init__(name=name or getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self.fn(y_true, y_pred)
+
+
+class CrossentropyByShapes(keras.losses.Loss):
+    """``"crossentropy"`` and ``"ce"``: binary, sparse categorical or
+    categorical crossentropy, picked by the shapes as Keras' ``compile`` does.
+
+    >>> ce = CrossentropyByShapes()
+    >>> y, p = keras.ops.array([0, 1]), keras.ops.array([[0.8, 0.2], [0.4, 0.6]])
+    >>> round(float(ce(y, p)), 4)  # sparse targets: sparse categorical
+    0.367
+    """
+
+    def __init__(self, name: str = "crossentropy"):
+        super().__init__(name=name)
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        binary, sparse = is_binary_or_sparse_categorical(y_true, y_pred)
+        picked = (
+            keras.losses.binary_crossentropy
+            if binary
+            else keras.losses.sparse_categorical_crossentropy
+            if sparse
+            else keras.losses.categorical_crossentropy
+        )
+        return LossFunctionWrapper(picked, name=self.name).call(y_true, y_pred)
+
+
+def as_loss(loss: Any) -> keras.losses.Loss | None:
+    if loss is None:
+        return None
+    if isinstance(loss, str) and loss.lower() in ("crossentropy", "ce"):
+        return CrossentropyByShapes(name=loss)
+    if isinstance(loss, str):
+        name, loss = loss, keras.losses.get(loss)
+        if not isinstance(loss, keras.losses.Loss):
+            # As Keras' compile wraps a loss named by its function: targets
+            # squeezed or expanded to the predictions' rank, then the function.
+            loss = LossFunctionWrapper(loss, name=name)
+    if isinstance(loss, keras.losses.Loss):
+        if loss.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"unsupported loss reduction {loss.reduction!r} on {loss.name}; "
+                f"expected one of {['sum', *REDUCTIONS[:-1]]}"
+            )
+        return loss
+    if callable(loss):
+        return PerExample(loss)
+    raise ValueError(
+        "loss must be a keras.losses.Loss, a Keras loss name, or a function "
+        f"(y_true, y_pred) -> per-example losses; received {loss!r}"
+    )
