@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from towers.combine import in_dtype
 from towers.step.rules import probe
-from towers.step.rules.assignments import met_for
+from towers.step.rules.metric_updates import met_for
 from towers.step.rules.whole_batch import gathered_rows
 from towers.step.run.seats import current
 

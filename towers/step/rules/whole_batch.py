@@ -29,7 +29,8 @@ from towers._keras.current import setting, this_tower
 from towers._keras.patches import routed_calls
 from towers.combine import in_dtype
 from towers.split import batch_size_of
-from towers.step.rules.assignments import met_for, quiet
+from towers.step.rules.assignments import quiet
+from towers.step.rules.metric_updates import met_for
 from towers.step.run import seats
 
 LOG2 = 0.6931471805599453  # ln 2

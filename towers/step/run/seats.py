@@ -53,6 +53,9 @@ class Seat:
         self.quiet = False  # what the own step assigns is dropped (assignments.py)
         self.summing = False
         self.inputs: Any = ()  # the tower's own inputs, apart from the step's
+        # What the towers met for (tensor -> its meeting: one value on every
+        # tower) and the forms found (``state.form_of``), the meeting's.
+        self.marks, self.forms = meet.marks, meet.forms
 
     @property
     def first(self) -> bool:
@@ -101,10 +104,10 @@ class Seat:
         with seated(None):
             return action(handed)
 
-    def form(self, value: Any, marks: dict, forms: dict) -> Any:
+    def form(self, value: Any) -> Any:
         """``value``'s form (``state.form_of``), to compare with the other
         towers': each tower's ops are its own in the one graph."""
-        return Form(form_of(value, (), marks, None, forms))
+        return Form(form_of(value, (), self.marks, None, self.forms))
 
 
 class Alone:
@@ -114,6 +117,12 @@ class Alone:
     rank, first, worker, across, weight, own = 0, True, None, None, None, False
     quiet = summing = False
     inputs: Any = ()
+
+    @property
+    def marks(self) -> dict:  # one tower: what it meets for is its own
+        return {}
+
+    forms = marks
 
     def total(self, value: tf.Tensor, backward: bool = False) -> tf.Tensor:
         return summed([value])
@@ -169,8 +178,12 @@ class CutSeat(Alone):
     them one by one beats the cut's steady steps: bench_divisor.py).
     ``own``: the pass is a model's own step, ``weight`` its share."""
 
+    marks = forms = None  # its own, where Alone has none to keep
+
     def __init__(self, meets: bool, own: bool = False) -> None:
         self.meetings: list[Sum | Action] = []
+        self.marks: dict[Any, Any] = {}
+        self.forms: dict[Any, Any] = {}
         self.meets, self.own = meets, own
         self.graph: Any = None
         self.inputs: list[tf.Tensor] = []  # the tower's own: its rows, its share
@@ -199,12 +212,12 @@ class CutSeat(Alone):
         made = len(graph.get_operations())
         self.meetings.append(Action(value, action, writes, made))
 
-    def form(self, value: Any, marks: dict, forms: dict) -> Any:
+    def form(self, value: Any) -> Any:
         # A tower's own inputs read are its rows; a capture is named by what
         # it captures: every tower's trace of this pass makes the same form.
         captured = {id(inner): ("captured", id(outer))
                     for outer, inner in self.graph.captures}  # fmt: skip
-        return Form(form_of(value, self.inputs, marks, captured, forms))
+        return Form(form_of(value, self.inputs, self.marks, captured, self.forms))
 
 
 def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Tensor:

@@ -79,6 +79,8 @@ class Rendezvous:
         self._calls = [0] * size
         self._slots: dict[int, list[Any]] = {}
         self._handed: dict[int, int] = {}  # per call, the towers that handed in
+        self.marks: dict[Any, Any] = {}  # the seats' (seats.Seat.marks)
+        self.forms: dict[Any, Any] = {}
 
     def begin(self) -> None:
         """A new round of tracing (the forward passes, then the backward ones):
