@@ -14,8 +14,8 @@ from tests.step.work.test_own import GuideStep
 from tests.test_equivalence import devices
 from tests.training.test_keras_fit_cases import assert_same_fit, twins
 from towers import Towers
+from towers.step.rules.forms import Reads
 from towers.step.rules.grad_rules import as_one_devices
-from towers.step.rules.state import Reads
 
 
 class TokensAndPositions(keras.Model):

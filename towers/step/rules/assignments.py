@@ -6,7 +6,7 @@ raw ``tf.Variable``) and each metric it updates is a meeting, as an apply
 is: every tower hands in its value, the first assigns once, every tower
 reads the new value after. A variable takes its ``aggregation``'s rule
 (``state.py``); ``"none"`` takes one value where every tower's has one form
-(``state.form_of``), adds the batch's loss where each tower adds its own (a
+(``forms.form_of``), adds the batch's loss where each tower adds its own (a
 running total), and is refused by name otherwise. A ``keras.metrics.Mean``
 given one number for the batch is updated once with the towers' numbers
 weighted by their shares; any other update adds the towers' changes, unless
@@ -31,13 +31,14 @@ from towers._keras.patches import (
     tracked_calls,
 )
 from towers.combine import in_dtype
+from towers.step.rules.forms import form_of
 from towers.step.rules.metric_updates import (
     MetricUpdates,
     check_same,
     every_metric,
     same_form,
 )
-from towers.step.rules.state import aggregate, form_of, raw_variables, refused, rule_of
+from towers.step.rules.state import aggregate, raw_variables, refused, rule_of
 from towers.step.run.seats import current, over_workers
 
 
@@ -204,7 +205,7 @@ def _reads(tensor: tf.Tensor, variable: Any) -> bool:
 
 
 def alike(values: list[tf.Tensor], corresponding: Any = None, marks=None) -> bool:
-    """Whether every tower's value has the first's form (``state.form_of``),
+    """Whether every tower's value has the first's form (``forms.form_of``),
     captured variables by ``corresponding`` place in a copy where given.
 
     >>> x = tf.constant([1.0, 2.0])

@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.step.rules.state import Reads
+from towers.step.rules.forms import Reads
 
 
 def as_one_devices(

@@ -24,7 +24,7 @@ import tensorflow as tf
 from towers._keras import built_symbolically, call_model, layers_of, own_losses
 from towers.combine import in_dtype
 from towers.split import batch_size_of, split_sizes, take_rows
-from towers.step.rules.state import Reads
+from towers.step.rules.forms import Reads
 from towers.step.rules.whole_batch import concat_rows
 
 # How a loss reads its batch, the one vocabulary: a mean over its examples,

@@ -1,27 +1,18 @@
 """State a layer or a model's own step assigns, assigned once a step by the
 variable's ``aggregation`` (as tf.distribute reads it): the one home of the
-rules (:func:`aggregate`), for the built-in step's forward passes and a model's
-own step's assignments (``towers/step/rules/assignments.py``).
+rules (:func:`aggregate`), for the built-in step's passes (each tower's
+scope keeps what it assigns, ``towers/_keras``'s ``ReadScope``) and a model's
+own step (``assignments.py``)::
 
-A layer may assign a variable in ``call`` (a counter, a metric it updates).
-Each tower's pass keeps what it assigns in its scope, starting from the value
-before the step (``towers/_keras``'s ``ReadScope``), and the step assigns it
-once::
-
-    "sum"                 v + sum_t (v_t - v)       the towers' changes add up
-    "mean"                sum_t n_t v_t / sum_t n_t  one device's value of a
-                                                     statistic of the batch
+    "sum"                 v + sum_t (v_t - v)        the towers' changes add up
+    "mean"                sum_t n_t v_t / sum_t n_t  a statistic of the batch
     "only_first_replica"  v_0
-    "none" (Keras' default)  v_0 where every tower's value has one form, of
-                          none of its rows and no draw (a count of steps,
-                          a kernel masked: :func:`form_of`); refused by
-                          name otherwise
+    "none" (Keras')       v_0 where every tower's value has one form, of none
+                          of its rows and no draw (``forms.form_of``); else
+                          refused by name
 
 In a cluster the workers' changes meet in the step's sum, "mean" weighted by
-every worker's examples; "none" and "only_first_replica" take the chief's.
-A model's own step's assignments take the same rules (``assignments.py``).
-BatchNormalization's moving statistics and seed states have rules of their
-own (``batchnorm.py``, ``draws.py``).
+their examples; "none" and "only_first_replica" take the chief's.
 """
 
 from __future__ import annotations
@@ -30,11 +21,9 @@ import dataclasses
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from towers._keras import is_seed_state, layers_of
-from towers._runtime import called_graph
 from towers.combine import in_dtype
 
 RULES = ("sum", "mean", "only_first_replica", "none")
@@ -188,146 +177,6 @@ def refused(path: str, rule: str) -> ValueError:
         "tower's), or compute it in a model's own step from the batch's rows "
         "(towers.gather). Nothing was updated."
     )
-
-
-def form_of(
-    tensor: Any, batch: Any = (), marks: Any = None, places: Any = None, forms=None
-) -> Any:
-    """What ``tensor``'s value is made of, as a value every tower's alike
-    shares: its ops' types and attributes (constants' values included: a
-    shard's size read as a constant is its own) down to the inputs it reads,
-    by name; None where it reads a tensor of ``batch`` or a draw.
-
-    ``marks``: tensors the towers met for, by their meeting (one value on
-    every tower); ``places``: a copy's captured variable handle's id -> its
-    place in its copy; ``forms``: what is known already, by tensor.
-
-    >>> x = tf.constant([1.0, 2.0])
-    >>> form_of(x * 2.0) == form_of(x * 2.0), form_of(x * 2.0) == form_of(x * 3.0)
-    (True, False)
-    """
-    if not tf.is_symbolic_tensor(tensor):
-        value = np.asarray(tensor)
-        return ("value", str(value.dtype), value.shape, value.tobytes())
-    leaves = tf.nest.flatten(batch, expand_composites=True)
-    batch = {t.ref() for t in leaves if tf.is_tensor(t)}
-    marks, places = marks or {}, places or {}
-    forms = {} if forms is None else forms
-    stack = [tensor]
-    while stack:
-        t = stack[-1]
-        if t.ref() in forms:
-            stack.pop()
-            continue
-        op = t.op
-        if t.ref() in batch or "Random" in op.type:
-            return None
-        leaf = t.ref() in marks or op.type == "Placeholder"
-        pending = [] if leaf else [i for i in op.inputs if i.ref() not in forms]
-        if pending:
-            stack += pending
-            continue
-        stack.pop()
-        if t.ref() in marks:
-            forms[t.ref()] = ("met", marks[t.ref()])
-        elif op.type == "Placeholder":
-            forms[t.ref()] = ("input", places.get(id(t), op.name))
-        else:
-            attrs = attributes(op)
-            inputs = tuple(forms[i.ref()] for i in op.inputs)
-            attrs = tuple(sorted(attrs.items()))
-            forms[t.ref()] = (op.type, t.value_index, attrs, inputs)
-    return forms[tensor.ref()]
-
-
-@dataclasses.dataclass(frozen=True)
-class Form:
-    """A value's form (:func:`form_of`) as one leaf of what a tower hands
-    in (a nest keeps it whole)."""
-
-    of: Any
-
-
-def attributes(op: Any) -> dict:
-    """``op``'s attributes as bytes, by name; left out: those whose names
-    start "_" (TensorFlow's bookkeeping: colocation) and the functions it
-    calls (a call's, a ``cond``'s branches: their names are their trace's)."""
-    return {k: v.SerializeToString() for k, v in op.node_def.attr.items()
-            if not k.startswith("_") and not v.HasField("func")
-            and not (v.HasField("list") and v.list.func)}  # fmt: skip
-
-
-# Ops that read a tensor's shape, not its values, and the ops that call a
-# function (a traced layer's call, a tower's pass).
-SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-
-
-class Reads:
-    """Whether a traced tensor reads any of ``batch``'s tensors, through the
-    functions it calls, by its shape too (``shapes``): the one home of the
-    rule, for a slice's rows (``grad_rules.py``) and a loss's batch-free
-    terms (``loss_kinds.py``).
-
-    >>> found = []
-    >>> @tf.function
-    ... def rows(x):
-    ...     positions = tf.range(tf.shape(x)[1])  # the length: a shape
-    ...     reads = Reads([x], shapes=False)
-    ...     found.extend([reads(positions), reads(tf.cast(x[:, 0], "int32"))])
-    ...     return positions
-    >>> _ = rows(tf.zeros((2, 3)))
-    >>> found
-    [False, True]
-    """
-
-    def __init__(self, batch: list[Any], shapes: bool = True):
-        leaves = tf.nest.flatten(batch, expand_composites=True)
-        self.batch = {t.ref() for t in leaves if tf.is_tensor(t)}
-        self.shapes = shapes
-        self.found: dict[tuple, bool] = {}  # (calls, tensor) -> reads
-
-    def __call__(self, tensor: tf.Tensor) -> bool:
-        if not tf.is_symbolic_tensor(tensor):
-            return False
-        stack = [((), tensor)]  # (the calls it is inside, a tensor)
-        while stack:
-            calls, t = stack[-1]
-            key = (calls, t.ref())
-            if key in self.found:
-                stack.pop()
-                continue
-            inputs = self._inputs(calls, t)
-            if inputs is None or isinstance(inputs, bool):
-                self.found[key] = bool(inputs)
-                stack.pop()
-                continue
-            pending = [i for i in inputs if (i[0], i[1].ref()) not in self.found]
-            if pending:
-                stack += pending
-            else:
-                self.found[key] = any(self.found[(c, i.ref())] for c, i in inputs)
-                stack.pop()
-        return self.found[((), tensor.ref())]
-
-    def _inputs(self, calls: tuple, tensor: tf.Tensor) -> Any:
-        """What ``tensor`` (inside ``calls``) reads: its op's inputs, into a
-        called function's output or out to a call's argument; True or
-        False where that is known at once."""
-        op = tensor.op
-        if not calls and tensor.ref() in self.batch:
-            return True
-        if not self.shapes and op.type in SHAPE_OPS:
-            return False
-        if op.type in CALLS:  # into the function, from the output read
-            body = called_graph(op.graph, op.name)
-            return [((*calls, op), body.outputs[tensor.value_index])]
-        if op.type == "Placeholder" and calls:  # out, to the argument
-            call = calls[-1]
-            body = called_graph(call.graph, call.name)
-            where = [i for i, t in enumerate(body.inputs) if t is tensor]
-            return [(calls[:-1], call.inputs[i]) for i in where]
-        return [(calls, t) for t in op.inputs]
 
 
 def _examples(sizes: list[Any]) -> Any:

@@ -24,7 +24,7 @@ import tensorflow as tf
 from towers.combine import in_dtype
 from towers.split import Shards, batch_size_of
 from towers.step.rules import draws, places
-from towers.step.rules.state import Form
+from towers.step.rules.forms import Form
 from towers.step.run import cut, seats, xla
 from towers.step.run.cut import Plan
 from towers.step.run.seats import Action

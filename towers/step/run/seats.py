@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from towers._keras.current import setting, this_tower
 from towers.combine import in_dtype
-from towers.step.rules.state import Form, form_of
+from towers.step.rules.forms import Form, form_of
 
 T = TypeVar("T")
 # A collective's key fixes the shapes it carries: a tensor whose rows only the
@@ -54,7 +54,7 @@ class Seat:
         self.summing = False
         self.inputs: Any = ()  # the tower's own inputs, apart from the step's
         # What the towers met for (tensor -> its meeting: one value on every
-        # tower) and the forms found (``state.form_of``), the meeting's.
+        # tower) and the forms found (``forms.form_of``), the meeting's.
         self.marks, self.forms = meet.marks, meet.forms
 
     @property
@@ -105,7 +105,7 @@ class Seat:
             return action(handed)
 
     def form(self, value: Any) -> Any:
-        """``value``'s form (``state.form_of``), to compare with the other
+        """``value``'s form (``forms.form_of``), to compare with the other
         towers': each tower's ops are its own in the one graph."""
         return Form(form_of(value, (), self.marks, None, self.forms))
 

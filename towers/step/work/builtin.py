@@ -39,7 +39,8 @@ from towers.split import batch_size_of
 from towers.step.rules import places
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.rules.coupled import CoupledLosses
-from towers.step.rules.state import form_of, state_variables
+from towers.step.rules.forms import form_of
+from towers.step.rules.state import state_variables
 from towers.step.rules.whole_batch import gathered_loss
 from towers.step.run import xla
 from towers.step.work.losses import StepLoss, Term, over
@@ -59,7 +60,7 @@ class TowerPass:
       state, state_values: the other variables the pass assigned and their
         values after it, for the step to assign once (``state.py``);
         state_forms: per value, what it is made of, None where it reads the
-        tower's rows or a draw (``state.form_of``).
+        tower's rows or a draw (``forms.form_of``).
     """
 
     terms: list[Term]
