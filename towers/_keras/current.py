@@ -27,7 +27,7 @@ class Tower:
         values its next counted draw skips (``patches.py``).
       moments: where BatchNormalization's moments go, by the
         ``MovingStatistics`` recording them (``step/rules/batchnorm.py``).
-      recorder: the loss probe's recorder (``step/rules/loss_kinds.py``).
+      trial: the probe's trial of the tower's work (``step/rules/trial.py``).
       in_loss: within a gathered loss's own call (``step/rules/whole_batch.py``).
     """
 
@@ -39,7 +39,7 @@ class Tower:
         self.calling: tuple = ()
         self.skip: Any = None
         self.moments: dict[int, Any] = {}
-        self.recorder: Any = None
+        self.trial: Any = None
         self.in_loss = False
 
 

@@ -49,7 +49,7 @@ _step = _Step()
 
 class RowsUnknown(Exception):
     """A draw in the probe's trace for parts of any rows: where it sits in
-    one device's draw, only the parts' own rows tell (``probe._Recorder``)."""
+    one device's draw, only the parts' own rows tell (``trial.Trial``)."""
 
 
 @contextlib.contextmanager
@@ -111,7 +111,7 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     ((4, 8, 16, 1), (4, 8, 16, 4))
     """
     tower = this_tower()
-    if getattr(tower.recorder, "relaxed", False):
+    if getattr(tower.trial, "relaxed", False):
         raise RowsUnknown(draw)
     size, first, total, others, batch = tower.rows
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
