@@ -231,7 +231,7 @@ def pass_graph(name: str, xla: bool) -> Iterator[tf.Graph]:
     it, and with ``xla`` their gradients are made for XLA to compile (a
     loop's kept values in lists of a known length, as
     ``tf.function(jit_compile=True)`` traces them). The cut keeps the pass's
-    own such ops (``cut._effects``)."""
+    own such ops (``schedule.Schedule._effects``)."""
     from tensorflow.python.framework import func_graph
     from tensorflow.python.ops import control_flow_ops
 
