@@ -22,7 +22,7 @@ import pytest
 
 from tests.test_equivalence import devices
 from towers import Towers
-from towers.step.rules import coupled
+from towers.step.rules import balancing
 from towers.step.run import runner
 
 UPDATE_RTOL = 2e-3
@@ -268,7 +268,7 @@ def test_the_blocks_own_function_is_back_after_each_trace():
     logs = eng.train_step(batch, np.zeros((3, 4, 16), "float32"))
     assert np.isfinite(float(logs["loss"]))
     assert mixtral_decoder.compute_load_balancing_loss is own
-    assert coupled.FUNCTION == own.__name__
+    assert balancing.FUNCTION == own.__name__
 
 
 def test_without_xla_the_moe_pass_is_cut_where_it_sums_not_run_in_lockstep(

@@ -1,6 +1,6 @@
-"""keras_hub's mixture-of-experts load-balancing loss of the whole batch, in
-towers traced in lockstep (``towers/step/rules/coupled.py`` puts it in place of
-each block module's own).
+"""keras_hub's mixture-of-experts load-balancing loss: which blocks add it
+(:func:`coupled_terms`), and its value of the whole batch, in place of each
+block module's own under ``coupled_losses="exact"`` (``coupled.py``).
 
 A block routes each token to its ``k`` most probable of ``E`` experts and
 adds ``E · Σ_e f_e · P_e``, ``f_e`` the share of the unmasked tokens routed to
@@ -13,11 +13,67 @@ term from the sums.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
+import keras
 import tensorflow as tf
 
+from towers._keras import layers_of
 from towers.step.run import seats
+
+# keras_hub's mixture-of-experts blocks, and the attribute of their
+# load-balancing loss's coefficient.
+COUPLED = {
+    "MixtralSparseMoeBlock": "router_aux_loss_coef",
+    "QwenSparseMoeBlock": "router_aux_loss_coefficient",
+    "Qwen3SparseMoeBlock": "router_aux_loss_coefficient",
+    "Qwen3_5MoeSparseMoeBlock": "router_aux_loss_coefficient",
+}
+# The keras-hub versions whose load-balancing losses "exact" was checked on
+# against Keras' own fit (tests/step/rules/test_coupled.py).
+CHECKED_KERAS_HUB = ("0.32.0",)
+# The function each block's module defines and its call() calls.
+FUNCTION = "compute_load_balancing_loss"
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """A loss term that couples a batch's examples: the layer that adds it,
+    and the module whose ``compute_load_balancing_loss`` it calls."""
+
+    layer: str
+    block: str
+    attribute: str
+    coefficient: float
+    module: str
+
+    def __str__(self) -> str:
+        return (
+            f"layer {self.layer} ({self.block}) adds a router load-balancing "
+            f"loss ({self.attribute}={self.coefficient:g})"
+        )
+
+
+def coupled_terms(model: keras.Model) -> list[Term]:
+    """Each loss term of ``model`` that couples a batch's examples.
+
+    >>> coupled_terms(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    []
+    """
+    found = []
+    for layer in layers_of(model):
+        attribute = COUPLED.get(type(layer).__name__)
+        module = type(layer).__module__
+        if attribute is None or not module.startswith("keras_hub"):
+            continue
+        coefficient = float(getattr(layer, attribute, 0.0) or 0.0)
+        if coefficient:
+            found.append(
+                Term(layer.path, type(layer).__name__, attribute, coefficient, module)
+            )
+    return found
 
 
 def load_balancing_over_towers(
@@ -91,3 +147,29 @@ def _summed(sums: tf.Tensor, counts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         return (both[:size], both[size:]), gradient
 
     return summed(sums)
+
+
+def why_not_exact(terms: list[Term], accumulate_steps: int) -> str:
+    """Why ``"exact"`` cannot serve ``terms`` ('' when it can)."""
+    version = getattr(sys.modules.get("keras_hub"), "__version__", "unknown")
+    if version not in CHECKED_KERAS_HUB:
+        return (
+            f"their exact form was checked on keras-hub {list(CHECKED_KERAS_HUB)}; "
+            f"received keras-hub {version}"
+        )
+    missing = [t.module for t in terms if not hasattr(sys.modules[t.module], FUNCTION)]
+    if missing:
+        return f"{missing} define no {FUNCTION}"
+    if accumulate_steps > 1:
+        return (
+            f"accumulate_steps={accumulate_steps} takes the batch in micro-batches, "
+            "one at a time, and the term is a product of means over all of them"
+        )
+    return ""
+
+
+def over_the_batch(own: Any) -> Any:
+    """A block module's ``compute_load_balancing_loss``, computed from the
+    tokens of every tower its seat meets (``own`` is not called)."""
+    del own
+    return load_balancing_over_towers

@@ -20,7 +20,6 @@ Any other term is probed on the first batch of two or more examples
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import warnings
 from collections.abc import Iterator
@@ -28,65 +27,19 @@ from typing import Any
 
 import keras
 
-from towers._keras import layers_of, patches
+from towers._keras import patches
 from towers.split import batch_size_of
-from towers.step.rules.balancing import load_balancing_over_towers
+from towers.step.rules.balancing import (
+    FUNCTION,
+    coupled_terms,
+    over_the_batch,
+    why_not_exact,
+)
 from towers.step.rules.loss_kinds import shares_of_terms
 from towers.step.rules.loss_terms import probe_terms
 from towers.step.rules.probe import Measured
 
-# keras_hub's mixture-of-experts blocks, and the attribute of their
-# load-balancing loss's coefficient.
-COUPLED = {
-    "MixtralSparseMoeBlock": "router_aux_loss_coef",
-    "QwenSparseMoeBlock": "router_aux_loss_coefficient",
-    "Qwen3SparseMoeBlock": "router_aux_loss_coefficient",
-    "Qwen3_5MoeSparseMoeBlock": "router_aux_loss_coefficient",
-}
-# The keras-hub versions whose load-balancing losses "exact" was checked on
-# against Keras' own fit (tests/step/rules/test_coupled.py).
-CHECKED_KERAS_HUB = ("0.32.0",)
 POLICIES = ("exact", "per_tower", "refuse")
-# The function each block's module defines and its call() calls.
-FUNCTION = "compute_load_balancing_loss"
-
-
-@dataclasses.dataclass(frozen=True)
-class Term:
-    """A loss term that couples a batch's examples: the layer that adds it,
-    and the module whose ``compute_load_balancing_loss`` it calls."""
-
-    layer: str
-    block: str
-    attribute: str
-    coefficient: float
-    module: str
-
-    def __str__(self) -> str:
-        return (
-            f"layer {self.layer} ({self.block}) adds a router load-balancing "
-            f"loss ({self.attribute}={self.coefficient:g})"
-        )
-
-
-def coupled_terms(model: keras.Model) -> list[Term]:
-    """Each loss term of ``model`` that couples a batch's examples.
-
-    >>> coupled_terms(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
-    []
-    """
-    found = []
-    for layer in layers_of(model):
-        attribute = COUPLED.get(type(layer).__name__)
-        module = type(layer).__module__
-        if attribute is None or not module.startswith("keras_hub"):
-            continue
-        coefficient = float(getattr(layer, attribute, 0.0) or 0.0)
-        if coefficient:
-            found.append(
-                Term(layer.path, type(layer).__name__, attribute, coefficient, module)
-            )
-    return found
 
 
 class CoupledLosses:
@@ -145,7 +98,7 @@ class CoupledLosses:
         self._patch = patches.module_functions(
             [sys.modules[name] for name in {term.module for term in self.terms}],
             FUNCTION,
-            _over_the_batch,
+            over_the_batch,
         )
         if not self.terms:
             return
@@ -155,7 +108,7 @@ class CoupledLosses:
         if policy == "refuse":
             why = "coupled_losses='refuse' refuses them"
         else:
-            why = _why_not_exact(self.terms, accumulate_steps)
+            why = why_not_exact(self.terms, accumulate_steps)
         if why:
             raise ValueError(
                 f"the model has loss terms that couple the batch's examples (a "
@@ -339,29 +292,3 @@ class CoupledLosses:
             return
         with self._patch.applied():
             yield
-
-
-def _why_not_exact(terms: list[Term], accumulate_steps: int) -> str:
-    """Why ``"exact"`` cannot serve ``terms`` ('' when it can)."""
-    version = getattr(sys.modules.get("keras_hub"), "__version__", "unknown")
-    if version not in CHECKED_KERAS_HUB:
-        return (
-            f"their exact form was checked on keras-hub {list(CHECKED_KERAS_HUB)}; "
-            f"received keras-hub {version}"
-        )
-    missing = [t.module for t in terms if not hasattr(sys.modules[t.module], FUNCTION)]
-    if missing:
-        return f"{missing} define no {FUNCTION}"
-    if accumulate_steps > 1:
-        return (
-            f"accumulate_steps={accumulate_steps} takes the batch in micro-batches, "
-            "one at a time, and the term is a product of means over all of them"
-        )
-    return ""
-
-
-def _over_the_batch(own: Any) -> Any:
-    """A block module's ``compute_load_balancing_loss``, computed from the
-    tokens of every tower its seat meets (``own`` is not called)."""
-    del own
-    return load_balancing_over_towers
