@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from towers._keras.patches import drawn_after, routed_draws
 from towers.step.rules import places
+from towers.step.rules.forms import static_dim
 from towers.step.rules.state import state_variables
 
 # Keras' draws made of one stateless uniform or normal draw, which a tower
@@ -79,7 +80,7 @@ def route(name: str, own: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if blocks > 1:
         dims[0] = size
         return _from_blocks(own, args, kwargs, dims, size, first, total, blocks)
-    if size is not None and places.static(dims[0]) != size:  # the batch's rows
+    if size is not None and static_dim(dims[0]) != size:  # the batch's rows
         dims[0] = size
         _shape(args, kwargs, dims)
     if name in COUNTED:  # the tower's values alone

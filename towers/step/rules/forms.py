@@ -1,6 +1,7 @@
 """What a traced value is made of, as the towers compare it: its form
 (:func:`form_of`: alike on every tower, or reading a tower's rows or a
-draw), and whether it reads the batch at all (:class:`Reads`).
+draw), whether it reads the batch at all (:class:`Reads`), a shape's entry
+as the trace knows it (:func:`static_dim`).
 """
 
 from __future__ import annotations
@@ -152,3 +153,24 @@ class Reads:
             where = [i for i, t in enumerate(body.inputs) if t is tensor]
             return [(calls[:-1], call.inputs[i]) for i in where]
         return [(calls, t) for t in op.inputs]
+
+
+def static_dim(dim: Any) -> Any:
+    """A shape's entry as a number where the trace knows it (through
+    ``tf.shape(x)[i]``, which ``tf.get_static_value`` does not read), else itself."""
+    if not isinstance(dim, tf.Tensor):
+        return tf.compat.dimension_value(dim)
+    known = tf.get_static_value(dim)
+    if known is not None:
+        return int(known)
+    op = dim.op
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
+        return dim
+    index, source = tf.get_static_value(op.inputs[1]), op.inputs[0]
+    whole = tf.get_static_value(source)  # a shape the trace folded
+    if whole is None and source.op.type == "Shape":
+        shape = source.op.inputs[0].shape
+        whole = None if shape.rank is None else shape.as_list()
+    if whole is None or index is None or whole[int(index[0])] is None:
+        return dim
+    return int(whole[int(index[0])])

@@ -1,13 +1,10 @@
 """Where a tower's draw sits in one device's draw of the batch.
 
 A tower draws as rows ``[first, first + n_t)`` of the batch (:func:`rows`),
-of each part of its data (parts of other batch sizes are split in the same
-shares, ``towers/split.py``): :func:`place` reads a draw's row count as one
-part's rows, or k blocks of them, and names, once a model, a draw whose rows
-it cannot place. In a cluster the rows follow the workers' before
-(:func:`placing`). A tower's trace draws from Python's ``random`` as one
-device's trace would.
-"""
+of each part of its data: :func:`place` reads a draw's row count as one
+part's rows or k blocks of them, and names once a model a draw it cannot
+place. In a cluster the rows follow the workers' before (:func:`placing`).
+A tower's trace draws from Python's ``random`` as one device's would."""
 
 from __future__ import annotations
 
@@ -25,15 +22,14 @@ import tensorflow as tf
 from towers._keras.current import setting, this_tower
 from towers._keras.patches import python_random_from
 from towers.split import examples_of
+from towers.step.rules.forms import static_dim
 
 
 @dataclasses.dataclass
 class _Step:
-    """What :func:`placing` (and :func:`steady`) say of the step traced, in
-    the caller's thread, for every tower's thread to read. ``python``: the
-    Python random state one device's trace starts from, ``python_end``:
-    where the first tower's trace left it."""
-
+    # What placing() (and steady()) say of the step traced, for every tower's
+    # thread: python, the Python random state one device's trace starts from;
+    # python_end, where the first tower's trace left it.
     model: int = 0
     hook: str = ""  # a model's own step's (train_step, test_step), if one
     batch_rows: Any = None
@@ -45,11 +41,19 @@ class _Step:
 
 
 _step = _Step()
+# By (model, hook), how its draws over a number of rows that is both the
+# batch's and k blocks of the shard's read it, in call order: True as the
+# batch's (a fixed batch_size), False as blocks (2 * ops.shape(x)[0]); a bool
+# for all. Learned by the probe, whose parts differ in rows: a fixed number
+# stays, a count from the shape moves with them.
+_readings: dict[tuple[int, str], Any] = {}
+_unlearned: set[tuple[int, str]] = set()  # asked for one with none learned
+_named: set[tuple[int, str, str]] = set()  # (id(model), draw, reason) warned
 
 
 class RowsUnknown(Exception):
-    """A draw in the probe's trace for parts of any rows: where it sits in
-    one device's draw, only the parts' own rows tell (``trial.Trial``)."""
+    """A draw in the probe's trace for parts of any rows, whose place only the
+    parts' own rows tell (``trial.Trial``)."""
 
 
 @contextlib.contextmanager
@@ -57,14 +61,9 @@ def rows(
     size: Any, first: Any, total: Any = None, others: Any = (), batch: Any = None
 ) -> Iterator[Any]:
     """Within, this thread's tower (yielded) draws as rows ``[first, first +
-    size)`` of the batch (``size``: the shard's static rows, None if unknown;
-    ``first``: an int or a scalar tensor; ``total``: the batch's rows, where
-    known, for a draw over k times the rows: :func:`place`). ``others``:
-    the shard's rows of its parts of other rows than its first (a model's
-    own step's data, split in the same shares: ``towers/split.py``).
-    ``batch``: the rows of the batch the step is written for, if not
-    ``total`` (the probe's parts of the first batch): a draw over them is
-    the shard's rows of one device's draw."""
+    size)`` of the batch of ``total`` rows (``others``: the shard's rows of
+    its parts of other sizes; ``batch``: the rows the step is written for, if
+    not ``total``, as in the probe's parts)."""
     tower = this_tower()
     batch = total if batch is None else batch
     size = tf.compat.dimension_value(size)
@@ -80,8 +79,7 @@ def rows(
 
 
 def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any:
-    """:func:`rows` for a tower's shard whose first row is ``first`` (of
-    ``total`` in the batch, where known; ``batch``: as :func:`rows`)."""
+    """:func:`rows` for a tower's shard whose first row is ``first``."""
     size = size_of(shard)
     leaves = [leaf for leaf in tf.nest.flatten(shard) if leaf is not None]
     counts = {size_of(leaf) for leaf in leaves} - {size, None}
@@ -89,22 +87,13 @@ def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any
 
 
 def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
-    """Where a draw over ``rows`` rows (a shape's first entry) sits in one
-    device's: ``(size, first, total, k)`` of the shard's part whose rows it
-    draws (k = 1), or k >= 2 blocks of the shard's rows, its data of one
-    part (the fit guide's label noise over its fake and real rows,
-    concatenated: one device's is k blocks of the batch's). Data of parts
-    of several sizes (towers/split.py): a multiple of a part's rows that is
-    no part's, or all parts' rows together, is named once (:func:`name`),
-    k = 0. None: a draw of no part's rows (every tower's alike), or a tower
-    with the whole batch.
-
-    A draw over exactly the whole batch's rows given as a number, not read
-    from a tensor's shape (``shaped``; keras.io's DDIM draws its noise over
-    a fixed ``batch_size``), is one device's draw: the shard's rows of it.
-    Where it is also a multiple of the shard's rows (``2 *
-    ops.shape(x)[0]`` on 2 towers), the probe's parts told which
-    (:func:`learn`).
+    """Where a draw over ``rows`` rows sits in one device's: ``(size, first,
+    total, k)`` of the shard's part it draws (k = 1) or k >= 2 blocks of its
+    rows (fake and real rows' label noise); k = 0 where named; None for a
+    draw of no part's rows, or a tower with the whole batch. A draw over the
+    whole batch's rows given as a number (``shaped`` False: keras.io's DDIM's
+    fixed ``batch_size``) is the shard's rows of one device's, unless the
+    probe learned it reads blocks (:func:`learn`).
 
     >>> with rows(4, 8, total=16):  # a tower of rows 8-11 of 16
     ...     place(16, "normal", shaped=False), place(16, "normal")
@@ -117,7 +106,7 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     whole = isinstance(total, int) and total == size  # the whole batch: as drawn
     if whole and not steadied():
         return None
-    rows = static(rows)
+    rows = static_dim(rows)
     tower.drawn.append(rows)
     if not isinstance(rows, int):  # known when it runs: the shard's if its are
         unknown = rows is None or isinstance(rows, tf.Tensor)
@@ -160,19 +149,8 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     return (size, first, total, 0)  # named, not placed
 
 
-# By model: how its step's draws over a number of rows that is both the
-# batch's and k blocks of the shard's read it, in call order: True as the
-# batch's (a fixed batch_size), False as blocks (a count from the data's
-# shape, 2 * ops.shape(x)[0] on 2 towers); a bool for all of them. Learned
-# by the probe (probe.py), whose parts differ in rows: a fixed number
-# stays, a count from the shape moves with them. Not learned: the batch's.
-_readings: dict[tuple[int, str], Any] = {}
-
-
 def _fixed(index: int) -> bool:
-    """Whether the ``index``-th draw of the step traced reads a number of
-    rows that is both the batch's and blocks of the shard's as the batch's
-    (:data:`_readings`)."""
+    # Whether the index-th draw reads such a number as the batch's (_readings).
     key = (_step.model, _step.hook)
     reading = _readings.get(key, True)
     if isinstance(reading, bool):
@@ -181,19 +159,13 @@ def _fixed(index: int) -> bool:
     return reading[index] if index < len(reading) else True
 
 
-# The models whose step asked for such a number with no reading learned.
-_unlearned: set[tuple[int, str]] = set()
-
-
 def learn(
     model: Any, hook: str, parts: list[list[Any]] | None, reading: bool = True
 ) -> bool:
-    """Sets how ``model``'s ``hook`` reads a number of rows that is both the
-    batch's and blocks of the shard's (:data:`_readings`): from the row
-    counts each draw asked for on the probe's ``parts`` (of different rows,
-    in call order; the batch's where a draw asked for the same on each), or
-    ``reading`` for every draw (``parts`` None). Returns whether the step
-    last traced asked for such a number without a list learned."""
+    """Sets how ``model``'s ``hook`` reads a number of rows both the batch's and
+    blocks of the shard's: from each draw's row counts on the probe's
+    ``parts``, or ``reading`` for all (``parts`` None). Returns whether the
+    step last traced asked for one with none learned."""
     key = (id(model), hook)
     if key not in _readings:  # forgotten with the model
         weakref.finalize(model, _readings.pop, key, None)
@@ -210,15 +182,10 @@ def learn(
     return asked
 
 
-# The draws named already (once a model and reason: ``(id(model), draw, ...)``).
-_named: set[tuple[int, str, str]] = set()
-
-
 @contextlib.contextmanager
 def steady() -> Iterator[None]:
-    """Within (the probe, ``probe.py``), a draw towers cannot place is
-    its distribution's middle, the same for every part of the batch: how a
-    loss reads the batch is found through it."""
+    """Within (the probe), a draw towers cannot place is its distribution's
+    middle, the same for every part: a loss's kind is found through it."""
     _step.steady = True
     try:
         yield
@@ -227,8 +194,7 @@ def steady() -> Iterator[None]:
 
 
 def name(draw: str, why: str, reason: str = "") -> None:
-    """Warns once a model that ``draw`` is not (or may not be) one device's,
-    saying ``why`` (once for each ``reason``)."""
+    """Warns once a model and ``reason`` that ``draw`` is not one device's."""
     key = (_step.model, draw, reason)
     if key not in _named:
         _named.add(key)
@@ -236,16 +202,14 @@ def name(draw: str, why: str, reason: str = "") -> None:
 
 
 def named_for(model: Any) -> list[str]:
-    """The draws named (:func:`name`) while ``model``'s step was traced."""
+    """The draws named while ``model``'s step was traced."""
     return sorted({draw for owner, draw, _ in _named if owner == id(model)})
 
 
 def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
-    """In a cluster whose model has no seed generator among its variables,
-    nothing told the workers where their rows are (:func:`placing`): refuses
-    a draw with a value per row from Keras' global seed generator
-    (``seed=None``), and names one from a generator the model does not hold
-    (every worker draws the same rows)."""
+    """In a cluster whose model holds no seed generator, where nothing placed
+    the workers' rows: refuses a per-row draw from Keras' global generator,
+    and names one from a generator the model does not hold."""
     if not _step.unplaced:
         return
     if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is not None:
@@ -267,40 +231,15 @@ def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
     )
 
 
-def static(dim: Any) -> Any:
-    """A shape's entry as a number where the trace knows it, else itself:
-    ``tf.shape(x)[i]`` of an ``x`` whose static shape has it, which
-    ``tf.get_static_value`` does not read through the slice."""
-    if not isinstance(dim, tf.Tensor):
-        return tf.compat.dimension_value(dim)
-    known = tf.get_static_value(dim)
-    if known is not None:
-        return int(known)
-    op = dim.op
-    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
-        return dim
-    index, source = tf.get_static_value(op.inputs[1]), op.inputs[0]
-    whole = tf.get_static_value(source)  # a shape the trace folded
-    if whole is None and source.op.type == "Shape":
-        shape = source.op.inputs[0].shape
-        whole = None if shape.rank is None else shape.as_list()
-    if whole is None or index is None or whole[int(index[0])] is None:
-        return dim
-    return int(whole[int(index[0])])
-
-
 @contextlib.contextmanager
 def placing(
     workers: Any, models: list[Any], examples: Any, draw: bool, hook: str = ""
 ) -> Iterator[None]:
-    """Within, draws name ``models``, and the batch has ``examples`` rows
-    (:func:`batch_rows`); in a cluster, the towers' rows are placed in the
-    global batch after the workers before this one (``workers.first_row``,
-    one small sum over the workers) where the towers ``draw`` at all, and a
-    draw from Keras' global generator is refused where they do not
-    (:func:`check_placed`). Python's ``random`` (a layer's choices while it
-    is traced: AugMix's chain) gives each tower's trace (:func:`rows`) what
-    one device's trace would draw, and is left as the first tower's left it."""
+    """Within, draws name ``models`` and the batch has ``examples`` rows; in a
+    cluster the towers' rows follow the workers' before (one small sum) where
+    the towers ``draw``, and a draw from Keras' global generator is refused
+    where they do not. Python's ``random`` gives each tower's trace what one
+    device's would draw, left as the first tower's left it."""
     global _step
     outer = _step
     _step = step = _Step(id(models[0]), hook, steady=outer.steady)
@@ -319,13 +258,12 @@ def placing(
 
 
 def batch_rows() -> Any:
-    """The step's batch's rows (in a cluster, the global batch's; None: not
-    known), as :func:`placing` says: what a draw over blocks of them needs."""
+    """The step's batch's rows (in a cluster, the global batch's; None: unknown)."""
     return _step.batch_rows
 
 
 def in_tower() -> bool:
-    """Whether this thread is a tower's, its rows set (:func:`rows`)."""
+    """Whether this thread is a tower's, its rows set."""
     return this_tower().rows is not None
 
 
@@ -335,9 +273,7 @@ def steadied() -> bool:
 
 
 def first_rows(shards: Any) -> list[Any]:
-    """Each tower's first row in the batch (in a cluster, the global batch,
-    as :func:`placing` says): ints when known when traced, else scalar
-    tensors."""
+    """Each tower's first row in the (global) batch: ints where known, else tensors."""
     sizes = shards.sizes or [examples_of(part) for part in shards.parts]
     before = _step.worker_first
     return [sum(sizes[:t], before) for t in range(len(sizes))]
