@@ -16,6 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.step.run import xla
+from towers.step.run.warm_up import warm_up
 from towers.step.step import Step
 from towers.step.work.losses import OneValue
 from towers.training.executions import any_count, looped, runs, stack, stackable
@@ -109,7 +110,7 @@ class Compiled:
         try:
             function = self._function(kind)
             if self.step.builtin.jit.enabled:
-                xla.warm_up(function, *batch)  # one compilation per shard shape
+                warm_up(function, *batch)  # one compilation per shard shape
             return call(function, *batch)
         except OneValue:  # raised while traced: Keras' compute_loss instead
             one = (

@@ -7,17 +7,14 @@ backward pass is one ``tf.function(jit_compile=True)`` on its device, its
 weights read outside and passed in (an XLA computation cannot read another
 device's variable); cut at the towers' sums, one computation per phase.
 
-TensorFlow compiles a computation per device; with its persistent cache on,
-:func:`warm_up` compiles each shard shape once on its first tower, on zeros,
-and the others load it. An op XLA cannot compile fails the first step before
-any update: named with ``True``, warned of and run without XLA with
-``"auto"``.
+With TensorFlow's persistent XLA cache on, each shard shape compiles once
+(``warm_up.py``). An op XLA cannot compile fails the first step before any
+update: named with ``True``, warned of and run without XLA with ``"auto"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +26,7 @@ import tensorflow as tf
 from towers import _runtime
 from towers._keras import layers_of
 from towers._runtime import NO_INLINE
+from towers.step.run.warm_up import cached_on_disk, queue_warm_up
 
 JitCompile = bool | Literal["auto"] | None
 
@@ -134,68 +132,12 @@ def function(
         if jit and tf.inside_function() and cached_on_disk():
             # A second tower of this shard shape: the first's pass warms up.
             if key in first_calls and first_calls[key] is not None:
-                _queue_warm_up(traced, *first_calls[key])
+                queue_warm_up(traced, *first_calls[key])
                 first_calls[key] = None
             first_calls.setdefault(key, (args, leaves[0].op.device if leaves else ""))
         return join_leaves(skeletons[key], iter(leaves))
 
     return call
-
-
-_WARM_UPS: list[Callable[[], None]] = []
-_READS = {"ReadVariableOp", "VarHandleOp"}  # the stateful ops a warm-up may run
-
-
-def cached_on_disk() -> bool:
-    """Whether TensorFlow's persistent XLA cache is on (``TF_XLA_FLAGS``)."""
-    flags = os.environ.get("TF_XLA_FLAGS", "")
-    return "tf_xla_persistent_cache_directory=" in flags
-
-
-def warm_up(function: Any, *args: Any) -> None:
-    """Traces ``function`` for ``args`` (a ``tf.function``) and runs the warm-ups
-    its trace queued: each shard shape's pass compiled once, so that every
-    tower loads it from TensorFlow's persistent XLA cache (the module's
-    docstring). Nothing to do unless that cache is on."""
-    if not cached_on_disk() or not hasattr(function, "get_concrete_function"):
-        return
-    function.get_concrete_function(*args)
-    queued, _WARM_UPS[:] = list(_WARM_UPS), []  # none left behind by a failure
-    for run in queued:
-        run()
-
-
-def _queue_warm_up(traced: Any, args: tuple, device: str) -> None:
-    """Queues ``traced``'s run on zeros shaped as ``args``, on ``device``; not if
-    the pass holds a stateful op other than a variable's read (an assignment,
-    a stateful draw) or an argument's shape is not known."""
-    concrete = traced.get_concrete_function(*args)
-    ops = concrete.graph.get_operations()
-    if {op.type for op in ops if op.op_def.is_stateful} - _READS:
-        return
-    flat = [a for a in tf.nest.flatten(args) if tf.is_tensor(a)]
-    if not all(
-        a.shape.is_fully_defined() and a.dtype.is_numpy_compatible for a in flat
-    ):
-        return
-    specs = tf.nest.map_structure(
-        lambda a: tf.TensorSpec(a.shape, a.dtype) if tf.is_tensor(a) else a, args
-    )
-
-    @tf.function(autograph=False)
-    def call_there(*zeros: Any) -> Any:  # called from a graph, as in the step
-        with tf.device(device):
-            return concrete(*zeros)  # returned, or TensorFlow prunes the call
-
-    def run() -> None:
-        with tf.device(device):
-            call_there(*tf.nest.map_structure(_zeros, specs))
-
-    _WARM_UPS.append(run)
-
-
-def _zeros(spec: Any) -> Any:
-    return tf.zeros(spec.shape, spec.dtype) if isinstance(spec, tf.TensorSpec) else spec
 
 
 def read_weights(model: keras.Model) -> list[tf.Tensor]:
