@@ -158,7 +158,7 @@ def test_a_pass_is_cut_where_the_towers_meet():
     @tf.function(autograph=False)
     def two_towers(a, b):
         plan = cut.trace(work, (a,), jit=False)
-        assert [e.phase for e in plan.exchanges] == [1, 2]
+        assert [e.phase for e in plan.meetings] == [1, 2]
         return phases.run([plan, plan], [(a,), (b,)], ["/cpu:0", "/cpu:1"], [0, 1])
 
     got = two_towers(tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0]))

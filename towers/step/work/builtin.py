@@ -1,22 +1,19 @@
-"""One tower's work: its forward pass, its share of the loss, and its gradients.
+"""The built-in pass of one tower: its forward pass, its share of the loss,
+and its gradients, the same code on every device.
 
-Every tower runs the same code on its own device (the step opens the device
-scope); only the shard and, for a copy per tower, the model differ. A tower's
-work has two halves, because its loss divides by the whole step's divisor,
-which needs every tower's shard::
+Its loss divides by the whole step's divisor, which needs every tower's
+shard, so the work has two halves::
 
     forward:    y_pred = model(x_t)                 under a GradientTape
-                S_to, D_to per output               (towers/step/work/losses.py)
+                S_to, D_to per output               (losses.py)
                 extra_t = model.losses * n_t / B    (regularisers, add_loss)
-    gradients:  D_o = sum_t D_to                    (the step, towers/step/step.py)
+    gradients:  D_o = sum_t D_to                    (the step's)
                 loss_t  = sum_o w_o S_to / D_o + extra_t
-                grads_t = d loss_t / d vars: the tape's gradient of [S_to...,
-                          extra_t] with upstream [w_o / D_o..., 1]
+                grads_t = the tape's gradient of [S_to..., extra_t] with
+                          upstream [w_o / D_o..., 1]
 
-The divisors do not depend on the variables, so the gradient of each ``S_to``,
-scaled by ``w_o / D_o``, is exactly the gradient of the tower's loss. The towers'
-losses and gradients then add up to the full batch's.
-"""
+The divisors do not depend on the variables, so the towers' losses and
+gradients add up to the whole batch's."""
 
 from __future__ import annotations
 
@@ -48,20 +45,12 @@ from towers.step.work.losses import StepLoss, Term, over
 
 @dataclasses.dataclass
 class TowerPass:
-    """A tower's forward pass, recorded for its gradients.
-
-    Attributes:
-      terms: per output with a loss, its ``S_t`` and ``D_t``.
-      extra: the model's own losses (regularisers, ``add_loss``), or its
-        ``compute_loss`` override's value, weighted by the tower's share.
-      sources: per variable, its value as this tower read it: what the
-        gradients are taken with respect to.
-      states: the seed generators' states after the pass (``draws.Starts``).
-      state, state_values: the other variables the pass assigned and their
-        values after it, for the step to assign once (``state.py``);
-        state_forms: per value, what it is made of, None where it reads the
-        tower's rows or a draw (``forms.form_of``).
-    """
+    """A tower's forward pass, recorded for its gradients: per output with a
+    loss its ``terms``; ``extra``, the model's own losses (or its
+    ``compute_loss``) weighted by the tower's share; ``sources``, each
+    variable's value as the tower read it; ``states``, the seed states after
+    the pass; ``state``, ``state_values`` and ``state_forms``, the other
+    variables it assigned, their values and forms (``forms.form_of``)."""
 
     terms: list[Term]
     extra: tf.Tensor | None
@@ -76,8 +65,7 @@ class TowerPass:
     state_forms: list[Any] = dataclasses.field(default_factory=list)
 
     def keep_state(self, scope: ReadScope, batch: Any) -> TowerPass:
-        """Takes the variables ``scope`` saw assigned, with their values and
-        their forms (None: it reads ``batch``'s tensors or a draw)."""
+        """Takes the variables ``scope`` saw assigned, their values and forms."""
         self.state = list(scope.assigned.values())
         self.state_values = [scope.get_current_value(v) for v in self.state]
         self.state_forms = [form_of(value, batch) for value in self.state_values]
@@ -98,34 +86,25 @@ class TowerPass:
 
 
 @dataclasses.dataclass
-class TowerResult:
-    """What one tower hands back to the step: its :class:`TowerPass`'s
-    parts, its share of the step's loss (unscaled) and its gradients (of
-    ``scale * loss`` under loss scaling: the update unscales their
-    combination once; None where no path leads from the loss)."""
+class TowerResult(TowerPass):
+    """What one tower hands back: its pass (its tape and sources dropped),
+    its share of the step's loss (unscaled) and its gradients (of ``scale *
+    loss`` under loss scaling: the update unscales their combination once;
+    None where no path leads from the loss)."""
 
-    loss: tf.Tensor
-    predictions: Any
-    grads: list[Any]
-    variables: list[Any]
-    moments: dict[int, tuple]
-    terms: list[Term]
-    extra: tf.Tensor | None
+    loss: Any = None
+    grads: list[Any] = dataclasses.field(default_factory=list)
     output_losses: dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
-    state: list[Any] = dataclasses.field(default_factory=list)
-    state_values: list[tf.Tensor] = dataclasses.field(default_factory=list)
-    state_forms: list[Any] = dataclasses.field(default_factory=list)
 
 
 class BuiltIn:
-    """The work of one tower, the same on every device.
+    """The built-in pass of one tower, and what it needs of the runner.
 
     Args:
       loss_scale: the current loss scale (a zero-arg function).
       own_loss: the model overrides Keras' ``compute_loss``: each tower calls
         it on its shard, weighted by its share ``n_t / B``.
-      jit: each pass one XLA computation (evaluation and prediction here,
-        training in ``phases.py``).
+      jit: each pass one XLA computation.
       coupled: the loss terms that couple the batch's examples (``coupled.py``).
 
     Example:
@@ -168,14 +147,11 @@ class BuiltIn:
         first: Any = None,
         total: Any = None,
     ) -> TowerPass:
-        """The forward pass in training mode, recorded for :meth:`gradients`.
-
-        ``examples``: B (1 for an empty share). ``states``: the seed states to
-        start from, assigned by none of the pass (None: assigned as drawn).
-        ``weights``: ``model.weights``' values read outside an XLA
-        computation (None: read here). ``first``: the shard's first row, so
-        its draws are its rows of the batch's, of ``total`` (``places.py``).
-        """
+        """The forward pass in training mode, recorded for :meth:`gradients`:
+        ``examples`` is B; ``states``, the seed states to start from (None:
+        assigned as drawn); ``weights``, the weights read outside an XLA
+        computation (None: read here); ``first``, the shard's first row of
+        ``total``, so its draws are its rows of the batch's (``places.py``)."""
         variables = list(model.trainable_variables)  # read at trace: the set now
         tape = tf.GradientTape()
         size = places.size_of(x)
@@ -206,8 +182,7 @@ class BuiltIn:
     def gradients(
         self, tower_pass: TowerPass, divisors: list[Any], scale: Any = None
     ) -> TowerResult:
-        """The tower's loss share and its gradients, given the step's divisors
-        (and the loss scale, if read already)."""
+        """The tower's loss share and gradients, given the step's divisors."""
         scale = self.loss_scale() if scale is None else scale
         # Each upstream in its target's dtype: a float64 model stays float64.
         targets = [t.total for t in tower_pass.terms]
@@ -221,19 +196,10 @@ class BuiltIn:
         grads = tower_pass.tape.gradient(
             targets, tower_pass.sources, output_gradients=upstream
         )
-        return TowerResult(
-            loss=tower_pass.loss(divisors),
-            predictions=tower_pass.predictions,
-            grads=grads,
-            variables=tower_pass.variables,
-            moments=tower_pass.moments,
-            terms=tower_pass.terms,
-            extra=tower_pass.extra,
-            output_losses=tower_pass.output_losses(divisors),
-            state=tower_pass.state,
-            state_values=tower_pass.state_values,
-            state_forms=tower_pass.state_forms,
-        )
+        # What crosses a cut: the pass without its tape.
+        kept = {**vars(tower_pass), "sources": [], "tape": None, "states": []}
+        loss, outputs = tower_pass.loss(divisors), tower_pass.output_losses(divisors)
+        return TowerResult(**kept, loss=loss, grads=grads, output_losses=outputs)
 
     def evaluate(
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, examples: Any
@@ -250,8 +216,7 @@ class BuiltIn:
         return self._run(model, evaluate, x, y, sample_weight)
 
     def predict(self, model: keras.Model, x: Any) -> TowerPass:
-        """The model's outputs on the tower's shard (``predictions``), in
-        inference mode, with the state it assigned."""
+        """The model's outputs on the shard in inference mode, what it assigned."""
 
         def predict(x: Any, weights: Any) -> TowerPass:
             with weights_here(model, weights=weights) as scope:
@@ -261,8 +226,7 @@ class BuiltIn:
         return self._run(model, predict, x)
 
     def _run(self, model: keras.Model, work: Callable[..., Any], *args: Any) -> Any:
-        """``work(*args, weights)``: as one XLA computation with the weights read
-        here, or traced inline reading them itself."""
+        # work(*args, weights): one XLA computation, its weights read here; or inline.
         if not self.jit.enabled:
             return work(*args, None)
         return xla.function(work, jit=True)(*args, xla.read_weights(model))
@@ -306,11 +270,10 @@ def weights_here(
     states: list[tf.Tensor] | None = None,
     weights: list[tf.Tensor] | None = None,
 ) -> Iterator[ReadScope]:
-    """Within, each of ``model``'s weights reads as one tensor, read once on
-    the tower's device: a layer that compiles with XLA inside cannot read a
-    variable on another device. With ``states``, the seed generators read as
-    them and their assignments stay in the scope, as any other variable's
-    (``ReadScope.assigned``); yields the scope."""
+    """Within, each of ``model``'s weights reads as one tensor read once on the
+    tower's device (an XLA computation reads no other device's variable);
+    with ``states``, the seed generators read as them, their assignments kept
+    in the scope (yielded)."""
     values = xla.read_weights(model) if weights is None else weights
     mapping = list(zip(model.weights, values))
     seeds = state_variables(model)
@@ -322,8 +285,7 @@ def weights_here(
 
 
 def summed_terms(model: keras.Model, keys: list[tuple[str, int]]) -> Any:
-    """The ``add_loss`` terms of the last call named by ``(layer path,
-    index)``, added up; None for none."""
+    """The ``add_loss`` terms named ``(layer path, index)``, added up; None for none."""
     if not keys:
         return None
     layers = {layer.path: layer for layer in layers_of(model)}
