@@ -16,7 +16,6 @@ after every tower updated it, any other value weighted by the shares.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 from typing import Any
@@ -26,19 +25,19 @@ import tensorflow as tf
 
 from towers._keras import layers_of
 from towers._keras.patches import routed_applies, routed_gradients
-from towers.combine import in_dtype
 from towers.placement.base import Placement
 from towers.placement.update import Update
-from towers.split import Shards, examples_of
+from towers.split import Shards
 from towers.step.batches import HOST
 from towers.step.rules import draws, loss_kinds, probe
 from towers.step.rules.assignments import Assignments
 from towers.step.rules.whole_batch import concat_rows, whole_batch_loss
 from towers.step.run.runner import Runner
 from towers.step.run.seats import current
-from towers.step.work.applies import INSTANCES_PER_APPLY, Applies
+from towers.step.work.applies import Applies
 from towers.step.work.copies import gather_metrics, level_metrics
 from towers.step.work.hooks import own_hook
+from towers.step.work.logs import Logs, is_float, share
 
 
 class CustomStep:
@@ -173,7 +172,11 @@ class CustomStep:
         if copies:
             gather_metrics(self.placement.models, levelled)
         kinds = self._logs_found.get(hook, {})
-        return self._read_logs(logs, shards, kinds, before, kind == "train")
+        reader = Logs(self.placement, self.applies, self.workers, self._across,
+                      self._free, self._assignments)  # fmt: skip
+        read = reader.read(logs, shards, kinds, before, kind == "train")
+        self._stop = reader.stop
+        return read
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
         """``model.<hook>(data)`` on every working tower's shard, run by the
@@ -197,7 +200,7 @@ class CustomStep:
             noted = []
             for leaf in tf.nest.flatten(logs):
                 free = None
-                if sums and _is_float(leaf) and self.applies.as_mean(leaf) is leaf:
+                if sums and is_float(leaf) and self.applies.as_mean(leaf) is leaf:
                     batch = current().inputs or self._batch
                     free = loss_kinds.batch_free(tf.convert_to_tensor(leaf), batch)
                 result = assignments.is_result(leaf)
@@ -212,7 +215,7 @@ class CustomStep:
         assignments.as_mean = self.applies.as_mean
         assignments.loss_kind = self.applies.loss_kind
         self._assignments = assignments  # which logs are metrics' results
-        weights = [_share(shards, t) for t in working]
+        weights = [share(shards, t) for t in working]
         try:
             with (
                 routed_applies(self.applies.meet),
@@ -265,106 +268,3 @@ class CustomStep:
         if not self.runner.meets(working):
             return contextlib.nullcontext()  # the layers move them, as Keras'
         return self.moving.moving_at_once(self.placement.variable_device)
-
-    def _as_mean(self, value: Any, share: Any, apart: bool) -> tf.Tensor:
-        """A number the step returns that sums over the tower's rows, as a
-        mean's: its batch-free terms apart (``apart``), over the tower's share
-        of the (in a cluster, global) batch."""
-        value = tf.convert_to_tensor(value)
-        if self._across is not None:
-            worker = in_dtype(self._across.weight, value.dtype)
-            share = in_dtype(share, value.dtype) * worker
-        free = self._free.get(value.ref()) if apart else None
-        return loss_kinds.as_mean([value], [free], share)[0]
-
-    def _read_logs(
-        self, logs: list[Any], shards: Shards, kinds: dict, before: Any, training: bool
-    ) -> Any:
-        """The step's logs: a metric's result (a value the step read from a
-        metric's ``result()``, under its name; with a copy per tower, any
-        value under a metric's name) read after every tower updated it; any
-        other value weighted by the towers' shares, a sum's (by ``kinds``,
-        the probe's) as a mean's. A dict of them (Keras' ``"compile_metrics"``)
-        is read alike, entry by entry. In a cluster they meet the workers'
-        (:meth:`_over_workers`; ``before``: the metrics' snapshot)."""
-        working = self.placement.working_towers(shards)
-        numbers: list[tf.Tensor] = []  # this worker's, each tower's weighted
-
-        def mine(key: str, values: list[Any]) -> Any:  # each tower's, in order
-            value = values[-1]
-            if isinstance(value, dict):
-                return {k: mine(k, [v[k] for v in values]) for k in value}
-            if not _is_float(value):
-                return value
-            parts = []
-            for part, t in zip(values, working):
-                share = _share(shards, t)
-                kind = kinds.get(key, "mean")
-                if kind != "mean" and self.applies.as_mean(part) is part:
-                    part = self._as_mean(part, share, kind == "sum")
-                part = tf.convert_to_tensor(self.applies.as_mean(part))
-                parts.append(part * in_dtype(share, part.dtype))
-            numbers.append(tf.add_n(parts))
-            return _Number(len(numbers) - 1, key, value)
-
-        last = logs[-1]
-        if isinstance(last, dict):
-            last = {k: mine(k, [log[k] for log in logs]) for k in last}
-        numbers = self._over_workers(before, numbers, training)
-        results = {}
-        with tf.device(self.placement.variable_device):
-            for metric in self.model.metrics:
-                result = metric.result()
-                if isinstance(result, dict):
-                    results.update(result)
-                else:
-                    results[metric.name] = result
-
-        def read(value: Any) -> Any:
-            if isinstance(value, dict):
-                return {k: read(v) for k, v in value.items()}
-            if not isinstance(value, _Number):
-                return value
-            result = self._assignments.is_result(value.value) is not False
-            return results[value.key] if value.key in results and result else (
-                numbers[value.index])  # fmt: skip
-
-        return read(last)
-
-    def _over_workers(self, before: Any, numbers: list, training: bool) -> list:
-        """In a cluster, in one packed sum: every worker's metric changes
-        since ``before`` set (a worker without examples adds none), its
-        ``numbers`` weighted by ``B_w / B`` summed and returned, and after
-        training the workers asking to stop (:meth:`stop`)."""
-        if before is None:
-            return numbers
-        weight = self._across.weight
-        stop = [tf.reshape(self.workers.stop_flag(), [1])] if training else []
-        with tf.device(self.placement.variable_device):
-            deltas = before.deltas()
-            kept = [(d, weight > 0) for d in deltas] + [(n, weight) for n in numbers]
-            sent = [tf.math.multiply_no_nan(t, in_dtype(w, t.dtype)) for t, w in kept]
-            first = len(self.applies.names) * INSTANCES_PER_APPLY
-            kind = "train" if training else "eval"
-            _, summed = self.workers.weighted_sum([], None, kind, sent + stop, first)
-            before.set(summed[: len(deltas)])
-        self._stop = summed[-1][0] if training else None
-        return summed[len(deltas) : len(deltas) + len(numbers)]
-
-
-# A number of the step's logs: its place among the numbers summed, its key
-# and the last tower's value (whether it is a metric's result).
-_Number = collections.namedtuple("_Number", "index key value")
-
-
-def _share(shards: Shards, t: int) -> Any:
-    """Tower ``t``'s share of the step's examples, ``n_t / B``."""
-    if shards.sizes is not None and isinstance(shards.size, int):
-        return shards.sizes[t] / shards.normaliser  # B, or 1 when empty
-    n_t = tf.cast(examples_of(shards.parts[t]), tf.float64)
-    return n_t / tf.cast(shards.normaliser, tf.float64)
-
-
-def _is_float(value: Any) -> bool:
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and tf.as_dtype(dtype).is_floating
