@@ -31,7 +31,7 @@ from towers.step.work import outputs
 from towers.step.work.builtin import BuiltIn
 from towers.step.work.hooks import custom_hooks, kinds_of, overrides, refuse_with_hooks
 from towers.step.work.losses import StepLoss
-from towers.step.work.own import CustomStep
+from towers.step.work.own import OwnStep
 from towers.training.compiling import FROM_COMPILE, compile_model, given, option
 
 PlacementName = Literal["central", "balanced", "replicated", "independent"]
@@ -169,7 +169,7 @@ def make_step(
     step = Step(where, builtin, update, metrics, moving, workers)
     if hooks:
         refuse_with_hooks(hooks, where, options, jit)
-        step.custom = CustomStep(
+        step.own = OwnStep(
             where,
             step.runner,
             update,

@@ -47,8 +47,8 @@ class Preparing:
         )
         batch, own = (x, y, sample_weight), self.builtin.own_loss
         coupled.probe(model, batch, own, self.device, jit.strict, training)
-        if self.custom is not None:
-            self.custom.probe(batch, training)
+        if self.own is not None:
+            self.own.probe(batch, training)
 
     def build_metrics(self, x, y=None, sample_weight=None, training=True) -> None:
         """Before a first training (or evaluation) step: its targets checked
@@ -62,7 +62,7 @@ class Preparing:
         # is never called to build them (keras.io's forward-forward).
         if not own or (y is not None and overrides(self.placement.model, "call")):
             self.metrics.build(x, y, sample_weight)
-        if self.custom is not None:  # a copy per tower: each copy's too
+        if self.own is not None:  # a copy per tower: each copy's too
             build_copies(self.placement, x, y, sample_weight)
 
     def whole_batch_loss(self, x: Any, y: Any, sample_weight: Any = None) -> bool:
@@ -96,7 +96,7 @@ class Preparing:
         model = self.placement.model
         unbuilt = not model.built or not (model.variables or built_symbolically(model))
         if apart:  # by the model's own step as it first runs, as in Keras' fit
-            self.custom.build((x, y, sample_weight), kind)
+            self.own.build((x, y, sample_weight), kind)
         elif unbuilt and overrides(model, "call"):
             # Built from the first batch, as Keras' fit builds it, whatever
             # variables it made already; one with no call() is never called.

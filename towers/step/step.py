@@ -74,16 +74,16 @@ class Step(Preparing):
             "train": self._train, "evaluate": self._evaluate,
             "predict": self._predict,
         }  # fmt: skip
-        self._custom: Any = None
+        self._own: Any = None
 
     @property
-    def custom(self) -> Any:
+    def own(self) -> Any:
         """The model's own steps (``work/own.py``), or None."""
-        return self._custom
+        return self._own
 
-    @custom.setter
-    def custom(self, own: Any) -> None:
-        self._custom = own
+    @own.setter
+    def own(self, own: Any) -> None:
+        self._own = own
         self.works.update({kind: getattr(own, kind) for kind in own.kinds})
 
     @property
@@ -93,7 +93,7 @@ class Step(Preparing):
 
     def owns(self, kind: str) -> bool:
         """Whether the ``kind`` step's work is the model's own step."""
-        return self.custom is not None and kind in self.custom.kinds
+        return self.own is not None and kind in self.own.kinds
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         """One training step. Returns ``{"logs": {"loss": the batch's loss,
@@ -167,20 +167,20 @@ class Step(Preparing):
     def updates(self) -> list[Update]:
         """Every update the step applies by: the engine's, and a model's own
         step's (one per optimizer it applied with)."""
-        own = [] if self.custom is None else self.custom.applies.updates.values()
+        own = [] if self.own is None else self.own.applies.updates.values()
         return [self.update, *own]
 
     @property
     def accumulate_steps(self) -> int:
         """The steps an update accumulates before it applies."""
         if self.owns("train"):
-            return self.custom.applies.accumulate_steps
+            return self.own.applies.accumulate_steps
         return self.update.accumulate_steps
 
     @property
     def meetings(self) -> list[str]:
         """The optimizers a model's own train step met at, in order."""
-        return [] if self.custom is None else self.custom.applies.names
+        return [] if self.own is None else self.own.applies.names
 
     def flush(self) -> None:
         """Applies every partly filled ``accumulate_steps`` window, a model's
@@ -194,8 +194,8 @@ class Step(Preparing):
         (which its layers do not hand a checkpoint): a resumed run draws on
         where the uninterrupted one would."""
         state = self.update.state()
-        if self.custom is not None and self.custom.applies.accumulate_steps > 1:
-            state["own_step_updates"] = self.custom.applies.saved
+        if self.own is not None and self.own.applies.accumulate_steps > 1:
+            state["own_step_updates"] = self.own.applies.saved
         seeds = state_variables(self.placement.model)
         if seeds:
             state["seed_states"] = {str(i): v for i, v in enumerate(seeds)}

@@ -40,7 +40,7 @@ from towers.step.work.hooks import own_hook
 from towers.step.work.logs import Logs, is_float, share
 
 
-class CustomStep:
+class OwnStep:
     """A model's own steps as the towers' work in :class:`Step` (its
     ``train``, ``evaluate``, ``predict``), meeting at each apply.
 
