@@ -1,17 +1,13 @@
-"""A tower's training pass traced once per model and shard shape, and run on
-every tower's device, in phases where the towers meet by sums.
+"""A tower's pass traced once per model and shard shape and run on every
+tower's device, phase by phase where the towers meet.
 
-Every tower runs the same code on a shard of nearly the same shape, so one
-trace (:func:`tower_pass`) serves them all. Where nobody meets, the pass is
-one phase, inlined per tower (with XLA one computation each). Where the
-towers meet by sums (global batch moments, a mixture of experts' sums, a
-divisor no tower knows alone), the pass is cut there (``cut.py``) and
-:func:`run` calls each phase of every tower in rank order, adding each sum
-between phases (then over the workers). A pass that cannot be cut runs in
-lockstep instead, and a pass the towers were not sent to meet in but that
-sums (a divisor) tower by tower: ``seats.Unserved`` tells the runner.
-Every call starts from the step's seed states (``draws.py``).
-"""
+Where nobody meets, the pass is one phase, inlined per tower (with XLA one
+computation each); where the towers meet by sums (global batch moments, a
+mixture of experts' sums, a divisor no tower knows alone) or a model's own
+step meets at an action, the pass is cut there (``cut.py``) and :func:`run`
+calls each phase of every tower in rank order, the sums and actions between
+phases. A pass that cannot run so raises ``seats.Unserved``: the runner
+takes the next way. Every call starts from the step's seed states."""
 
 from __future__ import annotations
 
@@ -45,16 +41,13 @@ def run(
     ranks: list[int],
     across: Callable[[tf.Tensor, bool], tf.Tensor] | None = None,
 ) -> list[Any]:
-    """Every tower's pass, phase by phase: ``plans[i]`` called with
-    ``calls[i]`` (its ``trace`` arguments' structure) on ``devices[i]``
-    (named scope ``tower_{ranks[i]}``), the towers' sums between phases.
-    ``across(value, backward)``: the towers' sum summed over the workers.
-    Returns each tower's result, as ``work`` returned it.
+    """Every tower's pass, phase by phase: ``plans[i]`` called with ``calls[i]``
+    on ``devices[i]`` (scope ``tower_{ranks[i]}``), the sums (over the
+    workers too, by ``across``) and actions between. Returns each tower's
+    result, as its work returned it.
 
     Raises:
-      seats.Unserved: the towers' passes meet at different phases (their
-        shards' shapes made the traces differ).
-    """
+      seats.Unserved: the towers' passes meet at different phases."""
     _check_alike(plans)
     values = [
         dict(zip(plan.inputs, cut.tensors_of(args) + plan.captured))
@@ -101,19 +94,10 @@ def compute(
     weight_of: Callable[[list], Any] | None = None,
     meets: bool = True,
 ) -> list[TowerResult]:
-    """The runner's ``"shared"`` and ``"phases"`` (``towers/step/run/runner.py``):
-    each working tower's loss share and gradients, its pass traced once per
-    model and shard shape, cut where the towers meet.
-
-    ``divisors_of(passes)``: the step's checks on the towers' passes (given
-    one). ``across``: the runner's handle on a cluster's workers;
-    ``weight_of(passes)``: this worker's weight in its backward sums (None
-    for a sum loss). ``meets``: the towers were sent to meet
-    (``"phases"``).
-
-    Raises:
-      seats.Unserved: the pass cannot run so (the runner takes the next way).
-    """
+    """The built-in pass's ``"shared"`` and ``"phases"`` ways: each working
+    tower's loss share and gradients. ``divisors_of(passes)``: the step's
+    divisors; ``weight_of(passes)``: this worker's weight in its backward
+    sums; ``meets``: the towers were sent to meet."""
     models = [placement.model_of(t) for t in working]
     traced: list[Any] = []
     starts = draws.Starts(models)
@@ -152,14 +136,8 @@ def own(
     across: Any,
     inline: bool,
 ) -> list[Any]:
-    """A model's own step, ``work(model, x, y, sw, B)``, on every working
-    tower (``weights``: their shares), traced once per shard shape and cut
-    where the towers meet: each action run once (an apply, an assignment,
-    a metric update: ``seats.Seat.once``) and each sum.
-
-    Raises:
-      seats.Unserved: the step meets otherwise (the runner takes turns).
-    """
+    """A model's own step, ``work(model, x, y, sw, B)``, on every working tower
+    (``weights``: their shares), cut where the towers meet."""
     firsts = places.first_rows(shards)
     shares = dict(zip(working, weights))
 
@@ -185,9 +163,8 @@ def plans_for(
     pass_of: Callable[[Any], Callable[..., Any]],
     **trace: Any,
 ) -> tuple[list[Plan], list[tuple]]:
-    """Each working tower's plan and call: its ``args_of(t)``, and its
-    model's pass (``pass_of(model)``) traced and cut (``cut.trace``, with
-    ``trace``) once per model and shard shape."""
+    """The one plan-per-shape loop: each working tower's ``args_of(t)``, and
+    its model's pass traced and cut (``cut.trace``) once per model and shape."""
     plans: dict[tuple, Plan] = {}
     chosen, calls = [], []
     for t in working:
@@ -215,13 +192,10 @@ def tower_pass(
     divisors_of: Callable[[list], list[Any]],
     traced: list,
 ) -> Callable[..., tuple]:
-    """A tower's pass as one function of ``(x, y, sample_weight, first,
-    total, states, weights, scale)``: its forward pass drawing its rows of
-    the batch (``first``: its first row of ``total``), the step's divisors
-    (:func:`_step_divisor` of each of ``divisors_of``'s for its own pass),
-    its loss share and
-    gradients. Returns ``(TowerResult, its last states)``; ``traced``
-    collects the forward passes."""
+    """A tower's pass as one function of ``(x, y, sample_weight, first, total,
+    states, weights, scale)``: forward (its rows of the batch's draws), the
+    step's divisors, loss share and gradients. Returns ``(TowerResult, its
+    last states)``; ``traced`` collects the forward passes."""
     examples = shards.normaliser
 
     def run(x, y, sample_weight, first, total, states, weights, scale) -> tuple:
@@ -259,9 +233,7 @@ def _sums(
     across: Callable[[tf.Tensor, bool], tf.Tensor] | None,
     backward: bool,
 ) -> list[tf.Tensor]:
-    """The towers' sum of ``handed`` on each tower's device (in rank order);
-    with ``across``, tower 0's sum summed over the workers, read by every
-    tower."""
+    # The towers' sum on each tower's device (with across, tower 0's over the workers).
     sums = []
     for device in devices[: 1 if across else None]:
         with tf.device(device), tf.name_scope("towers_sum"):
@@ -291,9 +263,8 @@ def _check_alike(plans: list[Plan]) -> None:
 
 
 def _step_divisor(term: Any, divisor: Any, size: Any, examples: Any):
-    """The step's divisor of ``term`` from this tower's: ``k * B`` when it is
-    ``k`` per example (exact: integers), none for a sum, else the towers' sum
-    of theirs (a meeting)."""
+    # The step's divisor of term from this tower's: k * B when it is k per
+    # example (integers: exact), none for a sum, else the towers' sum of theirs.
     if divisor is None:
         return None
     if term.kind == "mean" and isinstance(divisor, int) and isinstance(size, int):

@@ -1,18 +1,12 @@
 """Each apply of a model's own step: the towers meet, combine, apply once.
 
-Every ``optimizer.apply`` (or ``apply_gradients``) a tower's step makes, and
-every ``tape.gradient``, is routed here. A gradient is handed back as the
-gradient of a mean over the tower's rows (``loss_kinds.py``); at an apply
-each tower hands in its gradients and its share ``n_t / B``, and the first
-combines them (``combine_gradients``), takes the workers' mean of them weighted
-by examples in one packed sum (``Workers.weighted_sum``), and applies
-once on the variable device through the optimizer's ``placement/update.py``
-``Update``, the built-in step's: ``on_nonfinite`` per apply (``"raise"``
-refuses a step that would be left half-applied) and ``accumulate_steps``
-(the examples-weighted mean of k steps, saved with checkpoints). With a copy
-per tower each tower applies to its own, all-reduced (replicated) or alone
-(independent).
-"""
+Every ``optimizer.apply`` and ``tape.gradient`` a tower's step makes is
+routed here. A gradient is handed back as a mean's over the tower's rows
+(``loss_kinds.py``); at an apply each tower hands in its gradients weighted
+by its share ``n_t / B`` and the step's tail applies them once
+(``tail.Tail.apply_met``), by an ``Update`` per optimizer: ``on_nonfinite``
+per apply and ``accumulate_steps``. With a copy per tower each applies to
+its own, all-reduced (replicated) or alone (independent)."""
 
 from __future__ import annotations
 
@@ -38,17 +32,15 @@ class Applies:
     """The applies of a model's own step, met by the towers.
 
     Args:
-      placement: where the variables live; combines (its reducer) and, with
-        a copy per tower, all-reduces.
+      placement: where the variables live (with copies, their all-reduce).
       update: the engine's (its ``on_nonfinite``, its steps counter).
       accumulate_steps: the engine's, for each optimizer's update.
-      tail: the step's: what runs after the gradients, at each apply.
+      tail: the step's, run at each apply.
 
     Attributes:
       names: the optimizers met at, in order, while a step is traced.
-      checked: per checked apply, its flags (one per gradient) and variables.
-      saved: what checkpoints save: each update's accumulator.
-    """
+      checked: per checked apply, its flags and variables.
+      saved: what checkpoints save: each update's accumulator."""
 
     def __init__(
         self, placement: Any, update: Update, accumulate_steps: int, tail: Tail
@@ -71,17 +63,14 @@ class Applies:
         self.begin(None, [])
 
     def begin(self, across: Any, batch: list[tf.Tensor]):
-        """A step is traced: ``across``, the runner's handle on a cluster's
-        workers (its ``weight``: this worker's ``B_w / B``), or None;
-        ``batch``: the step's input tensors."""
+        """A step is traced: ``across`` (None: no cluster) and its input tensors."""
         self.names, self.checked, self.across = [], [], across
         self.batch, self.means, self._calls = batch, {}, {}
         self.losses: dict[Any, loss_kinds.Kind] = {}  # by ref: the kind found
 
     def gradient(self, target: Any, sources: Any, gradient: Callable) -> Any:
-        """``tape.gradient(target, sources)`` inside a tower's step
-        (``gradient``: the tape's own): taken, and handed back as the
-        gradient of a mean over the tower's rows (``loss_kinds``)."""
+        """``tape.gradient`` in a tower's step (``gradient``: the tape's own),
+        handed back as the gradient of a mean over the tower's rows."""
         here = current()
         if not here.own:
             return gradient(target)
@@ -157,9 +146,8 @@ class Applies:
         return flags, [v for _, variables in self.checked for v in variables]
 
     def refuse_raise(self, assigned: list[str]) -> None:
-        """With ``on_nonfinite="raise"``, refuses a step that applies more
-        than once or assigns a variable (``assigned``: their paths): a raise
-        after it would leave it half-applied."""
+        """With ``on_nonfinite="raise"``, refuses a step that applies more than
+        once or assigns a variable: a raise after it would leave it half-applied."""
         if self.on_nonfinite != "raise" or (len(self.names) <= 1 and not assigned):
             return
         what = f"applies {len(self.names)} times ({', '.join(self.names)})"
@@ -253,9 +241,7 @@ class Applies:
             return apply(grads, variables)
 
     def _all_reduced(self, handed: list) -> list[list]:
-        """Every tower's gradients weighted by its share and all-reduced by
-        the placement (``Replicated.combine``): per tower, the sums (None
-        where no tower has a gradient)."""
+        # Each tower's gradients by its share, all-reduced (None: no tower has one).
         weighted = []
         for t, (_, _, grads, share) in enumerate(handed):
             with tf.device(self.placement.devices[t]):
@@ -269,9 +255,7 @@ class Applies:
 
 
 def check_same(handed: list[tuple], copies: bool = False) -> None:
-    """Refuses towers that met at different applies (another optimizer, or
-    other variables; with a copy per tower, another kind or shapes), naming
-    the two."""
+    """Refuses towers that met at different applies, naming the two."""
     optimizer, variables, *_ = handed[0]
     for other, (theirs, their_variables, *_) in enumerate(handed[1:], 1):
         key = (lambda v: v.shape) if copies else id
