@@ -1,19 +1,12 @@
-"""The data path of one step: split shards in, one update's gradients out.
+"""The data path of one step: split shards in, one update out.
 
-``step.py`` runs the phases in order (split, each tower's forward and backward,
-the divisors, combine, apply, metrics); ``builtin.py`` is one tower's work;
-``runner.py`` decides how the towers run, for every step: alone, once
-(``phases.py``: one trace for every tower, cut into phases where the towers
-meet by sums, ``cut.py`` cutting it; ``xla.py``: each phase one XLA
-computation) or in turns (``turns.py``); ``losses.py`` makes T shards'
-losses add up to the batch's; ``metrics.py`` updates the model's own metrics
-from every tower's predictions; ``batches.py`` checks a batch on the host;
-``own.py`` runs a model's own ``train_step`` on every tower, meeting at
-its applies (``applies.py``; ``copies.py``: the metrics of a copy per
-tower). Every meeting of the towers mid-step goes through a tower's seat
-(``seats.py``). The rules a Keras feature needs to be one device's
-(BatchNormalization, draws, assigned state, coupled losses, the probe) are
-in ``rules/``.
+``step.py`` runs each step: split, the work, the tail. ``work/`` is what a
+tower computes (the built-in pass, or a model's own step); ``run/`` how the
+towers run it (the way decided once, a tower's seat and its verbs);
+``tail.py`` what runs after the gradients (combine, the workers' sum, the
+apply, state and metrics); ``rules/`` a module per Keras feature that needs
+a rule to be one device's. ``prepare.py``, ``batches.py`` and ``metrics.py``:
+a step's first batch, a batch on the host, the model's own metrics.
 
 May import: ``towers.cluster``, ``towers.placement`` and the top-level
 building blocks (``split``, ``combine``, ``reducers``, ``devices``, ``options``,

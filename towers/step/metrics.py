@@ -1,14 +1,8 @@
 """The compiled model's own metrics, updated from every tower's work as Keras'
 step updates them on one device, so ``model.metrics`` and Keras' callbacks
-see what Keras' fit gives.
-
-The loss tracker takes the step's loss weighted by its examples; each output's
-tracker its unweighted loss once a step; the compiled metrics go through the
-model's ``compute_metrics`` once, with the towers' predictions concatenated
-(the whole batch's); a metric the model updates in ``call`` or
-``compute_loss`` is updated by each tower with its shard. In a cluster each
-metric variable's change is summed over the workers (:class:`Changes`).
-"""
+see what Keras' fit gives: the loss tracker weighted by examples, each
+output's tracker once a step, the compiled metrics once with the towers'
+predictions concatenated; in a cluster each change summed over the workers."""
 
 from __future__ import annotations
 
@@ -51,8 +45,8 @@ class Metrics:
     """The engine's model's metrics, updated with every tower's work.
 
     Args:
-      model: a zero-arg function returning the engine's model (asked on each
-        use: a balanced placement rebuilds a lazily built model), compiled.
+      model: a zero-arg function returning the compiled model (asked on each
+        use: a balanced placement rebuilds a lazily built model).
       device: where the metrics' variables are built (the variable device).
 
     Example:
@@ -90,9 +84,7 @@ class Metrics:
         return not compiled or not compiled_metrics_unbuilt(model)
 
     def build(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        """Builds the compiled metrics and per-output loss trackers from a
-        batch's shapes, on the device, as Keras does before its first step;
-        a no-op once built (or for a model that was not compiled)."""
+        """Builds the compiled metrics from a batch's shapes, as Keras' first step."""
         if not self.built:
             # An optional input given None: a dataset's NoneTensorSpec, a
             # generator's OptionalSpec.
@@ -107,9 +99,7 @@ class Metrics:
     def update(
         self, x: Any, y: Any, tower_predictions: list[Any], sample_weight: Any = None
     ) -> None:
-        """Updates the compiled metrics through the model's ``compute_metrics``
-        with the batch and the towers' predictions (in tower order, so
-        together they are the batch's)."""
+        """Updates the compiled metrics with the towers' predictions, in tower order."""
         y_pred = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *tower_predictions
         )
@@ -118,13 +108,9 @@ class Metrics:
     def track(
         self, loss: tf.Tensor, examples: Any, outputs: dict[str, tf.Tensor]
     ) -> None:
-        """Adds a batch's loss to the loss tracker, weighted by its examples,
-        and each output's loss (``outputs``, by output name) to its tracker,
-        one value a batch: Keras' per-output trackers weigh a batch by its
-        static size, unknown in the batches of Keras' fit, so each counts
-        once there (and so the outputs' losses of an epoch need not add up
-        to its loss). ``outputs`` None: the model's own ``compute_loss``
-        updated them, calling Keras'."""
+        """Adds a batch's loss to the tracker, weighted by its examples, and each
+        output's (``outputs``; None: the model's ``compute_loss`` did) once a
+        batch: Keras' per-output trackers count a batch of unknown size once."""
         self.loss_tracker.update_state(
             loss, sample_weight=tf.cast(examples, tf.float32)
         )

@@ -1,19 +1,13 @@
 """BatchNormalization under towers: what each tower normalises with, and its
 moving statistics moved once a step (docs/batch-statistics.md).
 
-``batch_statistics``: ``"tower"`` normalises each shard with its own moments
-(MirroredStrategy's way, not one device's gradients); ``"global"`` with the
-whole batch's, the towers meeting at every layer by sums (cut into phases,
-``phases.py``, or in lockstep), forward and backward, as one device.
-
-The moving statistics: each tower's moments are recorded, and after the step
-each statistic moves once by Keras' rule toward the policy's stat:
-``"batch"`` the whole batch's (count-weighted, masks included), ``"tower0"``
-tower 0's, ``"mean"`` the towers' unweighted mean. They move with the apply,
-so a skipped step leaves them too. In a model's own step every call in
-training mode is a meeting where the first tower moves them at once
-(:meth:`MovingStatistics.moving_at_once`).
-"""
+``batch_statistics="tower"`` normalises each shard with its own moments
+(MirroredStrategy's way); ``"global"`` with the whole batch's, the towers
+meeting at every layer (``batch_moments.py``). Each tower's moments are
+recorded and each statistic moves once by Keras' rule toward the policy's:
+``"batch"`` the whole batch's, ``"tower0"`` tower 0's, ``"mean"`` the
+towers' mean; with the apply, so a skipped step leaves them. In a model's
+own step each call is a meeting where the first tower moves them."""
 
 from __future__ import annotations
 
@@ -44,14 +38,10 @@ class MovingStatistics:
     """Collects each tower's BatchNormalization moments and applies one update.
 
     Args:
-      model: a zero-arg function returning the engine's model (it is asked on
-        each use: a balanced placement rebuilds a lazily built model); every
-        BatchNormalization layer in it (nested ones included) is handled.
-      policy: ``"batch"``, ``"tower0"`` or ``"mean"`` (see the module docstring).
+      model: a zero-arg function returning the engine's model (asked on each
+        use: a balanced placement rebuilds a lazily built model).
+      policy: ``"batch"``, ``"tower0"`` or ``"mean"``.
       statistics: what the towers normalise with, ``"tower"`` or ``"global"``.
-
-    Raises:
-      ValueError: an unknown policy or statistics.
 
     Example:
       >>> import keras
@@ -89,9 +79,8 @@ class MovingStatistics:
         self._epsilons: dict[int, float] = {}  # by layer: Keras' ε of its moments
 
     def whole_batch(self, layer: Any) -> bool:
-        """Whether ``layer`` normalises with the whole batch's moments: under
-        ``"global"``, or asked by the layer itself (``synchronized=True``,
-        as under a tf.distribute strategy)."""
+        """Whether ``layer`` normalises with the whole batch's moments (``"global"``,
+        or its own ``synchronized=True``)."""
         return self.statistics == "global" or layer.synchronized
 
     @property
@@ -110,24 +99,17 @@ class MovingStatistics:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[dict]:
-        """Within, BatchNormalization layers record their moments, assign nothing.
-
-        Yields:
-          ``{layer index: [(mean, variance, count), ...]}``, a tuple a call
-          in training mode; ``count``: the values each mean was taken over.
-        """
+        """Within, the layers record their moments and assign nothing; yields
+        ``{layer index: [(mean, variance, count) a call]}``."""
         moments: dict[int, tuple] = {}
         with self._patched(moments):
             yield moments
 
     @contextlib.contextmanager
     def moving_at_once(self, device: Any) -> Iterator[None]:
-        """Within (a tower's thread in lockstep, ``towers/step/run/turns.py``),
-        every call of a layer in training mode is a meeting: the towers hand
-        in their moments, and the first moves the layer's moving statistics
-        at once, as the policy says, on ``device``. So a model's own step that
-        calls a layer twice moves them twice, in the order one device would,
-        and a read after a move (the layer's next call) sees it."""
+        """Within (a model's own step), each call of a layer in training mode is a
+        meeting where the first tower moves its statistics on ``device``: two
+        calls move them twice, as one device would, and the next call reads them."""
         with self._patched(device):
             yield
 
@@ -163,12 +145,8 @@ class MovingStatistics:
         return recorded_moments
 
     def update(self, tower_moments: list[dict]) -> None:
-        """Assigns every moving statistic once, as the policy says.
-
-        Args:
-          tower_moments: per working tower, in tower order, what ``recording``
-            yielded for it (every tower calls each layer as often).
-        """
+        """Assigns every moving statistic once, from each working tower's recorded
+        moments (in tower order)."""
         for index, layer in enumerate(self.layers):
             per_tower = [m[index] for m in tower_moments if index in m]
             # Each call in training mode moves them, in call order (Keras').
@@ -192,12 +170,8 @@ class MovingStatistics:
     def _statistics(
         self, per_tower: list[tuple], epsilon: float, layer: Any
     ) -> tuple[tf.Tensor, tf.Tensor]:
-        """The ``stat`` the policy takes from the towers' ``(mean, variance,
-        count)``, each as Keras' ``_moments`` gives it (``epsilon`` added to
-        the count of a masked layer's). The towers' moments are stacked, so a
-        layer's update is a few ops whatever the number of towers (a graph of
-        ops per tower grows the trace and TensorFlow's optimisation of the step
-        with T)."""
+        # The stat the policy takes from the towers' (mean, variance, count),
+        # stacked: a few ops a layer whatever T (ops per tower grow the trace).
         if self.policy == "tower0" or len(per_tower) == 1:
             return per_tower[0][0], per_tower[0][1]
         if self.whole_batch(layer) and self.policy == "batch":
@@ -214,9 +188,8 @@ class MovingStatistics:
 
 
 def _move(layer, mean: Any, variance: Any) -> None:
-    """Keras' rule, ``moving = moving * momentum + stat * (1 - momentum)`` (a
-    renorm layer's own method, which moves its renorm statistics too), past
-    the layer's own assignments that recording drops."""
+    # Keras' rule (a renorm layer's own method), past the layer's own
+    # assignments that recording drops.
     if layer.renorm:
         patches.move_renorm(layer, mean, variance)
         return
@@ -227,13 +200,10 @@ def _move(layer, mean: Any, variance: Any) -> None:
 
 
 class Steady:
-    """BatchNormalization normalising every part with its moving moments:
-    the same moments for each part, as the towers share the whole batch's
-    under global statistics, so no example reads another through them. (The
-    two examples' own moments would serve in exact arithmetic, but a deep
-    float32 network amplifies the rounding between a batch of one and of two
-    through them past any tolerance: MobileNetV2 read 2.85 on two examples
-    and 3.31 and 3.82 alone.)"""
+    """BatchNormalization normalising every part with its moving moments, as the
+    towers share one batch's under global statistics: the two examples' own
+    moments amplify a deep float32 network's rounding past any tolerance
+    (MobileNetV2: 2.85 on two examples, 3.31 and 3.82 alone)."""
 
     def __init__(self, model: keras.Model):
         normalising = keras.layers.BatchNormalization

@@ -1,21 +1,13 @@
-"""Loss terms that couple a batch's examples: computed from the whole batch, or
-refused by name (docs/coupled-losses.md).
+"""Loss terms that couple a batch's examples: computed from the whole batch,
+or refused by name (docs/coupled-losses.md).
 
-Each tower adds the model's own loss terms weighted by its share, which is one
-device's term for a mean over the examples or a term that reads none. A
-term that couples them is not: keras_hub's mixture-of-experts router loss
-``E * sum_e f_e P_e`` is a product of two batch means. ``coupled_losses``:
-
-- ``"exact"``: the towers meet at each block and compute ``f_e`` and ``P_e``
-  from the whole batch (``balancing.py``; keras-hub versions in
-  :data:`CHECKED_KERAS_HUB`); a coupled ``compute_loss`` is gathered
-  (``whole_batch.py``);
-- ``"per_tower"``: each tower's shard alone, warned of once;
-- ``"refuse"``: any coupled term refused.
-
-Any other term is probed on the first batch of two or more examples
-(``probe.py``) and refused by name before any update, or warned of.
-"""
+A tower's share of a term is one device's for a mean over the examples or
+a term that reads none; a term that couples them is not (keras_hub's
+router loss ``E * sum_e f_e P_e``, a product of batch means).
+``coupled_losses``: ``"exact"`` computes it from the whole batch
+(``balancing.py``; a coupled ``compute_loss`` gathered, ``whole_batch.py``),
+``"per_tower"`` on each shard, warned of, ``"refuse"`` refuses it. Any
+other term is probed on the first batch (``probe.py``)."""
 
 from __future__ import annotations
 
@@ -48,20 +40,14 @@ class CoupledLosses:
     Args:
       model: the engine's model (tower 0's); None with one tower.
       towers: the towers the batch is split over, every worker's counted.
-      policy: one of :data:`POLICIES` (the module docstring).
-      accumulate_steps: micro-batches per update: a term of the whole batch
-        cannot be made exact over micro-batches taken one at a time.
-      local_towers: this worker's towers (``towers``, outside a cluster).
-
-    Attributes:
-      terms: the coupled terms found (none on one tower).
-      exact: whether the towers compute them from the whole batch, in
-        lockstep.
+      policy: one of :data:`POLICIES`.
+      accumulate_steps: micro-batches per update (a whole batch's term cannot
+        be exact over micro-batches taken one at a time).
+      local_towers: this worker's towers (``towers`` outside a cluster).
 
     Raises:
-      ValueError: ``policy`` is not one of :data:`POLICIES`; or a coupled term
-        that ``policy`` refuses or ``"exact"`` cannot serve (another keras-hub
-        version, micro-batches), named with its layer and the ways on.
+      ValueError: an unknown policy; a coupled term the policy refuses or
+        ``"exact"`` cannot serve, named with its layer and the ways on.
 
     Example:
       >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -150,18 +136,13 @@ class CoupledLosses:
         jit: bool = False,
         training: bool = True,
     ) -> None:
-        """Probes the model's other loss terms on ``batch`` (x, y,
-        sample_weight), once, on the first batch of two or more examples
-        (the module docstring): a coupled ``compute_loss`` is computed on the
-        whole batch under ``"exact"`` (``gathered``); any other coupled term
-        is refused by name, or, with ``coupled_losses="per_tower"``, warned
-        of once. ``jit``: the towers' passes compile with XLA, strictly.
+        """Probes the model's other loss terms once, on the first batch of two or
+        more examples: a coupled ``compute_loss`` is gathered under ``"exact"``;
+        any other coupled term is refused by name, or warned of (``"per_tower"``).
 
         Raises:
-          ValueError: a term is not a mean over the examples, and the policy
-            is ``"exact"`` (and cannot gather it) or ``"refuse"``. Nothing was
-            updated.
-        """
+          ValueError: a term that is not a mean over the examples, which the
+            policy refuses. Nothing was updated."""
         done = self.probed is not None or (not training and self._evaluated)
         if done or batch_size_of(batch[0]) < 2:
             return
@@ -221,9 +202,8 @@ class CoupledLosses:
         self._evaluated = False
 
     def gather_compute_loss(self) -> None:
-        """Keras' ``compute_loss`` of the whole batch, gathered, on more than
-        one tower: the step's loss is Keras' own (a loss towers cannot take
-        per output), whose per-output trackers then see the batch's."""
+        """Keras' ``compute_loss`` of the whole batch, gathered (a loss towers
+        cannot take per output), on more than one tower."""
         if self.towers > 1:
             self.gathered = self.exact = True
 
@@ -241,9 +221,8 @@ class CoupledLosses:
         return "with jit_compile=True (pass False)" if jit else ""
 
     def _check_sums(self, sums: list[tuple[str, int]]) -> None:
-        """Refuses an ``add_loss`` term that sums over the examples where
-        steps are added up weighted by their examples (workers, micro-batches):
-        the sum would be weighted too."""
+        # Refuses an add_loss term that sums over the examples where parts of the
+        # batch are weighted by their examples (workers, micro-batches).
         where = [
             what
             for what, splits in (
@@ -283,10 +262,8 @@ class CoupledLosses:
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """Within, the blocks' load-balancing losses traced in lockstep take the
-        whole batch's ``f_e`` and ``P_e`` (outside a lockstep trace, on one
-        tower, they are the blocks' own). Towers traced in lockstep enter it
-        each, in their own threads: the first patches, the last restores."""
+        """Within, the blocks' load-balancing losses take the whole batch's
+        ``f_e`` and ``P_e``; each tower's thread enters it."""
         if not self.exact:
             yield
             return

@@ -1,26 +1,14 @@
 """``towers.gather``: a tensor of every tower's examples, inside a model's own
 ``train_step`` (or ``test_step``).
 
-A loss over the whole batch's similarity matrix (SimCLR's NT-Xent, CLIP's
-symmetric cross-entropy) computed inside a model's own ``train_step`` sees only
-its tower's shard, as under MirroredStrategy; towers gathers what a
-``compute_loss`` override needs by itself (``towers/step/rules/whole_batch.py``), but
-cannot see into a step. ``towers.gather(embeddings)`` is the step's way to ask:
-every tower gets the batch's rows, in example order, and computes the whole
-batch's loss from them, each tower's gradient flowing back through its own
-rows only, divided by its share of the examples (``n_t / B``). The towers'
-gradients are weighted by those shares where they meet at the apply
-(``towers/step/work/own.py``), so its rows' gradients add up to one device's,
-and what the loss reads directly (a learned temperature) counts once: the
-shares sum to 1. Outside towers (Keras' own fit on one device) it returns the
-tensor as it is, so the same step runs both ways.
-
-In a cluster, every worker's rows are gathered too (the one gather,
-``towers/step/rules/whole_batch.py``), each tower's rows' gradient divided by its
-share of the global batch (``n_t / B``). Whatever its form, such a loss is
-the whole batch's on every tower, so it is weighed as a mean
-(``towers/step/rules/loss_kinds.py``).
-"""
+A loss over the whole batch's similarity matrix (SimCLR's NT-Xent, CLIP's)
+in a model's own step sees only its tower's shard, as under
+MirroredStrategy. ``towers.gather(embeddings)`` gives every tower the
+batch's rows (a cluster's too), in example order; each tower's gradient
+flows back through its own rows only, over its share ``n_t / B``, so the
+towers' gradients, weighted by those shares at the apply, add up to one
+device's. Outside towers (Keras' own fit) it returns the tensor as it is,
+so the same step runs both ways."""
 
 from __future__ import annotations
 

@@ -1,30 +1,16 @@
-"""The towers' gradients as one device's, where adding them up is not: two
-kinds, set right before the placement's combine.
+"""The towers' gradients as one device's where adding them up is not, set
+right before the placement's combine.
 
-**Slices of rows apart from the batch.** An ``Embedding`` looked up on the
-batch's tokens has, on one device, one slice of its gradient per token:
-the towers' slices concatenated in tower order are the same slices
-(``combine.py``). A lookup whose rows do not come
-from the batch (keras.io's ViT and transformers embed positions with
-``Embedding(num_patches)(ops.arange(num_patches))``) has, on one device,
-one slice per row, summed over the whole batch before the lookup's
-backward; every tower then has a slice for the same rows, and
-concatenating them is not one device's gradient: Keras' Adam squares each
-slice (``sum_t g_t**2`` where one device has ``(sum_t g_t)**2``).
+Slices of rows apart from the batch: a lookup whose rows do not come from
+the batch (keras.io's ViT embeds positions, ``Embedding(n)(ops.arange(n))``)
+has one slice per row on one device, summed over the batch; on towers
+every tower has a slice for the same rows, and Adam would square each
+(``sum_t g_t**2`` for one device's ``(sum_t g_t)**2``). So such slices are
+summed over the same rows first, in tower order.
 
-So a variable whose every tower's slices index rows that read none of the
-batch's values (the indices' graph reaches no tensor of the batch, shapes
-apart) is combined as one device's: the towers' values summed over the
-same rows, in tower order.
-
-**A value in place of a gradient.** A variable with
-``overwrite_with_gradient`` (float8 training's scales and amax histories,
-``Dense.quantize("float8")``) gets its new value as its "gradient", which
-Keras' optimizer assigns. Each tower's is its shard's: the scale from the
-history all towers share, the history with its shard's largest magnitude
-first. One device's is the towers' elementwise maximum, the rule Keras'
-own optimizer combines such values by over accumulated steps.
-"""
+A value in place of a gradient (``overwrite_with_gradient``: float8's
+scales and amax histories) is each tower's shard's; one device's is the
+towers' elementwise maximum, Keras' own rule over accumulated steps."""
 
 from __future__ import annotations
 
@@ -39,9 +25,8 @@ from towers.step.rules.forms import Reads
 def as_one_devices(
     tower_grads: list[list[Any]], variables: list[Any], batch: Any
 ) -> list[list[Any]]:
-    """``tower_grads[t][v]`` (of ``variables[v]``) with each kind of the
-    module docstring as one device has it: tower 0 holds it, the others
-    None (which the combine passes by)."""
+    """``tower_grads[t][v]`` with each kind above as one device has it: tower
+    0's, the others None (which the combine passes by)."""
     reads = Reads(batch, shapes=False)  # an eager tensor: by assumption
     out = [list(grads) for grads in tower_grads]
     for v, variable in enumerate(variables):
@@ -72,10 +57,9 @@ def as_one_devices(
 def combined(
     placement: Any, tower_grads: list[list[Any]], batch: Any, variables: Any = None
 ) -> list[Any]:
-    """``tower_grads[t][v]`` (of ``variables``, the model's trainable ones
-    by default) combined by the placement, each kind above as one device's
-    first where the towers share a model: the one combine of the built-in
-    step and of each apply of a model's own."""
+    """``tower_grads[t][v]`` (of ``variables``, the trainable ones by default)
+    combined by the placement, each kind above one device's first: the one
+    combine of the built-in step and of each apply of a model's own."""
     if len(placement.models) > 1:  # a copy per tower: each its own
         return placement.combine(tower_grads) if tower_grads[0] else tower_grads
     if not tower_grads[0]:  # a model without trainable variables

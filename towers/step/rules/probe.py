@@ -1,22 +1,13 @@
-"""The one probe: how a step's tower work reads its batch, found before the
-first step.
+"""The one probe: how a tower's work reads its batch, found before the first
+step.
 
-The work runs on two examples together and on each alone, traced once for
-parts of any rows (once per part's shape where it draws) and run, nothing
-applied or kept: a model's own ``train_step`` or ``test_step``
-(:func:`probe`), or the built-in step's forward pass and its loss terms
-(``loss_terms.probe_terms``). Each number is read less its terms that read no
-example (``loss_kinds.batch_free``, read from its graph): a mean takes the
-mean of its values alone, a sum their sum; one that is neither couples the
-examples (a contrastive loss, a variance over the batch), gathered or
-refused by name before any update (``coupled.py``, ``own.py``).
-
-Every draw takes its rows of the two examples' draw (``places.py``), and
-BatchNormalization normalises with its moving moments (``batchnorm.Steady``).
-The built-in step's forward pass runs in inference mode: terms a layer adds
-only in training (keras_hub's mixture-of-experts blocks) are known by their
-class (``coupled.py``).
-"""
+The work (a model's own ``train_step`` or ``test_step``, or the built-in
+step's forward pass and loss terms, ``loss_terms.py``) runs on two
+examples together and on each alone, nothing kept (``trial.py``). Each
+number, less its terms that read no example, is a mean (the mean of its
+values alone), a sum, or couples the examples (a contrastive loss), to be
+gathered or refused by name before any update. Draws take their rows of
+the two examples' draw; BatchNormalization uses its moving moments."""
 
 from __future__ import annotations
 
@@ -67,11 +58,9 @@ class Measured:
 
 @dataclasses.dataclass
 class Found:
-    """What :func:`probe` found: the kind of each loss the step took the
-    gradient of, in call order (None: not probed); of each number the step
-    returns, by its key (one that is either is left out, one that is neither
-    is in ``neither``), and its values (``measured``); and the work's kept
-    outputs, per part."""
+    """What :func:`probe` found: each loss's kind in call order (None: not
+    probed), each returned number's by key (``neither``: it couples the
+    examples; ``measured``: its values), the work's kept outputs per part."""
 
     losses: list[Kind] | None
     logs: dict[str, Kind]
@@ -84,22 +73,16 @@ class Found:
 def probe(
     model: keras.Model, batch: tuple, hook: Any = "train_step", towers: int = 2
 ) -> Found:
-    """How ``hook`` reads ``batch``: the model's ``train_step`` or
-    ``test_step`` by name, or a function of the packed data (``(name,
-    work)``) returning numbers by key (and, in ``work.kept``, what to keep).
-    A loss with a value per example is a sum (the tape sums it); a vector of
-    another length (a mean per output) is read as its sum.
-
-    Parts of one example each come first; a work that does not run on them
-    (a ``top_k`` over the batch, rows paired by a reshape) is probed on
-    parts of a shard's rows of ``towers`` (what the towers will run), and
-    one that runs on neither is not probed: ``unprobed`` says why, and the
-    first-step check decides (``training/check.py``).
+    """How ``hook`` (``"train_step"``, ``"test_step"``, or ``(name, work)``: a
+    function of the packed data returning numbers by key) reads ``batch``.
+    A loss with a value per example is a sum (the tape sums it). Parts of one
+    example come first; a work that fails on them (a ``top_k`` over the
+    batch) is probed on parts of a shard's rows; one that runs on neither is
+    not probed (``unprobed`` says why): the first-step check decides.
 
     Raises:
-      ValueError: a loss that is neither a mean nor a sum over the examples;
-        a towers' refusal raised while the work ran (a draw it cannot place).
-    """
+      ValueError: a loss neither a mean nor a sum over the examples; a
+        towers' refusal raised while the work ran."""
     size = units_of(batch)[0]  # a part's rows each (towers/split.py)
     shard = size // max(towers, 1)
     tried = sorted({1, shard} - {0}) if size >= 2 else []

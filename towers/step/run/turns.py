@@ -1,16 +1,11 @@
 """Towers traced side by side, meeting wherever they need each other's values.
 
-Where a pass cannot be traced once and cut (``phases.py``), and for every
-meeting that is neither a sum nor an action run once (gathered rows, a copy
-per tower's applies), the towers take turns: one Python thread per working tower,
-each tracing its own ops (its device, its name scope) into the one graph,
-meeting at a :class:`Rendezvous` where each hands in a value and takes
-everyone's. The threads only trace, one at a time in rank order (a graph's
-captures are not safe from two threads), so the graph is the one a
-one-thread trace would build with the values exchanged. Every tower meets
-the same number of times in the same order; one that fails or meets fewer
-times aborts the rendezvous, and the others fail instead of waiting.
-"""
+Where a pass cannot be traced once and cut, and for every meeting that is
+neither a sum nor an action (gathered rows, a copy per tower's applies),
+the towers take turns: a Python thread per tower traces its own ops into
+the one graph, one at a time in rank order (a graph's captures are not
+safe from two threads), meeting at a :class:`Rendezvous`. A tower that
+fails or meets fewer times aborts it; the others fail, never wait."""
 
 from __future__ import annotations
 
@@ -31,13 +26,9 @@ TRACE_TIMEOUT_SECONDS = 600.0
 
 
 class Rendezvous:
-    """Where ``size`` towers swap tensors while they are traced in lockstep.
-
-    The towers take turns: one traces at a time, in rank order, and hands the
-    turn on when it reaches the rendezvous (or finishes). So no two threads ever
-    build ops at once: what tracing touches (the graph's captures, Keras'
-    caches) sees one thread, as in a one-thread trace, and the graph is built in
-    the same order every time.
+    """Where ``size`` towers swap values while they are traced in turns: one
+    traces at a time, in rank order, handing the turn on at each meeting, so
+    the graph is built in one order every time.
 
     Example:
       >>> meet = Rendezvous(2)
@@ -168,12 +159,9 @@ def in_lockstep(
     own: bool = False,
 ) -> list[T]:
     """Traces ``works`` (one per tower, rank order) each in its own thread into
-    the current graph, meeting at ``meet``; returns their results.
-    ``weights``, ``own``: each tower's weight in its :class:`Seat`, and
-    whether the towers run a model's own step.
-
-    Raises:
-      The first error a tower raised (the others are woken and stopped).
+    the current graph, meeting at ``meet`` (``weights``: each tower's share;
+    ``own``: a model's own step); returns their results, or raises the first
+    error a tower raised.
 
     Example:
       >>> from towers.step.run.seats import total
