@@ -1,15 +1,11 @@
 """keras_hub's mixture-of-experts load-balancing loss: which blocks add it
-(:func:`coupled_terms`), and its value of the whole batch, in place of each
+(:func:`coupled_terms`), and its value of the whole batch in place of each
 block module's own under ``coupled_losses="exact"`` (``coupled.py``).
 
-A block routes each token to its ``k`` most probable of ``E`` experts and
-adds ``E · Σ_e f_e · P_e``, ``f_e`` the share of the unmasked tokens routed to
-expert ``e`` and ``P_e`` its mean router probability, both over the whole
-batch. Each tower counts its own tokens; the counts and probability sums are
-summed over the towers (and workers) in one exchange
-(``towers/step/run/turns.py``), and every tower computes the whole batch's
-term from the sums.
-"""
+A block adds ``E · Σ_e f_e · P_e`` (``f_e``: the share of unmasked tokens
+routed to expert ``e``; ``P_e``: its mean router probability), both over the
+whole batch: each tower counts its tokens, the sums meet in one exchange,
+and every tower computes the whole batch's term."""
 
 from __future__ import annotations
 
@@ -82,23 +78,13 @@ def load_balancing_over_towers(
     top_k: int,
     attention_mask: tf.Tensor | None = None,
 ) -> tf.Tensor:
-    """keras_hub's ``compute_load_balancing_loss`` of the whole batch, in a
-    tower traced in lockstep: ``E · Σ_e f_e · P_e`` with
-
-    - ``f_e``: the share of the unmasked tokens routed to expert ``e`` (over
-      the ``top_k`` choices), counted over every tower;
-    - ``P_e``: expert ``e``'s router probability, summed over every tower's
-      unmasked tokens, over their number.
-
-    A token is unmasked where ``attention_mask`` says so, as each block reads
-    it: a ``[B, S]`` padding mask (Mixtral), or a ``[B, S, S]`` attention mask
-    whose row has any key (Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE). The counts take
-    no gradient (a token's experts are chosen by ``top_k``); the probability
-    sums' upstream gradients are summed over the towers on the way back, the
-    gradient one device's backward pass takes through the whole batch's
-    ``P_e``. Computed in float32 (float64 for a float64 model), as the blocks'
-    float32 masks and one-hots promote it.
-    """
+    """keras_hub's ``compute_load_balancing_loss`` of the whole batch, from
+    every tower's token counts and probability sums. A token is unmasked as
+    each block reads ``attention_mask`` (``[B, S]`` padding in Mixtral; a
+    ``[B, S, S]`` row with any key in the Qwen blocks). The counts take no
+    gradient; the sums' upstream gradients are summed over the towers, as one
+    device's backward pass through the whole batch's ``P_e``. In float32
+    (float64 for a float64 model), as the blocks' masks promote it."""
     probabilities = tf.nn.softmax(router_logits, axis=-1)
     _, chosen = tf.math.top_k(probabilities, k=top_k)
     dtype = tf.float64 if probabilities.dtype == tf.float64 else tf.float32
@@ -129,10 +115,7 @@ def _token_mask(attention_mask: Any, tokens: tf.Tensor, dtype: tf.DType) -> tf.T
 
 
 def _summed(sums: tf.Tensor, counts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``sums`` and ``counts`` summed over the towers in lockstep, in one
-    exchange; on the way back, ``sums``' upstream gradients summed over the
-    towers (every tower's term depends on every tower's sums). ``counts``
-    take no gradient."""
+    # sums and counts over the towers in one exchange; sums' gradients summed back.
     size = tf.shape(sums)[0]
     counts = tf.stop_gradient(counts)
 

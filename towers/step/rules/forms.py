@@ -18,14 +18,11 @@ from towers._runtime import called_graph
 def form_of(
     tensor: Any, batch: Any = (), marks: Any = None, places: Any = None, forms=None
 ) -> Any:
-    """What ``tensor``'s value is made of, as a value every tower's alike
-    shares: its ops' types and attributes (constants' values included: a
-    shard's size read as a constant is its own) down to the inputs it reads,
-    by name; None where it reads a tensor of ``batch`` or a draw.
-
-    ``marks``: tensors the towers met for, by their meeting (one value on
-    every tower); ``places``: a copy's captured variable handle's id -> its
-    place in its copy; ``forms``: what is known already, by tensor.
+    """What ``tensor``'s value is made of, as a value every tower's alike shares:
+    its ops' types and attributes (constants' values too) down to the inputs
+    it reads; None where it reads a tensor of ``batch`` or a draw. ``marks``:
+    tensors the towers met for, by meeting; ``places``: a copy's captured
+    handle's id -> its place in its copy; ``forms``: what is known already.
 
     >>> x = tf.constant([1.0, 2.0])
     >>> form_of(x * 2.0) == form_of(x * 2.0), form_of(x * 2.0) == form_of(x * 3.0)
@@ -74,9 +71,8 @@ class Form:
 
 
 def attributes(op: Any) -> dict:
-    """``op``'s attributes as bytes, by name; left out: those whose names
-    start "_" (TensorFlow's bookkeeping: colocation) and the functions it
-    calls (a call's, a ``cond``'s branches: their names are their trace's)."""
+    """``op``'s attributes as bytes, but TensorFlow's bookkeeping ("_...") and
+    the functions it calls (their names are their trace's)."""
     return {k: v.SerializeToString() for k, v in op.node_def.attr.items()
             if not k.startswith("_") and not v.HasField("func")
             and not (v.HasField("list") and v.list.func)}  # fmt: skip
@@ -90,9 +86,7 @@ CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 class Reads:
     """Whether a traced tensor reads any of ``batch``'s tensors, through the
-    functions it calls, by its shape too (``shapes``): the one home of the
-    rule, for a slice's rows (``grad_rules.py``) and a loss's batch-free
-    terms (``loss_kinds.py``).
+    functions it calls, by its shape too (``shapes``).
 
     >>> found = []
     >>> @tf.function
@@ -136,9 +130,7 @@ class Reads:
         return self.found[((), tensor.ref())]
 
     def _inputs(self, calls: tuple, tensor: tf.Tensor) -> Any:
-        """What ``tensor`` (inside ``calls``) reads: its op's inputs, into a
-        called function's output or out to a call's argument; True or
-        False where that is known at once."""
+        # What tensor (inside calls) reads; True or False where known at once.
         op = tensor.op
         if not calls and tensor.ref() in self.batch:
             return True

@@ -31,11 +31,9 @@ RULES = ("sum", "mean", "only_first_replica", "none")
 
 @dataclasses.dataclass
 class Settled:
-    """A variable the towers assigned (``rule``: its aggregation), its value
-    ``before`` the step and the ``value`` it takes from this process's
-    towers; ``change`` and ``towers``: what this worker adds to a cluster's
-    sums (:func:`aggregate`'s; for "none" and "only_first_replica" the
-    chief's change, zeros elsewhere)."""
+    """A variable the towers assigned, its ``rule``, its value ``before`` the
+    step and the ``value`` it takes from this process's towers; ``change`` and
+    ``towers``: what this worker adds to a cluster's sums."""
 
     variable: Any
     rule: str
@@ -46,8 +44,7 @@ class Settled:
 
 
 def rule_of(variable: Any) -> str:
-    """A variable's aggregation as one of :data:`RULES` (Keras' names, or
-    tf.distribute's).
+    """A variable's aggregation as one of :data:`RULES` (Keras' or tf.distribute's).
 
     >>> import keras
     >>> rule_of(keras.Variable(0.0, aggregation="sum")), rule_of(keras.Variable(0.0))
@@ -59,8 +56,8 @@ def rule_of(variable: Any) -> str:
 
 
 def raw_variables(model: Any) -> list[tuple[tf.Variable, str]]:
-    """The ``tf.Variable``\\ s ``model``'s layers hold, named ``layer/attribute``:
-    state a model's own step may assign that ``model.variables`` omits.
+    """The ``tf.Variable``\\ s ``model``'s layers hold, named ``layer/attribute``,
+    which ``model.variables`` omits and a model's own step may assign.
 
     >>> layer = keras.layers.Dense(1, name="head")
     >>> layer.total = tf.Variable(0.0)
@@ -80,10 +77,9 @@ def raw_variables(model: Any) -> list[tuple[tf.Variable, str]]:
 
 
 def aggregate(rule: str, before: Any, values: list, weights: list) -> tuple:
-    """A process's part of a variable its towers assigned ``values`` (tower
-    order), as ``(change, weight)``: the variable takes ``before + change /
-    weight`` for "mean" (``weights``: the towers' examples or shares), ``before
-    + change`` for the others; in a cluster each summed over the workers.
+    """A process's part of a variable its towers assigned ``values``, as
+    ``(change, weight)``: it takes ``before + change / weight`` for "mean"
+    (``weights``: the towers' examples or shares), ``before + change`` else.
 
     >>> change, weight = aggregate("mean", 0.0, [1.0, 4.0], [3, 1])
     >>> float(change / weight)  # (3 * 1 + 1 * 4) / 4
@@ -102,9 +98,9 @@ def aggregate(rule: str, before: Any, values: list, weights: list) -> tuple:
 
 
 def settle(passes: list[Any], sizes: list[Any], cluster: Any = None) -> list:
-    """What each variable the towers' ``passes`` assigned takes this step, a
-    :class:`Settled` each, in the order they assigned them. ``sizes``: their
-    shards' examples (an empty share's tower ran on zeros and adds nothing).
+    """What each variable the towers' ``passes`` assigned takes this step, in
+    the order assigned (``sizes``: their shards' examples; an empty share
+    adds nothing).
 
     Example:
       >>> import keras, types
@@ -115,9 +111,7 @@ def settle(passes: list[Any], sizes: list[Any], cluster: Any = None) -> list:
       6.0
 
     Raises:
-      ValueError: a variable of aggregation "none" the towers assigned
-        values of other forms, or that read their rows or a draw (traced:
-        before any update; :func:`form_of`).
+      ValueError: a variable of aggregation "none" given values of other forms.
     """
     assigned: dict[int, tuple[Any, list, list, list]] = {}
     for tower_pass, size in zip(passes, sizes):
@@ -188,10 +182,8 @@ def _examples(sizes: list[Any]) -> Any:
 def assign(
     settled: list[Settled], changes: list | None = None, trainable: bool | None = None
 ) -> None:
-    """Assigns each variable its value: this process's (``changes`` None), or
-    ``before`` plus the cluster's summed ``changes`` (``[change, towers]`` per
-    variable, as :func:`exchanged` sends them); ``trainable`` True or False:
-    only the variables that are (or are not), None: all."""
+    """Assigns each variable its value, or ``before`` plus the cluster's summed
+    ``changes``; with ``trainable``, only the variables that are (or are not)."""
     for i, item in enumerate(settled):
         if trainable is not None and bool(item.variable.trainable) != trainable:
             continue
@@ -213,9 +205,8 @@ def exchanged(settled: list[Settled]) -> list[tf.Tensor]:
 def settle_apart_metrics(
     passes: list[Any], sizes: list[Any], models: list[Any], cluster: Any
 ) -> list[Settled]:
-    """:func:`settle`, a metric's variables (the models' own metrics, updated
-    in ``call`` or ``compute_loss``) assigned at once: in a cluster the
-    metrics' changes are summed with the other metrics'. Returns the rest."""
+    """:func:`settle`, the models' metrics' variables assigned at once (a
+    cluster sums their changes with the other metrics'); returns the rest."""
     settled = settle(passes, sizes, cluster)
     metric = {id(v) for model in models for m in model.metrics for v in m.variables}
     assign([item for item in settled if id(item.variable) in metric])

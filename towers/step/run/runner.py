@@ -1,14 +1,11 @@
-"""How the towers run a step's passes: decided in one place (:meth:`Runner.way`).
+"""How the towers run a step's work: decided once (:meth:`Runner.way`), from
+what the work needs, and dispatched in one place (:meth:`Runner._run`).
 
 - ``"alone"``: each tower traced in turn; nobody meets.
 - ``"shared"``: one trace of the pass serves every tower (``phases.py``).
-- ``"phases"``: the same, cut where the towers meet by sums (``cut.py``).
+- ``"phases"``: the same, cut where the towers meet (``cut.py``).
 - ``"turns"``: the towers traced side by side (``turns.py``), where a
-  meeting gathers rows or runs code on one tower, or a pass cannot be cut.
-
-Towers' own steps, predict and a model's own steps all run through it, and
-every meeting goes through a tower's seat (``seats.py``).
-"""
+  meeting gathers rows or runs code on one tower, or a pass cannot be cut."""
 
 from __future__ import annotations
 
@@ -34,14 +31,13 @@ Kind = Literal["train", "evaluate", "predict", "own"]
 
 
 class Runner:
-    """Runs the working towers' passes of a step, the way :meth:`way` says.
+    """Runs the working towers' work of a step, the way :meth:`way` says.
 
     Args:
       placement: where the variables live; each tower's device and model.
-      builtin: one tower's work (its options: XLA, the coupled losses).
-      moving_statistics: BatchNormalization's (its batch statistics).
-      workers: the other workers of a cluster, or None.
-    """
+      builtin: the built-in pass (its needs: XLA, the coupled losses).
+      moving_statistics: BatchNormalization's (whether the towers meet).
+      workers: the other workers of a cluster, or None."""
 
     def __init__(self, placement: Any, builtin: Any, moving_statistics: Any, workers):
         self.placement = placement
@@ -64,21 +60,12 @@ class Runner:
         return None if self.workers is None else seats.Across(self.workers, kind)
 
     def way(self, kind: Kind, working: list[int], shards: Shards | None = None) -> Way:
-        """How the working towers run a ``kind`` step: the one decision.
-
-        A model's own step meets at whatever it applies, assigns and updates,
-        each an action run once: phases where one trace serves every tower
-        (one model, shard sizes known; in a cluster, one tower too), else
-        turns. A pass that
-        gathers a loss's rows (a coupled ``compute_loss``) meets in turns,
-        without XLA (``True`` was refused by the probe). A training pass
-        whose towers meet by sums (global batch statistics, a mixture of
-        experts' terms), or any under XLA (a computation per model and shard
-        shape), is cut into phases. A pass nobody meets in is traced once for
-        every tower when they share a model and the shard sizes are known;
-        else tower by tower. A way whose seat cannot serve a verb says so
-        (``seats.Unserved``): the step takes the next (:data:`NEXT`).
-        """
+        """How the working towers run a ``kind`` step, from what its work needs: a
+        model's own step meets at its actions (phases where one trace serves
+        every tower, else turns); a gathered loss in turns, without XLA; sums
+        (global batch statistics, a mixture of experts' terms) or XLA in phases;
+        else one trace shared where the towers share a model and shard sizes,
+        else alone. A seat that cannot serve a verb sends the step to :data:`NEXT`."""
         meets = self.meets(working)
         if self.builtin.coupled.gathered and self.builtin.jit.enabled:  # "auto"
             self.builtin.jit = xla.without("the model's compute_loss gathers the batch")
@@ -110,15 +97,8 @@ class Runner:
         weight_of: Callable[[list], Any],
     ) -> list[TowerResult]:
         """Every working tower's forward pass, the step's divisors
-        (``divisors_of(passes)``), then every tower's loss share and gradients,
-        each on its tower's device. ``weight_of(passes)``: this worker's
-        weight in a cluster's sums (None for a sum loss).
-
-        A pass that cannot be cut runs in turns, without XLA (with
-        ``jit_compile=True`` the error names why; ``"auto"`` warns); without
-        XLA, one sent ``"shared"`` whose divisors need every tower's forward
-        pass runs alone.
-        """
+        (``divisors_of(passes)``), then every tower's loss share and gradients;
+        ``weight_of(passes)``: this worker's weight in a cluster's sums."""
         working = self.placement.working_towers(shards)
         models = [self.placement.model_of(t) for t in working]
         with draws.drawing(self.workers, models, shards.size):
@@ -159,11 +139,9 @@ class Runner:
         kind: Kind,
         shares: tuple[Sequence[Any], Any] | None = None,
     ) -> list:
-        """``work(model, x_t, y_t, sw_t, B)`` on each working tower, under its
-        device and scope, in tower order (``predict``: ``work(model, x_t)``),
-        in turns where the way says so. ``shares`` (a model's own step): each
-        tower's weight (in working order) and the workers' sum, for the
-        towers' seats."""
+        """``work(model, x_t, y_t, sw_t, B)`` on each working tower (``predict``:
+        ``work(model, x_t)``) the way it runs; ``shares`` (a model's own step):
+        each tower's share and the workers' handle, for their seats."""
         working = self.placement.working_towers(shards)
         if kind == "predict":  # no copy need join a prediction without examples
             working = shards.working()
@@ -210,9 +188,7 @@ def _one_by_one(works: list[Callable[[], Any]]) -> list:
 
 
 def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any]:
-    """Tower ``t``'s call of ``work``, traced once for every tower (a shard
-    shape's first call traces it): ``work(x_t)`` for a prediction, else
-    ``work(x_t, y_t, sw_t, B)``."""
+    # Tower t's call of work, traced once for every tower of its shard shape.
     x, y, sample_weight = shards.parts[t]
     args = (x,) if kind == "predict" else (x, y, sample_weight, shards.normaliser)
     return partial(on_tower, placement, t, partial(work, *args))
@@ -253,16 +229,10 @@ def in_turns(
     across: seats.Across | None = None,
     weight_of: Callable[[list], Any] | None = None,
 ) -> list:
-    """:meth:`Runner.train` in turns: every tower's forward pass traced in
-    lockstep, the step's divisors, then every tower's backward.
-
-    With ``across`` the sums also run over the cluster's workers, one
-    collective each, in the same order on every worker; ``weight_of(passes)``
-    is this worker's weight in the cluster's sum (None for a sum loss): each
-    worker's loss is a mean over its own examples, weighted by them when the
-    workers' gradients are summed, and so is its upstream gradient in a
-    backward sum (``seats.Across``).
-    """
+    """:meth:`Runner.train` in turns: the forward passes traced side by side,
+    the divisors, then the backward passes; across workers each sum one
+    collective, in one order everywhere, each worker weighted by
+    ``weight_of(passes)`` (``seats.Across``)."""
     meet = turns.meeting(len(working), placement, across)
 
     def divided(passes: list) -> list[Any]:
@@ -284,9 +254,8 @@ def in_halves(
     run: Callable[[list], list],
 ) -> list[TowerResult]:
     """Every working tower's forward pass (from the step's seed states), the
-    step's divisors of them all, then every tower's loss share and
-    gradients; ``run(works)`` runs each half's works (one per builtin, in
-    order) and returns their results: one by one, or in lockstep."""
+    divisors of them all, then every tower's loss share and gradients;
+    ``run(works)`` runs each half: one by one, or in turns."""
     starts = draws.Starts([placement.model_of(t) for t in working])
     forward = partial(_forward, placement, builtin, shards, starts)
     passes = run([forward(t) for t in working])
