@@ -1,17 +1,13 @@
-"""The data path of one step, in the order a batch takes it::
+"""One step, in the order a batch takes it: split, the work, the tail::
 
     (x, y): B examples on the host
-      -> split           Shards: tower t gets n_t examples, sum_t n_t = B
-      -> tower t         on devices[t]: loss_t = sum(per-example) / B, grads_t
-      -> combine         the placement's: one gradient per variable
-      -> across workers  in a cluster: every worker's sums, weighted by examples
-      -> apply           once, by the update's policies
-      -> metrics         the loss tracker and metrics, from every tower
+      -> split      Shards: tower t gets n_t examples, sum_t n_t = B
+      -> the work   each tower on devices[t]: the built-in pass (loss_t =
+                    sum(per-example) / B, grads_t) or the model's own step
+      -> the tail   combine, the workers' sum, apply once, state, metrics
 
 The engine traces :meth:`Step.train` and :meth:`Step.evaluate` into one
-``tf.function`` each. The phases are public so that ``towers bench`` can time
-each alone (``towers/bench/phases.py``) on the tensors the step gives it.
-"""
+``tf.function`` each; ``towers bench`` times the phases alone."""
 
 from __future__ import annotations
 
@@ -37,16 +33,15 @@ from towers.step.work.losses import step_divisors, step_kind
 
 
 class Step(Preparing):
-    """One engine's train and evaluation steps, phase by phase.
+    """One engine's train, evaluation and predict steps.
 
     Args:
       placement: where the variables live; combines and applies.
-      tower: one tower's work.
+      builtin: the built-in pass.
       update: the apply's policies, the steps counter.
       metrics: the loss tracker and metrics.
       moving_statistics: BatchNormalization's once-per-step update.
-      workers: the other workers of a cluster, or None.
-    """
+      workers: the other workers of a cluster, or None."""
 
     def __init__(
         self,
@@ -96,11 +91,9 @@ class Step(Preparing):
         return self.own is not None and kind in self.own.kinds
 
     def train(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-        """One training step. Returns ``{"logs": {"loss": the batch's loss,
-        metric: value}}``, ``"reported"``: what Keras' ``train_step`` returns
-        (the loss's running mean; a model's own step's logs), ``"finite"``
-        (per applied gradient) when the update checks its gradients, in a
-        cluster ``"stop"``: workers asking to stop."""
+        """One training step: ``{"logs": ..., "reported": what Keras' train_step
+        returns}``, with ``"finite"`` where the update checks its gradients and,
+        in a cluster, ``"stop"``: the workers asking to stop."""
         batch = (x, y, sample_weight)
         return self.works["train"](self.split(*batch), batch)
 
@@ -189,10 +182,8 @@ class Step(Preparing):
             update.flush()
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint saves of the updates (``Update.state``), a model's
-        own step's accumulators too, and the model's seed generators' states
-        (which its layers do not hand a checkpoint): a resumed run draws on
-        where the uninterrupted one would."""
+        """What a checkpoint saves: the updates' state (an own step's accumulators
+        too) and the seed generators' states, which no layer hands a checkpoint."""
         state = self.update.state()
         if self.own is not None and self.own.applies.accumulate_steps > 1:
             state["own_step_updates"] = self.own.applies.saved
@@ -208,9 +199,7 @@ class Step(Preparing):
         return self.runner.split(x, y, sample_weight)
 
     def compute(self, shards: Shards) -> list[TowerResult]:
-        """Every working tower's forward pass, the step's divisors, then every
-        tower's loss share and gradients, each on its tower's device, run the
-        way the runner decides (``towers/step/run/runner.py``)."""
+        """Every working tower's loss share and gradients, as the runner runs them."""
         return self.runner.train(
             shards, self._divisors, lambda passes: self._weight(passes, shards)
         )
@@ -231,10 +220,9 @@ class Step(Preparing):
         weight: Any,
         also: Callable[[], None] = lambda: None,
     ):
-        """Counts the step and applies ``grads`` to the variables (tower t's:
-        ``tower_variables[t]``), the moving statistics and ``also`` (the
-        state the towers assigned) with them; returns the finiteness flags or
-        None."""
+        """Counts the step and applies ``grads`` (tower t's variables:
+        ``tower_variables[t]``), the moving statistics and ``also`` with them;
+        the finiteness flags or None."""
 
         def updates() -> None:
             self.moving_statistics.update(moments)

@@ -35,12 +35,8 @@ from towers.step.rules.state import (
 
 
 class Tail:
-    """The one tail after the towers' gradients (see the module docstring).
-
-    Attributes:
-      assigned: what the towers' passes assign, by variable path: its rule
-        (``state.py``; ``towers explain`` lists them).
-    """
+    """The one tail after the towers' gradients; ``assigned``: what the towers'
+    passes assign, by variable path: its rule (``towers explain`` lists them)."""
 
     def __init__(
         self,
@@ -73,10 +69,9 @@ class Tail:
 
     def apply_met(self, update: Update, tower_grads: list, variables: list,
                   batch: Any, weight: Any, mine: Any, first: int) -> Any:  # fmt: skip
-        """An apply a model's own step met (in tower 0's name scope): the
-        towers' weighted gradients combined, in a cluster every worker's
-        examples-weighted mean (its collectives' keys from ``first``), applied
-        by ``update``; the finiteness flags or None."""
+        """An apply a model's own step met: the towers' weighted gradients
+        combined, the workers' examples-weighted mean (keys from ``first``),
+        applied by ``update``; the finiteness flags or None."""
         with tf.name_scope("combine/"):
             grads = self.combine(tower_grads, batch, variables)
         with tf.device(self.device):
@@ -89,11 +84,9 @@ class Tail:
     def across(
         self, before, batch, shards, passes, loss, outputs, grads, weight, kind
     ) -> tuple[list, Summed]:
-        """After the built-in step's towers: the state they assigned settled,
-        each output's loss (``outputs``) summed, the metrics updated; in a
-        cluster all of it and ``grads`` every worker's, in one packed sum
-        (the metrics' changes since ``before``). Returns the settled state
-        and the step's sums (``Summed.outputs``: each output's loss)."""
+        """After the built-in step's towers: their state settled, each output's loss
+        summed, the metrics updated; in a cluster all of it and ``grads`` every
+        worker's, in one packed sum. Returns the settled state and the sums."""
         settled = self.settle(passes, shards)
         named = self._output_losses(outputs)
         with tf.device(self.device), tf.name_scope("metrics"):
@@ -130,9 +123,7 @@ class Tail:
         return settle_apart_metrics(passes, sizes, models, cluster)
 
     def track(self, summed: Summed, own_loss: bool) -> dict[str, tf.Tensor]:
-        """Adds the step's loss and each output's (unless the model's own
-        ``compute_loss`` tracks them) to their trackers; returns every
-        metric's value."""
+        """Adds the step's loss (each output's) to its tracker; every metric's value."""
         with tf.device(self.device), tf.name_scope("metrics"):
             outputs = None if own_loss else summed.outputs
             self.metrics.track(summed.loss, summed.examples, outputs)
@@ -147,7 +138,5 @@ class Tail:
             return {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
 
     def assign(self, settled: list, changes=None, trainable=None) -> None:
-        """The settled state assigned (``state.assign``; ``changes``: the
-        cluster's): with ``trainable`` True or False, only the trainable
-        variables or the others."""
+        """The settled state assigned (``changes``: the cluster's)."""
         assign(settled, changes, trainable=trainable)

@@ -1,16 +1,11 @@
 """Random draws on the towers as one device draws them.
 
-Every tower starts from the step's seed states (:class:`Starts`), and a draw
-with a value per row of the tower's shard gives the tower its rows of the
-batch's draw, ``[first, first + n_t)``: a uniform or normal draw (Keras'
-``normal``, ``uniform``, ``randint``, Dropout's mask) by moving its Philox
-counter on past the rows before (``towers/_keras``'s ``drawn_after``); the
-others drawn up to the tower's last row and cut. A draw over the whole
-batch's rows, a number (a fixed ``batch_size``), is too. A draw of any other
-shape is every tower's alike. The states then move once. Keras' random functions are
-routed here while a step is traced. A shuffle along the examples is refused
-by name; in a cluster a worker's rows follow the workers' before it.
-"""
+Every tower starts from the step's seed states (:class:`Starts`); a draw
+with a value per row gives the tower its rows of the batch's draw: a
+uniform or normal draw by moving its Philox counter past the rows before
+(``towers/_keras``'s ``drawn_after``), others drawn up to its last row and
+cut. A draw of any other shape is every tower's alike. The states move
+once. A shuffle along the examples is refused by name."""
 
 from __future__ import annotations
 
@@ -99,9 +94,8 @@ def _shape(args: list, kwargs: dict, shape: list) -> None:
 
 
 def _stateful(name: str, own: Callable[..., Any], args: tuple, kwargs: dict):
-    """A TensorFlow stateful random op in a tower's step: each op draws from
-    a seed of its own, which no tower shares with one device's op, so its
-    numbers are the tower's own. Named once, never silent."""
+    # A TensorFlow stateful random op draws from a seed of its own, which no
+    # tower shares with one device's: named once, never silent.
     places.name(
         name, f"TensorFlow's stateful {name[3:]} (tf.random.normal, "
         "tf.random.uniform, ...) draws from the op's own seed: each tower draws "
@@ -213,9 +207,7 @@ def _categorical(own, logits, num_samples, *args, **kwargs):
 def drawing(
     workers: Any, models: list[Any], examples: Any, hook: str = ""
 ) -> Iterator[None]:
-    """Within (a step's towers traced; ``hook``: a model's own step's),
-    Keras' draws are routed to :func:`route`, the towers' rows placed
-    (``places.placing``)."""
+    """Within, Keras' draws are routed to :func:`route`, the towers' rows placed."""
     draw = any(state_variables(model) for model in models)
     placed = places.placing(workers, models, examples, draw, hook)
     with routed_draws(route), placed:
@@ -223,12 +215,8 @@ def drawing(
 
 
 class Starts:
-    """The seed generators' states every tower of a step starts from, read
-    once; the first tower's last states, assigned once after the towers.
-
-    Args:
-      models: the models the working towers run (one, or a copy each).
-    """
+    """The seed states every tower of a step starts from, read once; the first
+    tower's last states assigned once after (``models``: the towers')."""
 
     def __init__(self, models: list[Any]):
         self.models = {id(model): model for model in models}

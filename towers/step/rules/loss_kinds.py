@@ -1,16 +1,11 @@
 """How a loss depends on its batch, and what the step does with it.
 
-The towers weigh each gradient by their share ``s_t = n_t / B``: one device's
-for a loss that is a mean over the shard's examples (Keras' losses,
-``ops.mean``, a sum over a batch size read from the data). Set apart the
-terms that read no example (a weight penalty, ``c``: :func:`batch_free`,
-read from its graph), and a sum (``ops.sum``, a value per example, which the
-tape sums) is handed in as a mean's: ``(g - g_c) / s_t + g_c``
-(:func:`as_mean`), its value too. Which a loss is, the probe finds
-(``probe.py``); where a step's outputs couple the examples,
-:func:`coupling_layer` says where, and :func:`shares_of_terms` what taking a
-coupled term per tower changes.
-"""
+The towers weigh each gradient by their share ``s_t = n_t / B``: one
+device's for a mean over the shard's examples. Its terms that read no
+example set apart (a weight penalty, ``c``: :func:`batch_free`), a sum is
+handed in as a mean's: ``(g - g_c) / s_t + g_c`` (:func:`as_mean`). Which a
+loss is, the probe finds; :func:`coupling_layer` says where a forward pass
+couples the examples."""
 
 from __future__ import annotations
 
@@ -47,9 +42,8 @@ COUPLING_RTOL = 1e-4
 
 
 def readings(together: float, one: float, other: float) -> set[str]:
-    """What a number's value on two examples ``together`` is of its values
-    on each alone (``one``, ``other``): their ``"mean"``, their ``"sum"``,
-    both (where they are 0), or neither (it couples the examples).
+    """Whether a number's value on two examples ``together`` is the ``"mean"``
+    or the ``"sum"`` of its values alone (both where 0, neither: coupled).
 
     >>> sorted(readings(3.0, 1.0, 2.0)), sorted(readings(1.5, 1.0, 2.0))
     (['sum'], ['mean'])
@@ -64,9 +58,8 @@ def readings(together: float, one: float, other: float) -> set[str]:
 
 
 def less_free(pairs: list) -> tuple[list[float], bool]:
-    """A number's values on the three parts less its batch-free terms, and
-    whether those terms were set apart: not where they differ from part to
-    part (they moved with the rows after all)."""
+    """A number's values on the probe's parts less its batch-free terms, and
+    whether those were set apart (not where they moved with the rows)."""
     whole = [float(value) for value, _ in pairs]
     free = [float(free) for _, free in pairs]
     if max(free) - min(free) > 1e-6 * max(map(abs, free)) + 1e-12:
@@ -75,9 +68,7 @@ def less_free(pairs: list) -> tuple[list[float], bool]:
 
 
 def kind_of(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
-    """The kind of the ``k``-th loss (None: a number the step returns) from
-    :func:`less_free`'s values (None: either fits; a returned number that
-    is neither)."""
+    """The ``k``-th loss's kind (None: a returned number) from its values."""
     (together, alone0, alone1), apart = value
     fits = readings(together, alone0, alone1)
     if len(fits) == 1:
@@ -98,9 +89,8 @@ def kind_of(model: keras.Model, value: tuple, k: int | None) -> Kind | None:
 
 
 def batch_free(target: tf.Tensor, batch: list[tf.Tensor]) -> tf.Tensor | None:
-    """The sum of the additive terms of the scalar ``target`` that read no
-    tensor of ``batch`` (None: there are none). Terms are followed through
-    sums, differences, negations, casts and scaling by such terms.
+    """The sum of the scalar ``target``'s additive terms that read no tensor of
+    ``batch`` (None: none), through sums, negations, casts and scaling.
 
     >>> @tf.function(autograph=False)
     ... def free(x, w):
@@ -190,9 +180,7 @@ def _dense(value: Any) -> np.ndarray:
 def shares_of_terms(
     model: keras.Model, x: Any, towers: int, device: str
 ) -> tuple[float, float]:
-    """The model's ``add_loss`` terms summed, in training mode, on ``x`` and
-    as ``towers`` towers add them up (each shard's weighted by its share of
-    the examples), nothing assigned: what taking them per tower changes."""
+    """The ``add_loss`` terms on ``x``, and as ``towers`` towers add them up."""
     size = int(batch_size_of(x))
     with tf.device(device):
         whole = _training_terms(model, x)
@@ -213,11 +201,8 @@ def _training_terms(model: keras.Model, x: Any) -> float:
 
 
 def coupling_layer(model: keras.Model, x: Any, device: str) -> str | None:
-    """Where ``model``'s forward pass couples the examples of ``x`` (its
-    outputs on the first two together are not its outputs on each alone,
-    in inference mode, nothing assigned): the first layer whose outputs do
-    so where the model is a graph of layers, else the model; None where
-    they do not (or ``x`` has fewer than two examples).
+    """The first layer whose outputs couple ``x``'s examples (on the first two
+    together not its outputs on each alone), else the model; None where none.
 
     >>> inputs = keras.Input((2,))
     >>> centred = keras.layers.Lambda(lambda v: v - keras.ops.mean(v, 0), name="centre")
@@ -264,10 +249,8 @@ def _outputs_apart(model: keras.Model, x: Any, device: str) -> tuple:
 
 
 def may_add_terms(model: keras.Model) -> bool:
-    """Whether a call of ``model`` may add a loss term: Keras' own layers add
-    one only through an activity regulariser; any other layer (the model's
-    own class included, and one a test module inside Keras' package writes,
-    as trainer_test.py's ``add_loss(ops.sum(x))``) may call ``add_loss``."""
+    """Whether a call of ``model`` may add a loss term: Keras' own layers only
+    by an activity regulariser; any other layer may call ``add_loss``."""
     return any(
         not type(layer).__module__.startswith("keras.")
         or type(layer).__module__.endswith("_test")

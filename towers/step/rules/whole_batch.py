@@ -1,17 +1,12 @@
 """A model's own ``compute_loss`` that couples the batch's examples (CLIP's,
-SigLIP's, SimCLR's loss over the batch's similarity matrix), computed on the
-whole batch's outputs (``coupled_losses="exact"``; docs/coupled-losses.md).
+SigLIP's, SimCLR's), computed on the whole batch's outputs.
 
-Every tower hands in its ``x``, ``y``, ``y_pred`` and ``sample_weight`` and takes
-everyone's, in example order. With ``L`` the loss of the gathered batch and
-``w_t = n_t / B`` the tower's share, its term is ``L_t - (1 - w_t) L_s``:
-``L_t`` has only the tower's own outputs live, so its gradient flows through
-its own rows; ``L_s`` has every output stopped, so what the loss reads
-directly (a temperature, regularisers) counts once. The terms add up to
-``L``. What ``compute_loss`` assigns is kept from one computation only. In a
-cluster the rows are gathered over the workers too (padded to a power of two
-rows, ``seats.SIZE_BUCKETS``), each worker weighted by its ``B_w / B``.
-"""
+Every tower hands in its ``x``, ``y``, ``y_pred`` and ``sample_weight`` and
+takes everyone's, in example order. With ``L`` the gathered batch's loss and
+``w_t = n_t / B``, a tower's term is ``L_t - (1 - w_t) L_s``: ``L_t`` with
+only its own outputs live (its gradient flows through its rows), ``L_s``
+with all stopped (what the loss reads directly counts once). The terms add
+up to ``L``. In a cluster the rows are gathered over the workers too."""
 
 from __future__ import annotations
 
@@ -43,10 +38,7 @@ def gathered_loss(
     scope: ReadScope,
     training: bool,
 ) -> tf.Tensor:
-    """Tower ``t``'s term of the model's ``compute_loss`` over the whole batch
-    (the module docstring): ``batch`` is its ``(x, y, y_pred, sample_weight)``,
-    ``share`` its ``w_t`` (of its worker's examples), ``scope`` the scope its
-    pass runs in. In a tower traced in lockstep only."""
+    """Tower ``t``'s term of the whole batch's ``compute_loss`` (its share ``w_t``)."""
     seat = seats.current()
     x, y, y_pred, sample_weight = batch
     handed = (x, y, _stopped(y_pred), sample_weight)
@@ -73,17 +65,12 @@ def gathered_loss(
 
 @contextlib.contextmanager
 def whole_batch_loss(models: list[Any]) -> Iterator[None]:
-    """Within, a model's own ``compute_loss`` called in its own step's tower
-    (``towers/step/work/own.py``) is the whole batch's: :func:`gathered_loss`'s
-    term over the tower's share ``w_t`` (the apply weighs its gradient by
-    ``w_t`` again), so its value is the batch's loss ``L``, its gradient
-    through the tower's own rows ``dL/d rows_t / w_t`` and the direct part
-    ``dL_s``: the towers' weighted sum is one device's. The second
-    computation (``L_s``) is quiet: what it updates counts once.
+    """Within, a ``compute_loss`` called in a model's own step is the whole
+    batch's: its term over ``w_t`` (the apply weighs it by ``w_t`` again); its
+    second computation (``L_s``) quiet.
 
     Raises:
-      ValueError: with a copy per tower.
-    """
+      ValueError: with a copy per tower."""
 
     def route(model: Any, own: Any, args: tuple, kwargs: dict) -> Any:
         here = seats.current()
@@ -123,15 +110,9 @@ def _leaves(nest: Any) -> list[Any]:
 
 @dataclasses.dataclass
 class Rows:
-    """The towers' rows gathered (:func:`gathered_rows`).
-
-    Attributes:
-      parts: each part's rows, every tower's (and worker's), in example order.
-      start: the row this tower's start at.
-      scale: ``B / B_w`` (1 outside a cluster; 0 for a worker without
-        examples).
-      first: the parts tower 0 handed in: the same objects on every tower.
-    """
+    """The towers' rows gathered: ``parts``, every tower's (and worker's) in
+    example order; ``start``, this tower's first; ``scale``, ``B / B_w`` (0
+    for a worker without examples); ``first``, what tower 0 handed in."""
 
     parts: list[Any]
     start: Any
@@ -145,10 +126,8 @@ class Rows:
 
 
 def gathered_rows(seat: Any, parts: tuple) -> Rows:
-    """Every tower's (and worker's) rows of each of ``parts`` (nests, or
-    None), in example order: the one gather of the towers' rows
-    (``towers.gather`` and a coupled ``compute_loss`` use it). What is handed
-    in is handed on as it is: stop what no other tower's gradient may reach."""
+    """Every tower's (and worker's) rows of each of ``parts``, in example
+    order: the one gather (``towers.gather`` and a coupled ``compute_loss``)."""
     handed = seat.everyone(parts)
     local = [concat_rows([h[i] for h in handed]) for i in range(len(parts))]
     whole, offset, scale = local, 0, 1.0
@@ -159,9 +138,7 @@ def gathered_rows(seat: Any, parts: tuple) -> Rows:
 
 
 def _cluster_rows(seat: Any, local: list[Any]) -> tuple:
-    """The cluster's batch from every worker's ``local`` one (in worker
-    order: each worker's rows put at its offset in zeros, the workers' summed),
-    this worker's offset, and B / B_w (0 for a worker without examples)."""
+    # The cluster's batch, this worker's offset, and B / B_w.
 
     def gather() -> tuple:
         index, workers = seat.worker
@@ -232,9 +209,8 @@ def _join(*parts: Any) -> Any:
 
 
 def _rows_unknown(nest: Any) -> Any:
-    """``nest`` with its batch dimension unknown to the graph, as in the
-    batches of Keras' fit: Keras' per-output loss trackers weigh a batch by
-    its static size, so they count it once, as there."""
+    # nest with its batch dimension unknown, as Keras' fit's batches: its
+    # per-output trackers weigh a batch by its static size, once there.
 
     def unknown(value: Any) -> Any:
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):

@@ -39,14 +39,10 @@ class Unserved(Exception):
 
 
 class Seat:
-    """Tower ``rank``'s place at ``meet`` (a ``turns.Rendezvous``).
-
-    ``weight``: the tower's share when its loss is a mean over its own shard
-    (a model's own step): a backward sum weighs each tower's upstream
-    gradient by it and hands back the sum over this tower's weight; None:
-    the losses are shares of the step's already. ``own``: the towers run a
-    model's own step. ``summing``: while that step takes the gradient of a
-    sum over its rows, when a backward sum is unweighted."""
+    """Tower ``rank``'s place at ``meet`` (a ``turns.Rendezvous``). ``weight``:
+    its share where its loss is a mean over its own shard (a model's own
+    step): a backward sum then weighs its upstream gradient by it;
+    ``summing``: while that step takes a sum's gradient, unweighted."""
 
     def __init__(self, meet: Any, rank: int, weight: Any = None, own: bool = False):
         self.meet, self.rank, self.weight, self.own = meet, rank, weight, own
@@ -95,9 +91,8 @@ class Seat:
         return self.meet.exchange(self.rank, compute() if self.first else None)[0]
 
     def once(self, value: Any, action: Callable[[list], T], writes=None) -> T | None:
-        """``action(every tower's value)`` run once for all, as the first
-        tower (its result there, None elsewhere); ``writes``: the variables
-        it changes (a cut pass orders by them)."""
+        """``action(every tower's value)`` run once, as the first tower (its result
+        there, None elsewhere); ``writes``: what it changes (a cut orders by it)."""
         handed = self.everyone(value)
         if not self.first:
             return None
@@ -145,9 +140,7 @@ ALONE = Alone()
 
 @dataclasses.dataclass
 class Sum:
-    """A sum over the towers as a pass traced to be cut made it: the tower's
-    ``value``, the placeholder ``result`` that stands for every tower's sum,
-    whether ``value`` is an upstream gradient, and the phase that reads it."""
+    """A sum as a traced pass made it: the tower's value, the sum's placeholder."""
 
     value: tf.Tensor
     result: tf.Tensor
@@ -157,11 +150,8 @@ class Sum:
 
 @dataclasses.dataclass
 class Action:
-    """An action run once with every tower's ``value`` (an own step's apply,
-    assignment, metric update; a layer's moving statistics), as a pass
-    traced to be cut met it: ``action(handed)``, the variables it
-    ``writes`` (None: any; every op traced after it runs after it), the ops
-    the graph ``made`` before it, and the phase it runs before."""
+    """An action run once with every tower's ``value``, as a traced pass met
+    it: what it ``writes`` (None: any) and the ops ``made`` before it."""
 
     value: Any
     action: Callable[[list], Any]
@@ -171,12 +161,9 @@ class Action:
 
 
 class CutSeat(Alone):
-    """The seat of a tower's pass traced alone to be cut (``cut.py``): each
-    sum becomes a placeholder (a :class:`Sum`), each action an
-    :class:`Action`; rows and code on one tower it cannot serve. ``meets``:
-    the towers were sent to meet, else a sum is not served either (tracing
-    them one by one beats the cut's steady steps: bench_divisor.py).
-    ``own``: the pass is a model's own step, ``weight`` its share."""
+    """The seat of a pass traced alone to be cut: a sum becomes a placeholder,
+    an action is recorded; rows and code on one tower it cannot serve, nor a
+    sum unless the towers were sent to meet (``meets``)."""
 
     marks = forms = None  # its own, where Alone has none to keep
 
@@ -221,12 +208,9 @@ class CutSeat(Alone):
 
 
 def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Tensor:
-    """The towers' ``handed`` values summed (then over the workers, with
-    ``across``): the one sum every meeting takes. No gradient flows back
-    through it: its caller writes it (``rules/batchnorm.py``), and a graph
-    walk from it (``tf.custom_gradient``'s, for variables) stops here instead
-    of running through every tower traced so far (a trace that grew with
-    the square of the depth)."""
+    """The towers' values summed (then over the workers): the one sum every
+    meeting takes. No gradient flows back (its caller writes one): a graph
+    walk from it stops here, not through every tower traced so far."""
     local = tf.add_n(handed)
     if across is not None:
         local = across(local, backward)
@@ -253,14 +237,9 @@ def total(value: tf.Tensor, backward: bool = False) -> tf.Tensor:
 
 
 class Across:
-    """The step's one handle on a cluster's other workers for one ``kind``
-    step (``"train"``, ``"eval"``, ``"predict"``), made by the runner:
-    ``across(value, backward)`` sums ``value`` over the workers, the sums
-    numbered in the order they are made (the same on every worker).
-
-    ``weight``: this worker's weight in the step (its examples, or its share
-    ``B_w / B``), once known: a backward sum weighs each worker's upstream
-    gradient by it, as its gradients are weighed."""
+    """The step's one handle on a cluster's other workers for a ``kind`` step:
+    ``across(value, backward)`` sums over the workers, numbered in the order
+    made; ``weight``: this worker's in the step, weighing a backward sum."""
 
     def __init__(self, workers: Any, kind: str):
         self.workers, self.kind = workers, kind
@@ -287,10 +266,8 @@ class Across:
 
 
 def over_workers(across: Across | None, value: Any, by_examples=True) -> tf.Tensor:
-    """``value`` summed over a cluster's workers, each weighted by its share
-    of the global batch (``across.weight``, ``by_examples``) or by 1, a
-    worker without examples by 0 whatever its value; ``value`` itself
-    without a cluster."""
+    """``value`` summed over the workers, each weighted by its share of the
+    global batch (or by 1), a worker without examples by 0."""
     value = tf.convert_to_tensor(value)
     if across is None:
         return value

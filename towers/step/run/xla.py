@@ -1,16 +1,11 @@
 """XLA for the towers: whether they compile, and a tower's work as one XLA call.
 
-``jit_compile`` takes Keras' values: ``"auto"`` decides as Keras' ``compile``
-does (an accelerator per tower, every layer ``supports_jit``, no op
-determinism); unset, a compiled model's is used. A tower's forward and
-backward pass is one ``tf.function(jit_compile=True)`` on its device, its
-weights read outside and passed in (an XLA computation cannot read another
-device's variable); cut at the towers' sums, one computation per phase.
-
-With TensorFlow's persistent XLA cache on, each shard shape compiles once
-(``warm_up.py``). An op XLA cannot compile fails the first step before any
-update: named with ``True``, warned of and run without XLA with ``"auto"``.
-"""
+``jit_compile`` takes Keras' values (``"auto"`` as Keras' ``compile``
+decides; unset, the compiled model's). A tower's pass is one
+``tf.function(jit_compile=True)`` on its device, its weights read outside
+(an XLA computation reads no other device's variable); cut where the
+towers meet, a computation a phase. An op XLA cannot compile fails the
+first step before any update: named with ``True``, warned of with ``"auto"``."""
 
 from __future__ import annotations
 
@@ -33,15 +28,9 @@ JitCompile = bool | Literal["auto"] | None
 
 @dataclasses.dataclass(frozen=True)
 class Jit:
-    """The resolved choice.
-
-    Attributes:
-      enabled: each tower's pass is one XLA computation.
-      strict: an op XLA cannot compile is an error (``True`` was asked for);
-        otherwise the engine warns and runs without XLA.
-      compiled: the choice is the compiled model's (``compile(jit_compile=
-        True)``), which Keras takes as a wish where the step cannot compile.
-    """
+    """The resolved choice: ``enabled``; ``strict`` (``True`` asked: an op XLA
+    cannot compile is an error); ``compiled`` (the compiled model's choice,
+    a wish where the step cannot compile, as Keras takes it)."""
 
     enabled: bool = False
     strict: bool = False
@@ -55,9 +44,7 @@ def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
     """``Towers``' ``jit_compile`` for ``model`` on ``devices``.
 
     Raises:
-      ValueError: ``option`` is not True, False, "auto" or None, or is True
-        for a model with a layer that says it cannot compile
-        (``supports_jit = False``).
+      ValueError: an unknown value, or True with a layer that cannot compile.
 
     Example:
       >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -168,14 +155,10 @@ def uncompilable_error(error: tf.errors.OpError, model: Any) -> str | None:
 
 def after_failure(jit: Jit, error: tf.errors.OpError, model: Any) -> Jit:
     """What a step whose call failed with ``error`` runs with next: without XLA
-    (and a warning) when XLA could not compile a tower's pass and "auto" chose
-    it.
+    (warned) where "auto" chose it and XLA could not compile.
 
     Raises:
-      ValueError: XLA could not compile, and ``jit_compile=True`` asked for it;
-        names the layers.
-      error: anything else.
-    """
+      ValueError: ``jit_compile=True``, naming the layers; else ``error``."""
     found = uncompilable_error(error, model) if jit.enabled else None
     if found is None:
         raise error
@@ -192,13 +175,8 @@ def after_failure(jit: Jit, error: tf.errors.OpError, model: Any) -> Jit:
 
 
 def refuse_uncut(jit: Jit, why: str) -> None:
-    """Where a pass cannot be cut into XLA computations (``why``) and runs
-    in turns without XLA: an error for ``jit_compile=True``, a warning for
-    ``"auto"`` that chose XLA.
-
-    Raises:
-      ValueError: ``jit_compile=True``.
-    """
+    """A pass that cannot be cut into XLA computations (``why``) runs in turns
+    without XLA: an error for ``jit_compile=True``, a warning for ``"auto"``."""
     if jit.strict:
         raise ValueError(
             f"jit_compile=True: {why}; received a model whose pass XLA cannot "
@@ -217,9 +195,7 @@ def without(why: str) -> Jit:
 
 
 def _layer_of(node: str, names: list[str]) -> str | None:
-    """The innermost layer whose name scope holds ``node``. A graph's scopes
-    may carry a suffix (``dense_1`` for a second ``dense`` scope): the exact
-    name is taken first."""
+    # The innermost layer whose scope holds node (a suffixed scope's exact name first).
     scopes = node.split("/")[:-1]
     for scope in reversed(scopes):
         if scope in names:
