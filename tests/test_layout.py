@@ -162,3 +162,15 @@ def test_the_current_tower_is_the_packages_one_thread_local():
     # What a tower's thread holds is one object (towers/_keras/current.py).
     found = [module_name(p) for p in MODULES if "threading.local()" in p.read_text()]
     assert found == ["towers._keras.current"]
+
+
+def test_a_gradient_rule_is_a_file_of_rules_listed_once():
+    # A new rule is one file in step/rules/ and its entry in grad_rules.RULES.
+    from towers.step.rules import grad_rules
+
+    rules = PACKAGE / "step" / "rules"
+    defining = sorted(
+        p.stem for p in rules.glob("*.py") if "\ndef one_devices(" in p.read_text()
+    )
+    listed = [rule.__module__.rsplit(".", 1)[1] for rule in grad_rules.RULES]
+    assert sorted(listed) == defining and len(set(listed)) == len(listed)

@@ -19,7 +19,7 @@ import tensorflow as tf
 from towers._keras.optimizers import optimizer_variables
 from towers.combine import combine_gradients, in_dtype
 from towers.placement.update import Update
-from towers.step.rules import loss_kinds
+from towers.step.rules import float8, loss_kinds
 from towers.step.run.seats import current, seated
 from towers.step.tail import Tail
 
@@ -274,7 +274,7 @@ def check_same(handed: list[tuple], copies: bool = False) -> None:
 
 def _weighted(grads: list, variables: list, share: Any) -> list:
     """A tower's gradients times its share of the batch, as the built-in
-    step's are; a value in place of a gradient as it is (``grad_rules.py``)."""
+    step's are; a value in place of a gradient as it is (``float8.py``)."""
 
     shares: dict[tf.DType, tf.Tensor] = {}  # one cast a dtype
 
@@ -284,7 +284,7 @@ def _weighted(grads: list, variables: list, share: Any) -> list:
         return value * shares[value.dtype]
 
     def scaled(grad: Any, variable: Any) -> Any:
-        if grad is None or getattr(variable, "overwrite_with_gradient", False):
+        if grad is None or float8.is_value(variable):
             return grad
         if isinstance(grad, tf.IndexedSlices):
             values = times_share(grad.values)
