@@ -40,12 +40,12 @@ def test_spot_checks_cost_on_the_steady_step(benchmark):
         devices=["/cpu:0", "/cpu:1"],
     )  # fmt: skip
 
-    engine.spot_checks = None  # each part timed apart, below
+    engine.checks.spot_checks = None  # each part timed apart, below
     times = interleaved({"step": lambda: engine.train_step(x, y)["loss"]})
     prepared = [engine._training_batch("train_step", x, y, None)]
     started = time.perf_counter()
     for _ in range(LOOKS):
-        engine._check_due(prepared)
+        engine.checks.due(prepared)
     look = (time.perf_counter() - started) / LOOKS
     checks = []
     for _ in range(7):

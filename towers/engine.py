@@ -17,7 +17,8 @@ from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
 from towers.step.rules.batchnorm import BatchStatistics, MovingStatisticsPolicy
 from towers.step.run.xla import JitCompile
-from towers.training.check_schedule import SPOT_CHECKS, CheckedSteps
+from towers.training.check_schedule import SPOT_CHECKS, Checks
+from towers.training.comparison import Comparison
 from towers.training.compiled import Compiled
 from towers.training.compiling import FROM_COMPILE
 from towers.training.fits import named_misfits
@@ -25,7 +26,7 @@ from towers.training.loop import Trainer
 from towers.training.recompile import remember_compile
 
 
-class Towers(Trainer, CheckedSteps, Explaining):
+class Towers(Trainer, Explaining):
     """Data-parallel training with one tower per device and shared variables.
 
     Args:
@@ -43,8 +44,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
         a step: ``"batch"``, ``"tower0"``, ``"mean"`` (``step/rules/batchnorm.py``).
       batch_statistics: BatchNormalization normalises with the whole batch's
         statistics (``"global"``, the default where the towers share a model)
-        or each shard's (``"tower"``, for speed); ``synchronized=True`` layers
-        take the whole batch's under either.
+        or each shard's (``"tower"``, for speed; not a ``synchronized`` layer).
       on_nonfinite: a gradient with inf or NaN is applied (``"ignore"``, as
         Keras), or nothing is (``"skip"``; ``"raise"`` then names it).
       accumulate_steps: apply once every k steps their examples-weighted mean
@@ -58,16 +58,15 @@ class Towers(Trainer, CheckedSteps, Explaining):
         (``"exact"``), per tower (``"per_tower"``) or refused (step/rules/coupled.py).
       steps_per_execution: fit's steps per call (a loop in the graph), as
         ``compile`` takes it; None: the compiled model's, else 1.
-      tower_functions: each tower's pass ``"inline"`` in the step's graph (the
-        fastest steps) or a ``"call"`` of its own: quicker to a first step with
-        many towers, slower after (step/run/phases.py, docs/sync-cost.md).
+      tower_functions: each tower's pass ``"inline"`` (the fastest steps) or a
+        ``"call"`` of its own: quicker to a first step, slower after.
       check_first_step, spot_checks: before the first update and each new
-        trace's, refuse by name a step unlike one device's on its batch
-        (``training/check.py``); and every ``spot_checks`` steps (None: not).
+        trace's, and every ``spot_checks`` steps (None: not), refuse by name a
+        step unlike one device's on its batch (``training/check.py``).
 
     Attributes:
       model, optimizer, metrics: the Keras model, optimizer (tower 0's), metrics.
-      placement, update, step, workers: the parts (``docs/architecture.md``).
+      placement, update, step, workers, checks: the parts (architecture.md).
 
     Raises:
       ValueError: unknown devices, not a Keras model (or builder), variables off
@@ -82,9 +81,6 @@ class Towers(Trainer, CheckedSteps, Explaining):
       >>> logs = eng.train_step(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4"))
       >>> sorted(logs), int(eng.optimizer.iterations.numpy())
       (['loss'], 1)
-
-      ``fit``, ``evaluate``, ``predict``: :class:`Trainer`'s; other examples use
-      ``make_engine(**options)``: this engine, with ``options``.
     """
 
     def __init__(
@@ -116,7 +112,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
         self.devices = resolve_devices(devices)
         self.variable_device = canonical_device(variable_device, "variable_device")
         self.reducer = get_reducer(reducer)
-        self._schedule_checks(check_first_step, spot_checks)
+        self.checks = Checks(self, check_first_step, spot_checks)
         options = dict(
             metrics=metrics, weighted_metrics=weighted_metrics,
             loss_weights=loss_weights, moving_statistics=moving_statistics,
@@ -138,10 +134,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
 
     @property
     def num_towers(self) -> int:
-        """How many towers (devices) each step is split over.
-
-        >>> make_engine().num_towers
-        2"""
+        """How many towers (devices) each step is split over."""
         return len(self.devices)
 
     @property
@@ -217,7 +210,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
         [0.64, 0.82]"""
         prepared = [self._training_batch("train_step", *b) for b in batches]
         with named_misfits(self.model, prepared[0], towers=self.num_towers):
-            return self._run_checked(prepared)  # where due: check_schedule.py
+            return self.checks.run(prepared)  # where due: check_schedule.py
 
     def _run_steps(self, prepared: list[tuple]) -> dict:  # unchecked
         return self._compiled.train_on(prepared, self._call)
@@ -254,9 +247,7 @@ class Towers(Trainer, CheckedSteps, Explaining):
 
         >>> eng = make_engine(accumulate_steps=4)
         >>> _ = eng.train_step(np.ones((5, 3), "f4"), np.ones((5, 1), "f4"))
-        >>> int(eng.optimizer.iterations)  # 1 of 4 micro-batches: nothing applied
-        0
-        >>> eng.apply_accumulated()
+        >>> eng.apply_accumulated()  # 1 of 4 micro-batches, applied
         >>> int(eng.optimizer.iterations)
         1"""
         self.step.flush()
@@ -285,12 +276,21 @@ class Towers(Trainer, CheckedSteps, Explaining):
 
         >>> eng = make_engine(placement="replicated")
         >>> _ = eng.model.weights[1].assign([5.0])  # as a restore writes copy 0
-        >>> eng.after_restore()
-        >>> float(eng.placement.models[1].weights[1][0])
+        >>> eng.after_restore(); float(eng.placement.models[1].weights[1][0])
         5.0
         """
         self.placement.after_restore()
-        self._steps_seen = None  # the restored counter, read at the next step
+        self.checks.restored()
+
+    def check(self, x: Any, y: Any = None, sample_weight: Any = None) -> Comparison:
+        """Towers' step on one batch against the model's own ``train_step`` on
+        one device, every variable's difference; nothing kept (``print`` it).
+
+        >>> c = make_engine().check(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4"))
+        >>> len(c.differences), c.differs  # kernel, bias, optimizer's, loss's
+        (5, [])
+        """
+        return self.checks.check([self._training_batch("check", x, y, sample_weight)])
 
     def _run(self, kind: str, *batch: Any) -> Any:
         with named_misfits(self.model, (*batch, None, None)[:3]):
