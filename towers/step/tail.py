@@ -14,6 +14,7 @@ and at each ``optimizer.apply`` of a model's own step (``work/applies.py``)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,23 +35,20 @@ from towers.step.rules.state import (
 )
 
 
+@dataclasses.dataclass
 class Tail:
     """The one tail after the towers' gradients; ``assigned``: what the towers'
     passes assign, by variable path: its rule (``towers explain`` lists them)."""
 
-    def __init__(
-        self,
-        placement: Placement,
-        metrics: Metrics,
-        moving_statistics: MovingStatistics,
-        workers: Workers | None,
-    ):
-        self.placement = placement
-        self.metrics = metrics
-        self.moving_statistics = moving_statistics
-        self.workers = workers
-        self.device = placement.variable_device
-        self.assigned: dict[str, str] = {}
+    placement: Placement
+    metrics: Metrics
+    moving_statistics: MovingStatistics
+    workers: Workers | None
+    assigned: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return self.placement.variable_device
 
     def combine(self, tower_grads: list, batch: Any = None, listed=None) -> list:
         """``tower_grads[t][v]`` combined by the placement, as one device's
