@@ -16,7 +16,7 @@ from towers import _runtime
 from towers.placement.base import Placement
 from towers.step.run import xla
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.abspath(_runtime.__file__)) + os.sep  # towers/
 
 # The hooks a model overrides that make towers run Keras' steps.
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
@@ -38,8 +38,12 @@ def raised_in_towers(error: BaseException) -> bool:
     """Whether ``error`` was raised in towers' own code (a refusal by name),
     not in the model's hooks, Keras' or TensorFlow's.
 
-    >>> raised_in_towers(ValueError("not raised"))
-    False
+    >>> from towers.split import split_batch
+    >>> try:
+    ...     split_batch([1.0, 2.0], 0)
+    ... except ValueError as error:
+    ...     raised_in_towers(error), raised_in_towers(ValueError("not raised"))
+    (True, False)
     """
     frames = traceback.extract_tb(error.__traceback__)
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
