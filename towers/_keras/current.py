@@ -1,9 +1,9 @@
 """The current tower: one object per thread that traces a tower's work, as
 tf.distribute's replica context, holding what the step's parts and the
 patched Keras calls (``patches.py``) read of it. The package's one
-``threading.local``: a tower's thread starts with a fresh one; what holds for
-the whole step (a cluster's rows, whether a draw can be placed) is the
-step's, readable from any thread (``step/rules/places.py``).
+``threading.local``: a tower's thread starts with a fresh one, handed the
+step's context (``step``: what holds for the whole step) by the thread that
+traces the step.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ class Tower:
       moments: where BatchNormalization's moments go, by the
         ``MovingStatistics`` recording them (``step/rules/batchnorm.py``).
       trial: the probe's trial of the tower's work (``step/rules/trial.py``).
+      step: what holds for the whole step traced (a cluster worker's first
+        row, the Python random state one device's trace starts from), shared
+        by its towers' threads (``step/rules/places.py``).
       in_loss: within a gathered loss's own call (``step/rules/whole_batch.py``).
     """
 
@@ -40,6 +43,7 @@ class Tower:
         self.skip: Any = None
         self.moments: dict[int, Any] = {}
         self.trial: Any = None
+        self.step: Any = None
         self.in_loss = False
 
 

@@ -324,6 +324,44 @@ def test_a_layers_python_random_choice_while_traced_is_one_devices(
         )  # fmt: skip
 
 
+def test_a_python_random_choice_traced_in_turns_is_one_devices(float64, monkeypatch):
+    # Towers traced in turns each trace in a thread of their own: each must
+    # start from the Python random state one device's trace starts from,
+    # which the step's context hands every tower's thread.
+    monkeypatch.setattr(phases, "compute", _uncuttable)  # global moments: turns
+    fallbacks = []
+    in_turns = runner.in_turns
+    monkeypatch.setattr(
+        runner, "in_turns", lambda *a: fallbacks.append(1) or in_turns(*a)
+    )
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        x = keras.layers.Dense(4, activation="tanh")(inputs)
+        x = Chosen()(keras.layers.BatchNormalization()(x))
+        model = keras.Model(inputs, keras.layers.Dense(2)(x))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((24, 5)), rng.standard_normal((24, 2))
+    reference, model = build(), build()
+    engine = Towers(model, devices=devices(3), batch_statistics="global")
+    before = [v.numpy() for v in reference.variables]
+    random.seed(5)
+    reference.fit(x, y, **FIT)
+    keras_after = random.random()
+    random.seed(5)
+    engine.fit(x, y, **FIT)
+    assert fallbacks and random.random() == keras_after
+    for got, want, b in zip(model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
+            err_msg=want.path,
+        )  # fmt: skip
+
+
 def test_a_python_random_choice_is_no_coupling_of_the_examples():
     # A refusal blames a coupling only where outputs read other rows: each
     # call's Python random choice must be the same for the probe's calls.

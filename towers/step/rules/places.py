@@ -27,9 +27,10 @@ from towers.step.rules.forms import static_dim
 
 @dataclasses.dataclass
 class _Step:
-    # What placing() (and steady()) say of the step traced, for every tower's
-    # thread: python, the Python random state one device's trace starts from;
-    # python_end, where the first tower's trace left it.
+    # What placing() (and steady()) say of the step traced, in the current
+    # tower's context, shared by its towers' threads: python, the Python
+    # random state one device's trace starts from; python_end, where the
+    # first tower's trace left it.
     model: int = 0
     hook: str = ""  # a model's own step's (train_step, test_step), if one
     batch_rows: Any = None
@@ -40,7 +41,15 @@ class _Step:
     python_end: Any = None
 
 
-_step = _Step()
+_IDLE = _Step()  # outside a step: read, never written
+
+
+def _here() -> _Step:
+    """The step this thread's tower is traced in (``placing``), its towers'
+    threads sharing it (``turns.in_lockstep`` hands it on)."""
+    return this_tower().step or _IDLE
+
+
 # By (model, hook), how its draws over a number of rows that is both the
 # batch's and k blocks of the shard's read it, in call order: True as the
 # batch's (a fixed batch_size), False as blocks (2 * ops.shape(x)[0]); a bool
@@ -68,14 +77,15 @@ def rows(
     batch = total if batch is None else batch
     size = tf.compat.dimension_value(size)
     python = tower.python
-    if tower.rows is None and _step.python is not None:  # a tower's trace
+    step = _here()
+    if tower.rows is None and step.python is not None:  # a tower's trace
         python = random.Random()
-        python.setstate(_step.python)
+        python.setstate(step.python)
     rows = (size, first, total, tuple(others), batch)
     with setting(rows=rows, python=python, drawn=[]) as here:
         yield here
     if python is not tower.python:
-        _step.python_end = _step.python_end or python.getstate()
+        step.python_end = step.python_end or python.getstate()
 
 
 def rows_of(shard: Any, first: Any, total: Any = None, batch: Any = None) -> Any:
@@ -151,7 +161,7 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
 
 def _fixed(index: int) -> bool:
     # Whether the index-th draw reads such a number as the batch's (_readings).
-    key = (_step.model, _step.hook)
+    key = (_here().model, _here().hook)
     reading = _readings.get(key, True)
     if isinstance(reading, bool):
         _unlearned.add(key)
@@ -186,16 +196,21 @@ def learn(
 def steady() -> Iterator[None]:
     """Within (the probe), a draw towers cannot place is its distribution's
     middle, the same for every part: a loss's kind is found through it."""
-    _step.steady = True
+    step = this_tower().step
+    if step is None:
+        with setting(step=_Step(steady=True)):
+            yield
+        return
+    before, step.steady = step.steady, True
     try:
         yield
     finally:
-        _step.steady = False
+        step.steady = before
 
 
 def name(draw: str, why: str, reason: str = "") -> None:
     """Warns once a model and ``reason`` that ``draw`` is not one device's."""
-    key = (_step.model, draw, reason)
+    key = (_here().model, draw, reason)
     if key not in _named:
         _named.add(key)
         warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
@@ -210,7 +225,7 @@ def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
     """In a cluster whose model holds no seed generator, where nothing placed
     the workers' rows: refuses a per-row draw from Keras' global generator,
     and names one from a generator the model does not hold."""
-    if not _step.unplaced:
+    if not _here().unplaced:
         return
     if inspect.signature(own).bind(*args, **kwargs).arguments.get("seed") is not None:
         why = (
@@ -240,26 +255,21 @@ def placing(
     the towers ``draw``, and a draw from Keras' global generator is refused
     where they do not. Python's ``random`` gives each tower's trace what one
     device's would draw, left as the first tower's left it."""
-    global _step
-    outer = _step
-    _step = step = _Step(id(models[0]), hook, steady=outer.steady)
+    step = _Step(id(models[0]), hook, steady=_here().steady)
     step.batch_rows = examples if workers is None else None
     if workers is not None and draw:
         step.worker_first, step.batch_rows = workers.first_row(examples)
     step.unplaced = workers is not None and not draw
     step.python = random.getstate()
-    try:
-        with python_random_from(lambda: this_tower().python):
-            yield
-        if step.python_end is not None:
-            random.setstate(step.python_end)
-    finally:
-        _step = outer
+    with setting(step=step), python_random_from(lambda: this_tower().python):
+        yield
+    if step.python_end is not None:
+        random.setstate(step.python_end)
 
 
 def batch_rows() -> Any:
     """The step's batch's rows (in a cluster, the global batch's; None: unknown)."""
-    return _step.batch_rows
+    return _here().batch_rows
 
 
 def in_tower() -> bool:
@@ -269,13 +279,13 @@ def in_tower() -> bool:
 
 def steadied() -> bool:
     """Whether the probe runs (:func:`steady`)."""
-    return _step.steady
+    return _here().steady
 
 
 def first_rows(shards: Any) -> list[Any]:
     """Each tower's first row in the (global) batch: ints where known, else tensors."""
     sizes = shards.sizes or [examples_of(part) for part in shards.parts]
-    before = _step.worker_first
+    before = _here().worker_first
     return [sum(sizes[:t], before) for t in range(len(sizes))]
 
 

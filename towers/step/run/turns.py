@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from towers._keras import GlobalSeed, loss_ids_kept
+from towers._keras.current import setting, this_tower
 from towers.step.run.seats import Across, Seat, seated
 
 T = TypeVar("T")
@@ -178,11 +179,13 @@ def in_lockstep(
     results: list[Any] = [None] * len(works)
     errors: list[BaseException] = []
     seed = GlobalSeed(meet.device)  # Keras keeps it per thread
+    step = this_tower().step  # the step's context, every tower's thread's
 
     def trace(rank: int, work: Callable[[], T]) -> None:
         try:
             weight = None if weights is None else weights[rank]
-            with seated(Seat(meet, rank, weight, own)), seed.in_thread():
+            seat = Seat(meet, rank, weight, own)
+            with seated(seat), seed.in_thread(), setting(step=step):
                 meet.start(rank)
                 with graph.as_default():
                     results[rank] = work()
