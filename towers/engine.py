@@ -134,7 +134,10 @@ class Towers(Trainer, Explaining):
 
     @property
     def num_towers(self) -> int:
-        """How many towers (devices) each step is split over."""
+        """How many towers (devices) each step is split over.
+
+        >>> make_engine().num_towers
+        2"""
         return len(self.devices)
 
     @property
@@ -267,8 +270,7 @@ class Towers(Trainer, Explaining):
         """What a checkpoint saves: model, optimizer, and the update's state.
 
         >>> sorted(make_engine(accumulate_steps=2).training_state())
-        ['accumulator', 'model', 'optimizer', 'steps_done']
-        """
+        ['accumulator', 'model', 'optimizer', 'steps_done']"""
         return {"model": self.model, "optimizer": self.optimizer, **self.step.state()}
 
     def after_restore(self) -> None:
@@ -277,8 +279,7 @@ class Towers(Trainer, Explaining):
         >>> eng = make_engine(placement="replicated")
         >>> _ = eng.model.weights[1].assign([5.0])  # as a restore writes copy 0
         >>> eng.after_restore(); float(eng.placement.models[1].weights[1][0])
-        5.0
-        """
+        5.0"""
         self.placement.after_restore()
         self.checks.restored()
 
@@ -288,8 +289,7 @@ class Towers(Trainer, Explaining):
 
         >>> c = make_engine().check(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4"))
         >>> len(c.differences), c.differs  # kernel, bias, optimizer's, loss's
-        (5, [])
-        """
+        (5, [])"""
         return self.checks.check([self._training_batch("check", x, y, sample_weight)])
 
     def _run(self, kind: str, *batch: Any) -> Any:
