@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import keras
+import tensorflow as tf
 
-from towers._keras import patches
+from towers._keras import layers_of, own_losses, patches
 from towers.split import batch_size_of
 from towers.step.rules.balancing import (
     FUNCTION,
@@ -259,6 +260,15 @@ class CoupledLosses:
             f"{self.local_towers} towers' shares ({apart:.1%} apart)",
             stacklevel=4,
         )
+
+    def summed_terms(self, model: keras.Model) -> Any:
+        """The ``add_loss`` terms the probe found summing over the examples
+        (:attr:`sums`, as ``(layer path, index)``), added up; None for none."""
+        if not self.sums:
+            return None
+        layers = {layer.path: layer for layer in layers_of(model)}
+        terms = [own_losses(layers[path])[i] for path, i in self.sums]
+        return tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:

@@ -21,6 +21,7 @@ from towers.step.batches import HOST
 from towers.step.rules import draws, places
 from towers.step.run import phases, seats, turns, xla
 from towers.step.work.builtin import TowerResult
+from towers.step.work.needs import OWN
 
 Way = Literal["alone", "shared", "phases", "turns"]
 # The way a step takes when its seats cannot serve a verb (seats.Unserved).
@@ -66,26 +67,17 @@ class Runner:
         (global batch statistics, a mixture of experts' terms) or XLA in phases;
         else one trace shared where the towers share a model and shard sizes,
         else alone. A seat that cannot serve a verb sends the step to :data:`NEXT`."""
+        needs = OWN if kind == "own" else self.builtin.needs(kind)
         meets = self.meets(working)
-        if self.builtin.coupled.gathered and self.builtin.jit.enabled:  # "auto"
-            self.builtin.jit = xla.without("the model's compute_loss gathers the batch")
-        if kind == "own":  # cut at its meetings where one trace serves all
+        if needs.actions:  # cut at its meetings where one trace serves all
             # In a cluster every worker cuts, one tower working or more: the
             # workers' collectives come in the cut's order (by phase) on each.
             alone = self.workers is not None and len(working) == 1
             shared = alone or phases.shareable(self.placement, shards, working)
-            sized = shards.sizes is not None
-            return "phases" if shared and sized else "turns"
-        gathered = meets and self.builtin.coupled.gathered
-        if kind != "train":
-            if gathered and kind == "evaluate":
-                return "turns"
-            shared = phases.shareable(self.placement, shards, working)
-            return "shared" if shared else "alone"
-        sums = self.moving_statistics.meets
-        if meets and (sums or self.builtin.coupled.exact):
-            return "turns" if gathered else "phases"
-        if self.builtin.jit.enabled:
+            return "phases" if shared and shards.sizes is not None else "turns"
+        if meets and needs.rows:
+            return "turns"
+        if (meets and needs.sums) or needs.xla:
             return "phases"
         shared = phases.shareable(self.placement, shards, working)
         return "shared" if shared else "alone"

@@ -29,8 +29,6 @@ from towers._keras import (
     ReadScope,
     call_model,
     compute_loss,
-    layers_of,
-    own_losses,
 )
 from towers.split import batch_size_of
 from towers.step.rules import places
@@ -41,6 +39,7 @@ from towers.step.rules.state import state_variables
 from towers.step.rules.whole_batch import gathered_loss
 from towers.step.run import xla
 from towers.step.work.losses import StepLoss, Term, over
+from towers.step.work.needs import Needs
 
 
 @dataclasses.dataclass
@@ -134,6 +133,15 @@ class BuiltIn:
         self.jit = jit
         self.coupled = coupled or CoupledLosses(None, towers=1)
         self.inline = True  # the towers' traced passes inlined (phases.py)
+
+    def needs(self, kind: str) -> Needs:
+        """What this pass needs of the towers' way for a ``kind`` step."""
+        if self.coupled.gathered and self.jit.enabled:  # "auto": gathered rows
+            self.jit = xla.without("the model's compute_loss gathers the batch")
+        if kind != "train":
+            return Needs(rows=self.coupled.gathered and kind == "evaluate")
+        sums = self.moving_statistics.meets or self.coupled.exact
+        return Needs(rows=self.coupled.gathered, sums=sums, xla=self.jit.enabled)
 
     def forward(
         self,
@@ -238,9 +246,7 @@ class BuiltIn:
         terms, extra = [], None
         if self.own_loss and self.coupled.gathered:
             # The whole batch's loss, this tower's term of it (whole_batch.py).
-            share = tf.cast(batch_size_of(x), tf.float64) / tf.cast(
-                examples, tf.float64
-            )
+            share = _share(x, examples, tf.float64)
             batch = (x, y, y_pred, sample_weight)
             extra = gathered_loss(model, batch, share, scope, training)
             return TowerPass([], extra, y_pred, list(model.trainable_variables))
@@ -254,10 +260,8 @@ class BuiltIn:
             # Keras' compute_loss): weight by n_t / B so the towers' shares add
             # up to the full batch's. A term that sums over the examples
             # (found by the probe) adds up as it is.
-            share = tf.cast(batch_size_of(x), extra.dtype) / tf.cast(
-                examples, extra.dtype
-            )
-            sums = summed_terms(model, self.coupled.sums)
+            share = _share(x, examples, extra.dtype)
+            sums = self.coupled.summed_terms(model)
             extra = extra * share
             if sums is not None and not self.own_loss:
                 extra += tf.cast(sums, extra.dtype) * (1 - share)
@@ -284,14 +288,9 @@ def weights_here(
         yield scope
 
 
-def summed_terms(model: keras.Model, keys: list[tuple[str, int]]) -> Any:
-    """The ``add_loss`` terms named ``(layer path, index)``, added up; None for none."""
-    if not keys:
-        return None
-    layers = {layer.path: layer for layer in layers_of(model)}
-    terms = [own_losses(layers[path])[i] for path, i in keys]
-    return tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
-
-
 def _weighted(term: Term, value: tf.Tensor) -> tf.Tensor:
     return value if term.weight == 1.0 else term.weight * value
+
+
+def _share(x: Any, examples: Any, dtype: Any) -> tf.Tensor:
+    return tf.cast(batch_size_of(x), dtype) / tf.cast(examples, dtype)  # n_t / B
