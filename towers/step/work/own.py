@@ -1,18 +1,13 @@
-"""A model's own ``train_step``, ``test_step`` and ``predict_step``, run by
-every tower on its shard (only the steps a model overrides: ``kinds_of``).
+"""A model's own ``train_step``, ``test_step`` and ``predict_step`` (those it
+overrides), run by every tower on its shard.
 
-Each tower calls the model's step under its device (the step traced once
-per shard shape and cut where the towers meet, ``phases.own``, or the
-towers traced in turns, ``turns.py``), and meets the others at each
-``optimizer.apply`` (``applies.py``), each assignment and metric update
-(``assignments.py``) and each call of a BatchNormalization layer in training
-mode, so everything the step changes changes once, as on one device, and a
-read after it sees the new value. Each gradient is handed in as the
-gradient of a mean over the tower's rows, however the loss reads the batch
-(``loss_kinds.py``), weighted by the tower's share ``n_t / B``; in a cluster,
-by the worker's ``B_w / B`` too. The step's logs: a metric's result read
-after every tower updated it, any other value weighted by the shares.
-"""
+Each tower runs the model's step (traced once per shard shape and cut where
+the towers meet, or in turns) and meets the others at each
+``optimizer.apply`` (``applies.py``), assignment and metric update
+(``rules/assignments.py``) and BatchNormalization call in training mode, so
+what the step changes changes once, as on one device. Each gradient is a
+mean's over the tower's rows, however its loss reads the batch
+(``loss_kinds.py``), weighted by the tower's share ``n_t / B``."""
 
 from __future__ import annotations
 
@@ -41,16 +36,9 @@ from towers.step.work.logs import Logs, is_float, share
 
 
 class OwnStep:
-    """A model's own steps as the towers' work in :class:`Step` (its
-    ``train``, ``evaluate``, ``predict``), meeting at each apply.
-
-    Args:
-      placement: where the variables live (one model the towers share).
-      runner: how the towers run (``towers/step/run/runner.py``): the step's.
-      update: the engine's update: its policies, per apply
-        (``towers/step/work/applies.py``).
-      kinds: the steps that are the model's own (``kinds_of``).
-    """
+    """A model's own steps as the towers' work in :class:`Step`, meeting at each
+    apply (``placement``: one model the towers share; ``update``: the
+    engine's policies, per apply; ``kinds``: the steps that are the model's)."""
 
     def __init__(
         self,
@@ -84,12 +72,9 @@ class OwnStep:
         return self.placement.model
 
     def probe(self, batch: tuple, training: bool = True) -> None:
-        """Before the first training (or evaluation) step of two or more
-        examples: how each loss the step takes the gradient of and each
-        number it returns depends on the batch (``probe.py``); a no-op
-        after, and where the model's ``compute_loss`` is the whole batch's on
-        every tower, or the whole batch is one tower's (its gradients and
-        numbers are one device's whatever their kinds)."""
+        """Before the first step of two or more examples: how each loss the step
+        takes the gradient of, and each number it returns, reads the batch
+        (``probe.py``); not where one tower has the whole batch."""
         hook = "train_step" if training else "test_step"
         kind = "train" if training else "evaluate"
         if kind not in self.kinds or hook in self._logs_found:
@@ -108,10 +93,8 @@ class OwnStep:
                 self.applies.kinds = found.losses
 
     def build(self, batch: tuple, kind: str) -> None:
-        """Creates the variables the model's own ``kind`` step makes as it
-        first runs (a layer built at its first call, as in Keras' fit's first
-        trace): the step traced once on ``batch``, never run, nothing applied,
-        on the device its variables live on. Once a kind."""
+        """Creates the variables the model's ``kind`` step makes as it first runs
+        (as Keras' fit's first trace): traced once on ``batch``, never run."""
         models = self.placement.models
         if kind in self._built or all(x.built for m in models for x in layers_of(m)):
             return
@@ -145,10 +128,9 @@ class OwnStep:
         return self.run("predict_step", shards, batch)
 
     def run(self, hook: str, shards: Shards, batch: tuple) -> Any:
-        """``model.<hook>`` (``"train_step"``, ``"test_step"``) as every
-        working tower's work on its shard of ``batch``, meeting at each
-        apply; returns the step's logs, read as :meth:`_read_logs` says;
-        ``"predict_step"``'s outputs (any nest) concatenated in example order."""
+        """``model.<hook>`` as every working tower's work on its shard of
+        ``batch``: the step's logs (``logs.py``), or ``predict_step``'s outputs
+        concatenated in example order."""
         if hook == "predict_step":
             self._across = self.runner.across("predict")
             outputs = self._run(hook, shards)
@@ -179,9 +161,7 @@ class OwnStep:
         return read
 
     def _run(self, hook: str, shards: Shards) -> list[Any]:
-        """``model.<hook>(data)`` on every working tower's shard, run by the
-        step's runner (in turns), meeting at each apply; their results in
-        tower order."""
+        # model.<hook>(data) on every working tower's shard; results in tower order.
         working = self.placement.working_towers(shards)
         self.applies.begin(self._across, self._batch)
         self._free: dict[Any, tf.Tensor] = {}  # a log's batch-free terms
@@ -250,17 +230,13 @@ class OwnStep:
             raise named from error
 
     def _whole_batch_loss(self) -> Any:
-        """Where the model's ``compute_loss`` couples the batch's examples
-        (the probe found it, ``towers/step/rules/coupled.py``): within, the step's
-        calls of it are the whole batch's (``gathered.whole_batch_loss``)."""
+        # Where its compute_loss couples the examples: the whole batch's.
         if not self.runner.builtin.coupled.gathered:
             return contextlib.nullcontext()
         return whole_batch_loss(self.placement.models)
 
     def _moving_at_once(self, working: list[int]) -> Any:
-        """Where BatchNormalization layers meet at each call in training mode
-        (more than one tower, or a cluster): the first tower moves their
-        moving statistics at once (``MovingStatistics.moving_at_once``)."""
+        # Where BatchNormalization layers meet at each call in training mode.
         if self.moving is None or not self.moving.layers:
             return contextlib.nullcontext()
         if len(self.placement.models) > 1:
