@@ -9,22 +9,52 @@ traces the step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import random
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 
+class Seat(Protocol):
+    """Where a tower meets the others (``step/run/seats.py``: a ``Seat`` in
+    turns, a ``CutSeat`` in a pass traced to be cut, ``ALONE``): the verbs
+    every meeting takes."""
+
+    rank: int
+    first: bool
+    own: bool
+    quiet: bool
+    summing: bool
+    weight: Any
+    inputs: Any
+    marks: dict
+    forms: dict
+
+    def total(self, value: Any, backward: bool = False) -> Any: ...
+    def everyone(self, value: Any) -> list[Any]: ...
+    def from_first(self, compute: Callable[[], Any]) -> Any: ...
+    def once(self, value: Any, action: Callable[[list], Any], writes=None) -> Any: ...
+    def form(self, value: Any) -> Any: ...
+
+
+# A tower's rows of the batch (``step/rules/places.py``'s ``rows``): its
+# static rows (None: unknown), its first row, the batch's rows, its rows of
+# its data's other parts, and the rows the step is written for.
+Rows = tuple[Any, Any, Any, tuple, Any]
+
+
+@dataclasses.dataclass(eq=False)  # a thread's own: compared by identity
 class Tower:
     """This thread's tower.
 
     Attributes:
-      seat: where it meets the other towers (a ``Seat`` in lockstep, a cut
-        pass's recording; None: alone), ``step/run/seats.py``.
-      rows: its rows of the batch, ``python``: its Python ``random`` while
-        it is traced, and ``drawn``: the row counts of its draws so far, in
-        call order (``step/rules/places.py``).
-      calling: the layers whose ``call`` it is within, and ``skip``: the
-        values its next counted draw skips (``patches.py``).
+      seat: where it meets the other towers (None: alone).
+      rows: its rows of the batch; ``python``: its Python ``random`` while
+        it is traced; ``drawn``: its draws' row counts so far, in call order
+        (``step/rules/places.py``).
+      calling: the layers whose ``call`` it is within; ``skip``: the values
+        its next counted draw skips (``patches.py``).
       moments: where BatchNormalization's moments go, by the
         ``MovingStatistics`` recording them (``step/rules/batchnorm.py``).
       trial: the probe's trial of the tower's work (``step/rules/trial.py``).
@@ -34,17 +64,16 @@ class Tower:
       in_loss: within a gathered loss's own call (``step/rules/whole_batch.py``).
     """
 
-    def __init__(self) -> None:
-        self.seat: Any = None
-        self.rows: Any = None
-        self.python: Any = None
-        self.drawn: list[Any] = []
-        self.calling: tuple = ()
-        self.skip: Any = None
-        self.moments: dict[int, Any] = {}
-        self.trial: Any = None
-        self.step: Any = None
-        self.in_loss = False
+    seat: Seat | None = None
+    rows: Rows | None = None
+    python: random.Random | None = None
+    drawn: list[Any] = dataclasses.field(default_factory=list)
+    calling: tuple = ()
+    skip: Any = None  # a draw's values (a tensor) or None
+    moments: dict[int, Any] = dataclasses.field(default_factory=dict)
+    trial: Any = None  # rules/trial.Trial, which imports this module
+    step: Any = None  # rules/places._Step, likewise
+    in_loss: bool = False
 
 
 _threads = threading.local()
