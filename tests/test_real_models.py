@@ -29,6 +29,7 @@ from tests.tolerances import (
     FLOAT64_UPDATE_RTOL,
 )
 from towers import Towers
+from towers.training import check
 
 EXAMPLES, BATCH = 14, 7
 
@@ -278,20 +279,24 @@ def test_mobilenetv2_in_float32_passes_its_first_step_check_on_4_towers():
     assert engine.steps_done == 1
 
 
-def test_adams_first_step_past_float32s_tolerance_is_cleared_by_the_twin():
-    """Under Adam's first step an element moves by the learning rate, with
-    its gradient's sign: an element whose gradient rounding tips past the
-    noise floor moves by 2 x the rate apart. This model and batch put
-    block_3_depthwise_BN/beta 29 % apart in float32 on 4 towers, past the
-    check's 15 %; its float64 twin's step is one device's, so it trains."""
-    keras.utils.set_random_seed(1)
+def test_float32_rounding_past_the_tolerance_is_cleared_by_the_twin(monkeypatch):
+    """Where float32's rounding puts a variable past the check's tolerance,
+    the float64 twin tells it from a mechanism: its step is one device's, so
+    the model trains. Which variable rounding tips past 15 % depends on the
+    machine's kernels (an Adam element whose gradient's sign flips, on some
+    CPUs and seeds: 29 % once); so the tolerance is brought to 0.1 %, which
+    this model's float32 rounding passes on any machine (3.5 % here)."""
+    monkeypatch.setitem(check.RTOL, "float32", 1e-3)
+    keras.utils.set_random_seed(3)
     model = keras.applications.MobileNetV2(
-        weights=None, input_shape=(32, 32, 3), classes=5, alpha=0.35
+        weights=None, input_shape=(32, 32, 3), classes=10, alpha=0.35
     )
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    rng = np.random.default_rng(1)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy"
+    )
+    rng = np.random.default_rng(3)
     x = rng.standard_normal((32, 32, 32, 3)).astype("float32")
-    y = rng.integers(0, 5, 32)
+    y = rng.integers(0, 10, 32)
     engine = Towers(model, devices=devices(4))
     shown = engine.check(x, y)
     apart = [d.path for d in shown.differences if d.differs]
