@@ -11,6 +11,7 @@ from typing import Any
 from towers._keras import built_symbolically, trainable_capable
 from towers.split import examples_of, split_sizes
 from towers.step.batches import check_sizes, check_targets, first_example, on_host
+from towers.step.run import xla
 from towers.step.work.copies import build_copies
 from towers.step.work.hooks import overrides
 
@@ -47,6 +48,8 @@ class Preparing:
         )
         batch, own = (x, y, sample_weight), self.builtin.own_loss
         coupled.probe(model, batch, own, self.device, jit.strict, training)
+        if coupled.gathered and jit.enabled:  # "auto": gathered rows, in turns
+            self.builtin.jit = xla.without("the model's compute_loss gathers the batch")
         if self.own is not None:
             self.own.probe(batch, training)
 

@@ -136,8 +136,6 @@ class BuiltIn:
 
     def needs(self, kind: str) -> Needs:
         """What this pass needs of the towers' way for a ``kind`` step."""
-        if self.coupled.gathered and self.jit.enabled:  # "auto": gathered rows
-            self.jit = xla.without("the model's compute_loss gathers the batch")
         if kind != "train":
             return Needs(rows=self.coupled.gathered and kind == "evaluate")
         sums = self.moving_statistics.meets or self.coupled.exact
