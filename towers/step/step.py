@@ -24,7 +24,7 @@ from towers.step.batches import HOST
 from towers.step.metrics import Metrics
 from towers.step.prepare import Preparing
 from towers.step.rules.batchnorm import MovingStatistics
-from towers.step.rules.state import state_variables
+from towers.step.rules.state import assign, state_variables
 from towers.step.rules.whole_batch import concat_rows
 from towers.step.run.runner import Runner
 from towers.step.tail import Tail
@@ -115,8 +115,8 @@ class Step(Preparing):
             moments = [r.moments for r in towers]
             # A trainable variable its forward pass assigned (a masked or
             # normalised kernel) takes the gradient after, as on one device.
-            tail.assign(settled, summed.state, trainable=True)
-            rest = lambda: tail.assign(settled, summed.state, trainable=False)  # noqa: E731
+            assign(settled, summed.state, trainable=True)
+            rest = lambda: assign(settled, summed.state, trainable=False)  # noqa: E731
             finite = self.apply(summed.grads, variables, moments, weight, rest)
         reported = tail.track(summed, self.builtin.own_loss)
         out = {"logs": {**reported, "loss": summed.loss}, "reported": reported}
@@ -144,7 +144,7 @@ class Step(Preparing):
         settled, summed = self.tail.across(
             before, batch, shards, passes, loss, outputs, [], weight, "eval"
         )
-        self.tail.assign(settled, summed.state)
+        assign(settled, summed.state)
         return self.tail.track(summed, self.builtin.own_loss)
 
     def predict(self, x: Any) -> Any:
@@ -153,7 +153,7 @@ class Step(Preparing):
 
     def _predict(self, shards: Shards, batch: tuple) -> Any:
         passes = self.runner.each(shards, self.builtin.predict, "predict")
-        self.tail.assign(self.tail.settle(passes, shards, predict=True))
+        assign(self.tail.settle(passes, shards, predict=True))
         with tf.device(HOST):
             return concat_rows([p.predictions for p in passes])
 

@@ -27,12 +27,7 @@ from towers.split import Shards, batch_size_of
 from towers.step.metrics import Metrics
 from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.rules.grad_rules import combined
-from towers.step.rules.state import (
-    assign,
-    exchanged,
-    rule_of,
-    settle_apart_metrics,
-)
+from towers.step.rules.state import exchanged, rule_of, settle_apart_metrics
 
 
 @dataclasses.dataclass
@@ -134,7 +129,3 @@ class Tail:
             return {}
         with tf.device(self.device), tf.name_scope("metrics"):
             return {name: tf.add_n([s[name] for s in shares]) for name in shares[0]}
-
-    def assign(self, settled: list, changes=None, trainable=None) -> None:
-        """The settled state assigned (``changes``: the cluster's)."""
-        assign(settled, changes, trainable=trainable)
