@@ -288,13 +288,35 @@ class Chosen(keras.layers.Layer):
         return x * random.choice(scales)
 
 
-def chosen():
+def chosen(normalised=False):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((5,))
-    x = Chosen()(keras.layers.Dense(4, activation="tanh")(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    x = keras.layers.Dense(4, activation="tanh")(inputs)
+    if normalised:
+        x = keras.layers.BatchNormalization()(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(Chosen()(x)))
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     return model
+
+
+def fit_from_one_python_state(engine, reference):
+    """Keras' fit and the engine's from one Python random state, every
+    variable's update compared; where each left the state (the next number
+    drawn from it)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((24, 5)), rng.standard_normal((24, 2))
+    before = [v.numpy() for v in reference.variables]
+    random.seed(5)
+    reference.fit(x, y, **FIT)
+    keras_after = random.random()
+    random.seed(5)
+    engine.fit(x, y, **FIT)
+    for got, want, b in zip(engine.model.variables, reference.variables, before):
+        np.testing.assert_allclose(
+            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
+            err_msg=want.path,
+        )  # fmt: skip
+    return random.random(), keras_after
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
@@ -304,24 +326,12 @@ def test_a_layers_python_random_choice_while_traced_is_one_devices(
     # Uneven shards (8 rows on 3 towers) trace each shape apart: every
     # tower's trace must see the Python random state one device's trace
     # sees, and leave it where that trace does.
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((24, 5)), rng.standard_normal((24, 2))
     reference, model = chosen(), chosen()
     engine = Towers(model, devices=devices(3), jit_compile=jit_compile)
     reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
                       jit_compile=jit_compile)  # fmt: skip
-    before = [v.numpy() for v in reference.variables]
-    random.seed(5)
-    reference.fit(x, y, **FIT)
-    keras_after = random.random()
-    random.seed(5)
-    engine.fit(x, y, **FIT)
-    assert random.random() == keras_after
-    for got, want, b in zip(model.variables, reference.variables, before):
-        np.testing.assert_allclose(
-            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
-            err_msg=want.path,
-        )  # fmt: skip
+    after, keras_after = fit_from_one_python_state(engine, reference)
+    assert after == keras_after
 
 
 def test_a_python_random_choice_traced_in_turns_is_one_devices(float64, monkeypatch):
@@ -334,32 +344,10 @@ def test_a_python_random_choice_traced_in_turns_is_one_devices(float64, monkeypa
     monkeypatch.setattr(
         runner, "in_turns", lambda *a: fallbacks.append(1) or in_turns(*a)
     )
-
-    def build():
-        keras.utils.set_random_seed(3)
-        inputs = keras.Input((5,))
-        x = keras.layers.Dense(4, activation="tanh")(inputs)
-        x = Chosen()(keras.layers.BatchNormalization()(x))
-        model = keras.Model(inputs, keras.layers.Dense(2)(x))
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-        return model
-
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((24, 5)), rng.standard_normal((24, 2))
-    reference, model = build(), build()
+    reference, model = chosen(normalised=True), chosen(normalised=True)
     engine = Towers(model, devices=devices(3), batch_statistics="global")
-    before = [v.numpy() for v in reference.variables]
-    random.seed(5)
-    reference.fit(x, y, **FIT)
-    keras_after = random.random()
-    random.seed(5)
-    engine.fit(x, y, **FIT)
-    assert fallbacks and random.random() == keras_after
-    for got, want, b in zip(model.variables, reference.variables, before):
-        np.testing.assert_allclose(
-            got.numpy() - b, want.numpy() - b, rtol=1e-12, atol=1e-14,
-            err_msg=want.path,
-        )  # fmt: skip
+    after, keras_after = fit_from_one_python_state(engine, reference)
+    assert fallbacks and after == keras_after
 
 
 def test_a_python_random_choice_is_no_coupling_of_the_examples():
