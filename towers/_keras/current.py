@@ -44,6 +44,39 @@ class Seat(Protocol):
 Rows = tuple[Any, Any, Any, tuple, Any]
 
 
+@dataclasses.dataclass
+class TracedStep:
+    """What holds for the whole step traced, shared by its towers' threads
+    (``step/rules/places.py``'s ``placing``; ``step/run/turns.py`` hands it on).
+
+    Attributes:
+      model, hook: whose step (``id`` of tower 0's model; a model's own
+        step's hook, "" for the built-in one), which names its draws.
+      batch_rows: the (global) batch's rows; ``worker_first``: a cluster
+        worker's first row in it; ``unplaced``: a worker whose rows nothing
+        placed (its model holds no seed generator).
+      steady: the probe's trace, where a draw towers cannot place is its
+        distribution's middle.
+      python: the Python random state one device's trace starts from;
+        ``python_end``: where the first tower's trace left it.
+      warm_ups: the XLA warm-ups the trace queues (``step/run/warm_up.py``),
+        None where nothing runs them.
+    """
+
+    model: int = 0
+    hook: str = ""
+    batch_rows: Any = None
+    worker_first: Any = 0
+    unplaced: bool = False
+    steady: bool = False
+    python: Any = None
+    python_end: Any = None
+    warm_ups: list[Callable[[], None]] | None = None
+
+
+IDLE = TracedStep()  # outside a step: read, never written
+
+
 @dataclasses.dataclass(eq=False)  # a thread's own: compared by identity
 class Tower:
     """This thread's tower.
@@ -58,9 +91,7 @@ class Tower:
       moments: where BatchNormalization's moments go, by the
         ``MovingStatistics`` recording them (``step/rules/batchnorm.py``).
       trial: the probe's trial of the tower's work (``step/rules/trial.py``).
-      step: what holds for the whole step traced (a cluster worker's first
-        row, the Python random state one device's trace starts from), shared
-        by its towers' threads (``step/rules/places.py``).
+      step: what holds for the whole step traced (:class:`TracedStep`).
       in_loss: within a gathered loss's own call (``step/rules/whole_batch.py``).
     """
 
@@ -72,7 +103,7 @@ class Tower:
     skip: Any = None  # a draw's values (a tensor) or None
     moments: dict[int, Any] = dataclasses.field(default_factory=dict)
     trial: Any = None  # rules/trial.Trial, which imports this module
-    step: Any = None  # rules/places._Step, likewise
+    step: TracedStep | None = None
     in_loss: bool = False
 
 

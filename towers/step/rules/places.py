@@ -9,7 +9,6 @@ A tower's trace draws from Python's ``random`` as one device's would."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import random
 import warnings
@@ -19,35 +18,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras.current import setting, this_tower
+from towers._keras.current import IDLE, TracedStep, setting, this_tower
 from towers._keras.patches import python_random_from
 from towers.split import examples_of
 from towers.step.rules.forms import static_dim
 
 
-@dataclasses.dataclass
-class _Step:
-    # What placing() (and steady()) say of the step traced, in the current
-    # tower's context, shared by its towers' threads: python, the Python
-    # random state one device's trace starts from; python_end, where the
-    # first tower's trace left it.
-    model: int = 0
-    hook: str = ""  # a model's own step's (train_step, test_step), if one
-    batch_rows: Any = None
-    worker_first: Any = 0
-    unplaced: bool = False
-    steady: bool = False
-    python: Any = None
-    python_end: Any = None
-
-
-_IDLE = _Step()  # outside a step: read, never written
-
-
-def _here() -> _Step:
-    """The step this thread's tower is traced in (``placing``), its towers'
-    threads sharing it (``turns.in_lockstep`` hands it on)."""
-    return this_tower().step or _IDLE
+def _here() -> TracedStep:
+    # The step this thread's tower is traced in (placing).
+    return this_tower().step or IDLE
 
 
 # By (model, hook), how its draws over a number of rows that is both the
@@ -198,7 +177,7 @@ def steady() -> Iterator[None]:
     middle, the same for every part: a loss's kind is found through it."""
     step = this_tower().step
     if step is None:
-        with setting(step=_Step(steady=True)):
+        with setting(step=TracedStep(steady=True)):
             yield
         return
     before, step.steady = step.steady, True
@@ -255,7 +234,9 @@ def placing(
     the towers ``draw``, and a draw from Keras' global generator is refused
     where they do not. Python's ``random`` gives each tower's trace what one
     device's would draw, left as the first tower's left it."""
-    step = _Step(id(models[0]), hook, steady=_here().steady)
+    outer = _here()
+    step = TracedStep(id(models[0]), hook, steady=outer.steady)
+    step.warm_ups = outer.warm_ups
     step.batch_rows = examples if workers is None else None
     if workers is not None and draw:
         step.worker_first, step.batch_rows = workers.first_row(examples)

@@ -7,12 +7,12 @@ other tower loads it from the cache.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
-_WARM_UPS: list[Callable[[], None]] = []
+from towers._keras.current import TracedStep, setting, this_tower
+
 _READS = {"ReadVariableOp", "VarHandleOp"}  # the stateful ops a warm-up may run
 
 
@@ -27,16 +27,21 @@ def warm_up(function: Any, *args: Any) -> None:
     warm-ups its trace queued; nothing unless the cache is on."""
     if not cached_on_disk() or not hasattr(function, "get_concrete_function"):
         return
-    function.get_concrete_function(*args)
-    queued, _WARM_UPS[:] = list(_WARM_UPS), []  # none left behind by a failure
+    queued: list = []
+    with setting(step=TracedStep(warm_ups=queued)):
+        function.get_concrete_function(*args)
     for run in queued:
         run()
 
 
 def queue_warm_up(traced: Any, args: tuple, device: str) -> None:
-    """Queues ``traced``'s run on zeros shaped as ``args``, on ``device``; not if
-    the pass holds a stateful op other than a variable's read (an assignment,
-    a stateful draw) or an argument's shape is not known."""
+    """Queues ``traced``'s run on zeros shaped as ``args``, on ``device``, for
+    the :func:`warm_up` tracing the step; not if none does, the pass holds a
+    stateful op other than a variable's read (an assignment, a stateful draw)
+    or an argument's shape is not known."""
+    queue = (this_tower().step or TracedStep()).warm_ups
+    if queue is None:
+        return
     concrete = traced.get_concrete_function(*args)
     ops = concrete.graph.get_operations()
     if {op.type for op in ops if op.op_def.is_stateful} - _READS:
@@ -59,7 +64,7 @@ def queue_warm_up(traced: Any, args: tuple, device: str) -> None:
         with tf.device(device):
             call_there(*tf.nest.map_structure(_zeros, specs))
 
-    _WARM_UPS.append(run)
+    queue.append(run)
 
 
 def _zeros(spec: Any) -> Any:
