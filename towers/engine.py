@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from towers.cluster.cluster import Cluster
 from towers.devices import canonical_device, resolve_devices
-from towers.explain.run import Explaining
+from towers.explain.run import Explanation, explain
 from towers.parts import PlacementName, join_cluster, make_step
 from towers.placement.update import NonfinitePolicy
 from towers.reducers import get_reducer
@@ -26,7 +26,7 @@ from towers.training.loop import Trainer
 from towers.training.recompile import remember_compile
 
 
-class Towers(Trainer, Explaining):
+class Towers(Trainer):
     """Data-parallel training with one tower per device and shared variables.
 
     Args:
@@ -159,8 +159,7 @@ class Towers(Trainer, Explaining):
         >>> for _ in range(3):
         ...     _ = eng.train_step(np.ones((4, 3), "f4"), np.ones((4, 1), "f4"))
         >>> eng.steps_done, int(eng.optimizer.iterations)  # 3 batches, 1 apply
-        (3, 1)
-        """
+        (3, 1)"""
         return 0 if self.update.steps is None else int(self.update.steps.numpy())
 
     def train_step(
@@ -179,8 +178,7 @@ class Towers(Trainer, Explaining):
           ValueError: x, y and sample_weight disagree on B, B == 0, the batch
             does not fit (``training/fits.py``), a term couples the examples
             (``step/rules/probe.py``), or a checked step is unlike one device's.
-          FloatingPointError: with ``on_nonfinite="raise"``, a combined gradient
-            is not finite; nothing was updated.
+          FloatingPointError: a gradient not finite under ``"raise"``; none applied.
 
         Example:
           >>> eng = make_engine()
@@ -191,16 +189,13 @@ class Towers(Trainer, Explaining):
         return self.train_steps([(x, y, sample_weight)])
 
     def train_steps(self, batches: list[tuple]) -> dict[str, tf.Tensor]:
-        """A step on each of ``batches`` (``(x, y, sample_weight)``), in order,
-        consecutive ones of one shape in one call: a loop in the graph
-        (``steps_per_execution``; ``towers/training/executions.py``). Returns the
-        last step's logs, as :meth:`train_step` does.
+        """A step on each ``(x, y, sample_weight)`` of ``batches`` in order (those
+        of one shape in one call: ``training/executions.py``); the last's logs.
 
         >>> eng, x = make_engine(), np.ones((4, 3), "f4")
         >>> logs = eng.train_steps([(x, np.ones((4, 1), "f4"))] * 3)
         >>> eng.steps_done, eng.trace_count  # 3 steps, one trace of the loop
-        (3, 1)
-        """
+        (3, 1)"""
         return self.fit_steps(batches)["logs"]
 
     def fit_steps(self, batches: list[tuple]) -> dict[str, Any]:
@@ -239,8 +234,7 @@ class Towers(Trainer, Explaining):
         outputs are concatenated in order (``predict`` feeds many batches).
 
         >>> make_engine().predict_step(np.zeros((3, 3), "f4")).shape  # bias 0
-        TensorShape([3, 1])
-        """
+        TensorShape([3, 1])"""
         x, _, _ = self.prepare(x)
         return self._run("predict", x)
 
@@ -250,14 +244,12 @@ class Towers(Trainer, Explaining):
 
         >>> eng = make_engine(accumulate_steps=4)
         >>> _ = eng.train_step(np.ones((5, 3), "f4"), np.ones((5, 1), "f4"))
-        >>> eng.apply_accumulated()  # 1 of 4 micro-batches, applied
-        >>> int(eng.optimizer.iterations)
+        >>> eng.apply_accumulated(); int(eng.optimizer.iterations)  # 1 of 4 batches
         1"""
         self.step.flush()
 
     def prepare(self, x: Any, y: Any = None, sample_weight: Any = None, kind=""):
-        """Checks a batch for the ``kind`` step (``Step.prepare``), puts it on
-        the host as tensors, builds a model not built yet from it.
+        """A batch checked for ``kind``, on the host, an unbuilt model built.
 
         >>> x, y, sw = make_engine().prepare(np.ones((2, 3)), np.ones((2, 1)))
         >>> x.device, tuple(y.shape), sw
@@ -291,6 +283,14 @@ class Towers(Trainer, Explaining):
         >>> len(c.differences), c.differs  # kernel, bias, optimizer's, loss's
         (5, [])"""
         return self.checks.check([self._training_batch("check", x, y, sample_weight)])
+
+    def explain(self, x: Any, y: Any) -> Explanation:
+        """Where one step on ``(x, y)`` ran (:func:`towers.explain.run.explain`).
+
+        >>> make_engine().explain(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4")).sizes
+        [3, 2]"""
+        self._training_batch("explain", x, y)
+        return explain(self, x, y)
 
     def _run(self, kind: str, *batch: Any) -> Any:
         with named_misfits(self.model, (*batch, None, None)[:3]):

@@ -105,25 +105,6 @@ class Explainable(Protocol):
     def prepare(self, x: Any, y: Any) -> tuple[Any, Any, Any]: ...
 
 
-class Explaining:
-    """``explain`` for an engine (``towers.Towers``)."""
-
-    def explain(self, x: Any, y: Any) -> Explanation:
-        """Where one step on ``(x, y)`` put every variable and op, as TensorFlow
-        placed them (:func:`explain`); the step runs, then every variable it
-        touched is put back. In a cluster every worker must call it.
-
-        >>> eng = make_engine()
-        >>> report = eng.explain(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4"))
-        >>> report.sizes, report.ran_on("apply"), report.ran_on("tower 1 backward")
-        ([3, 2], ['/device:CPU:0'], ['/device:CPU:1'])
-        >>> int(eng.optimizer.iterations.numpy())  # explaining did not train
-        0
-        """
-        self._training_batch("explain", x, y)
-        return explain(self, x, y)
-
-
 def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
     """Runs one step on ``(x, y)`` as TensorFlow places it, then undoes it.
 
@@ -138,6 +119,14 @@ def explain(engine: Explainable, x: Any, y: Any) -> Explanation:
       ValueError: the model has a loss term that training would refuse: it
         is probed first, as fit's first step probes it
         (``towers/step/rules/probe.py``).
+
+    Example:
+      >>> eng = make_engine()  # in a cluster every worker calls it
+      >>> report = eng.explain(np.ones((5, 3), "f4"), np.zeros((5, 1), "f4"))
+      >>> report.sizes, report.ran_on("apply"), report.ran_on("tower 1 backward")
+      ([3, 2], ['/device:CPU:0'], ['/device:CPU:1'])
+      >>> int(eng.optimizer.iterations.numpy())  # explaining did not train
+      0
     """
     x, y, sample_weight = engine.prepare(x, y)
     engine.step.probe(x, y, sample_weight)
