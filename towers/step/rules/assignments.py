@@ -39,7 +39,7 @@ from towers.step.rules.metric_updates import (
     same_form,
 )
 from towers.step.rules.state import aggregate, raw_variables, refused, rule_of
-from towers.step.run.seats import current, over_workers
+from towers.step.run.seats import Across, current, over_workers
 
 
 @contextlib.contextmanager
@@ -64,7 +64,7 @@ class Assignments(MetricUpdates):
       across: in a cluster, the step's handle on the workers (``seats.Across``).
       apart: the copies never meet (``placement="independent"``)."""
 
-    def __init__(self, models: list[Any], across: Any, apart: bool = False):
+    def __init__(self, models: list[Any], across: Across | None, apart: bool = False):
         super().__init__()
         self.models = models
         self.apart = apart

@@ -78,7 +78,7 @@ class MovingStatistics:
         )
         self._epsilons: dict[int, float] = {}  # by layer: Keras' ε of its moments
 
-    def whole_batch(self, layer: Any) -> bool:
+    def whole_batch(self, layer: keras.layers.Layer) -> bool:
         """Whether ``layer`` normalises with the whole batch's moments (``"global"``,
         or its own ``synchronized=True``)."""
         return self.statistics == "global" or layer.synchronized
@@ -168,7 +168,7 @@ class MovingStatistics:
         seats.current().once(moments, move, moving)  # renorm's: any
 
     def _statistics(
-        self, per_tower: list[tuple], epsilon: float, layer: Any
+        self, per_tower: list[tuple], epsilon: float, layer: keras.layers.Layer
     ) -> tuple[tf.Tensor, tf.Tensor]:
         # The stat the policy takes from the towers' (mean, variance, count),
         # stacked: a few ops a layer whatever T (ops per tower grow the trace).
@@ -217,7 +217,7 @@ class Steady:
         ).applied()  # fmt: skip
 
 
-def moving_moments(layer: Any) -> Any:
+def moving_moments(layer: keras.layers.Layer) -> Any:
     """A BatchNormalization ``layer``'s moments: its moving ones, shaped as
     its own."""
     own = patches.own_moments(layer)

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from towers._keras.patches import drawn_after, routed_draws
+from towers.cluster.workers import Workers
 from towers.step.rules import places
 from towers.step.rules.forms import static_dim
 from towers.step.rules.state import state_variables
@@ -205,7 +206,7 @@ def _categorical(own, logits, num_samples, *args, **kwargs):
 
 @contextlib.contextmanager
 def drawing(
-    workers: Any, models: list[Any], examples: Any, hook: str = ""
+    workers: Workers | None, models: list[Any], examples: Any, hook: str = ""
 ) -> Iterator[None]:
     """Within, Keras' draws are routed to :func:`route`, the towers' rows placed."""
     draw = any(state_variables(model) for model in models)

@@ -11,6 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers.placement.base import Placement
 from towers.step.rules import float8, row_slices
 from towers.step.rules.forms import Reads
 
@@ -41,7 +42,10 @@ def as_one_devices(
 
 
 def combined(
-    placement: Any, tower_grads: list[list[Any]], batch: Any, variables: Any = None
+    placement: Placement,
+    tower_grads: list[list[Any]],
+    batch: Any,
+    variables: Any = None,
 ) -> list[Any]:
     """``tower_grads[t][v]`` (of ``variables``, the trainable ones by default)
     combined by the placement, each kind above one device's first: the one

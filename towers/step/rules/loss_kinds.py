@@ -150,7 +150,9 @@ def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:
     return out
 
 
-def nothing(optimizer: Any, grads: Any, variables: Any, own: Any) -> None:
+def nothing(
+    optimizer: keras.optimizers.Optimizer, grads: Any, variables: Any, own: Any
+) -> None:
     """An apply while probing: nothing applied."""
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from towers._keras import in_stateless_scope
 from towers.combine import in_dtype
-from towers.step.run.seats import current
+from towers.step.run.seats import Across, current
 
 
 def met_for(tensors: list[tf.Tensor], meeting: Any) -> None:
@@ -31,7 +31,7 @@ class MetricUpdates:
     and ``_metric_place``)."""
 
     models: list[Any]
-    across: Any
+    across: Across | None
     apart: bool
     _own: Any
     _metric_place: dict[int, int]

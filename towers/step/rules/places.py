@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from towers._keras.current import IDLE, TracedStep, setting, this_tower
 from towers._keras.patches import python_random_from
+from towers.cluster.workers import Workers
 from towers.split import examples_of
 from towers.step.rules.forms import static_dim
 
@@ -227,7 +228,11 @@ def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
 
 @contextlib.contextmanager
 def placing(
-    workers: Any, models: list[Any], examples: Any, draw: bool, hook: str = ""
+    workers: Workers | None,
+    models: list[Any],
+    examples: Any,
+    draw: bool,
+    hook: str = "",
 ) -> Iterator[None]:
     """Within, draws name ``models`` and the batch has ``examples`` rows; in a
     cluster the towers' rows follow the workers' before (one small sum) where

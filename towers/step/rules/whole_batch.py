@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers._keras import ReadScope, compute_loss
-from towers._keras.current import setting, this_tower
+from towers._keras.current import Seat, setting, this_tower
 from towers._keras.patches import routed_calls
 from towers.combine import in_dtype
 from towers.split import batch_size_of
@@ -125,7 +125,7 @@ class Rows:
         return _spliced(self.parts[i], live, self.start)
 
 
-def gathered_rows(seat: Any, parts: tuple) -> Rows:
+def gathered_rows(seat: Seat, parts: tuple) -> Rows:
     """Every tower's (and worker's) rows of each of ``parts``, in example
     order: the one gather (``towers.gather`` and a coupled ``compute_loss``)."""
     handed = seat.everyone(parts)
@@ -137,7 +137,7 @@ def gathered_rows(seat: Any, parts: tuple) -> Rows:
     return Rows(whole, offset + sum(rows), scale, handed[0])
 
 
-def _cluster_rows(seat: Any, local: list[Any]) -> tuple:
+def _cluster_rows(seat: Seat, local: list[Any]) -> tuple:
     # The cluster's batch, this worker's offset, and B / B_w.
 
     def gather() -> tuple:

@@ -18,16 +18,17 @@ from typing import Any
 import tensorflow as tf
 
 from towers.combine import in_dtype
+from towers.placement.base import Placement
 from towers.split import Shards, batch_size_of
 from towers.step.rules import draws, places
 from towers.step.rules.forms import Form
 from towers.step.run import cut, seats, xla
 from towers.step.run.cut import Plan
-from towers.step.run.seats import Action
+from towers.step.run.seats import Across, Action
 from towers.step.work.builtin import BuiltIn, TowerResult
 
 
-def shareable(placement: Any, shards: Shards, working: list[int]) -> bool:
+def shareable(placement: Placement, shards: Shards, working: list[int]) -> bool:
     """Whether the working towers can run one traced pass without XLA: they
     share one model and the step's shard sizes are known at trace time."""
     models = {id(placement.model_of(t)) for t in working}
@@ -85,12 +86,12 @@ def run(
 
 
 def compute(
-    placement: Any,
+    placement: Placement,
     builtin: BuiltIn,
     shards: Shards,
     working: list[int],
     divisors_of: Callable[[list], list[Any]],
-    across: Any = None,
+    across: Across | None = None,
     weight_of: Callable[[list], Any] | None = None,
     meets: bool = True,
 ) -> list[TowerResult]:
@@ -128,12 +129,12 @@ def compute(
 
 
 def own(
-    placement: Any,
+    placement: Placement,
     shards: Shards,
     working: list[int],
     work: Callable[..., Any],
     weights: list[Any],
-    across: Any,
+    across: Across | None,
     inline: bool,
 ) -> list[Any]:
     """A model's own step, ``work(model, x, y, sw, B)``, on every working tower
@@ -157,7 +158,7 @@ def own(
 
 
 def plans_for(
-    placement: Any,
+    placement: Placement,
     working: list[int],
     args_of: Callable[[int], tuple],
     pass_of: Callable[[Any], Callable[..., Any]],

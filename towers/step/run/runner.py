@@ -16,11 +16,14 @@ from typing import Any, Literal
 
 import tensorflow as tf
 
+from towers.cluster.workers import Workers
+from towers.placement.base import Placement
 from towers.split import Shards, split_for_towers
 from towers.step.batches import HOST
 from towers.step.rules import draws, places
+from towers.step.rules.batchnorm import MovingStatistics
 from towers.step.run import phases, seats, turns, xla
-from towers.step.work.builtin import TowerResult
+from towers.step.work.builtin import BuiltIn, TowerResult
 from towers.step.work.needs import OWN
 
 Way = Literal["alone", "shared", "phases", "turns"]
@@ -40,7 +43,13 @@ class Runner:
       moving_statistics: BatchNormalization's (whether the towers meet).
       workers: the other workers of a cluster, or None."""
 
-    def __init__(self, placement: Any, builtin: Any, moving_statistics: Any, workers):
+    def __init__(
+        self,
+        placement: Placement,
+        builtin: BuiltIn,
+        moving_statistics: MovingStatistics,
+        workers: Workers | None,
+    ):
         self.placement = placement
         self.builtin = builtin
         self.moving_statistics = moving_statistics
@@ -186,7 +195,7 @@ def _run_shared(placement, shards, work, kind: Kind, t: int) -> Callable[[], Any
     return partial(on_tower, placement, t, partial(work, *args))
 
 
-def on_tower(placement: Any, t: int, work: Callable[[], Any], within=None) -> Any:
+def on_tower(placement: Placement, t: int, work: Callable[[], Any], within=None) -> Any:
     """``work()`` under tower ``t``'s device and name scope (and the context
     ``within``, if given)."""
     with tf.device(placement.devices[t]), tf.name_scope(f"tower_{t}"):

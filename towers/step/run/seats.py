@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from towers._keras.current import setting, this_tower
+from towers.cluster.workers import Workers
 from towers.combine import in_dtype
 from towers.step.rules.forms import Form, form_of
 
@@ -207,7 +208,9 @@ class CutSeat(Alone):
         return Form(form_of(value, self.inputs, self.marks, captured, self.forms))
 
 
-def summed(handed: list[tf.Tensor], across: Any = None, backward=False) -> tf.Tensor:
+def summed(
+    handed: list[tf.Tensor], across: Across | None = None, backward=False
+) -> tf.Tensor:
     """The towers' values summed (then over the workers): the one sum every
     meeting takes. No gradient flows back (its caller writes one): a graph
     walk from it stops here, not through every tower traced so far."""
@@ -241,7 +244,7 @@ class Across:
     ``across(value, backward)`` sums over the workers, numbered in the order
     made; ``weight``: this worker's in the step, weighing a backward sum."""
 
-    def __init__(self, workers: Any, kind: str):
+    def __init__(self, workers: Workers | None, kind: str):
         self.workers, self.kind = workers, kind
         self.weight: Any = None
         self._instances = itertools.count()

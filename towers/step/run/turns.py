@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from towers._keras import GlobalSeed, loss_ids_kept
 from towers._keras.current import setting, this_tower
+from towers.placement.base import Placement
 from towers.step.run.seats import Across, Seat, seated
 
 T = TypeVar("T")
@@ -138,7 +139,7 @@ class Rendezvous:
                 )
 
 
-def meeting(size: int, placement: Any, across: Across | None) -> Rendezvous:
+def meeting(size: int, placement: Placement, across: Across | None) -> Rendezvous:
     """The rendezvous of ``size`` towers of ``placement`` (``across``: the
     step's handle on the other workers, or None)."""
     return Rendezvous(

@@ -16,11 +16,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers._keras.current import Seat
 from towers._keras.optimizers import optimizer_variables
 from towers.combine import combine_gradients, in_dtype
+from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.step.rules import float8, loss_kinds
-from towers.step.run.seats import current, seated
+from towers.step.run.seats import Across, current, seated
 from towers.step.tail import Tail
 
 # Instance keys of one apply's all-reduce: each apply of a step takes its own
@@ -43,7 +45,7 @@ class Applies:
       saved: what checkpoints save: each update's accumulator."""
 
     def __init__(
-        self, placement: Any, update: Update, accumulate_steps: int, tail: Tail
+        self, placement: Placement, update: Update, accumulate_steps: int, tail: Tail
     ):
         self.placement = placement
         self.tail = tail
@@ -62,7 +64,7 @@ class Applies:
         self.unprobed = False  # the probe could not run: means, then checked
         self.begin(None, [])
 
-    def begin(self, across: Any, batch: list[tf.Tensor]):
+    def begin(self, across: Across | None, batch: list[tf.Tensor]):
         """A step is traced: ``across`` (None: no cluster) and its input tensors."""
         self.names, self.checked, self.across = [], [], across
         self.batch, self.means, self._calls = batch, {}, {}
@@ -160,7 +162,13 @@ class Applies:
             "alone) or 'ignore'. Nothing was updated."
         )
 
-    def meet(self, optimizer: Any, grads: Any, variables: Any, apply: Any) -> Any:
+    def meet(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        grads: Any,
+        variables: Any,
+        apply: Any,
+    ) -> Any:
         """An ``optimizer.apply(grads, variables)`` inside a tower's step
         (``apply``: the optimizer's own): met, combined, applied once."""
         here = current()
@@ -199,7 +207,9 @@ class Applies:
 
         return here.once(handed, once)
 
-    def _update_of(self, optimizer: Any, variables: list) -> Update:
+    def _update_of(
+        self, optimizer: keras.optimizers.Optimizer, variables: list
+    ) -> Update:
         """``optimizer``'s update, made at its first apply (out of the trace:
         its accumulators are saved with checkpoints, ``saved``)."""
         update = self.updates.get(id(optimizer))
@@ -229,7 +239,7 @@ class Applies:
         for update in self.updates.values():
             update.flush()
 
-    def _apply_each(self, seat: Any, handed: list, apply: Any) -> Any:
+    def _apply_each(self, seat: Seat, handed: list, apply: Any) -> Any:
         """The apply of ``seat``'s tower to its copy's variables (what it
         handed in, with every tower's ``handed``)."""
         rank = seat.rank

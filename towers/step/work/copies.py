@@ -17,9 +17,12 @@ import keras
 import tensorflow as tf
 
 from towers._keras import build_compiled_metrics, compiled_metrics_unbuilt
+from towers.placement.base import Placement
 
 
-def build_copies(placement: Any, x: Any, y: Any = None, sample_weight: Any = None):
+def build_copies(
+    placement: Placement, x: Any, y: Any = None, sample_weight: Any = None
+):
     """Builds every other copy's compiled metrics from the batch's shapes as
     copy 0's are built, so their variables line up."""
     for t, model in enumerate(placement.models[1:], start=1):

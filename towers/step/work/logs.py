@@ -12,9 +12,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers.cluster.workers import Workers
 from towers.combine import in_dtype
+from towers.placement.base import Placement
 from towers.split import Shards, examples_of
 from towers.step.rules import loss_kinds
+from towers.step.run.seats import Across
 from towers.step.work.applies import INSTANCES_PER_APPLY
 
 
@@ -25,10 +28,10 @@ class Logs:
     terms, by ref; ``assignments``, which logs are metrics' results;
     ``stop``, after a training step in a cluster, the workers asking to."""
 
-    placement: Any
+    placement: Placement
     applies: Any
-    workers: Any
-    across: Any
+    workers: Workers | None
+    across: Across | None
     free: dict
     assignments: Any
     stop: Any = None

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from towers._keras import layers_of
 from towers._keras.patches import routed_applies, routed_gradients
+from towers.cluster.workers import Workers
 from towers.placement.base import Placement
 from towers.placement.update import Update
 from towers.split import Shards
@@ -47,7 +48,7 @@ class OwnStep:
         update: Update,
         kinds: frozenset[str],
         metrics: Any,
-        workers: Any = None,
+        workers: Workers | None = None,
         moving: Any = None,
         accumulate_steps: int = 1,
         tail: Any = None,
