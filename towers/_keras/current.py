@@ -50,8 +50,9 @@ class TracedStep:
     (``step/rules/places.py``'s ``placing``; ``step/run/turns.py`` hands it on).
 
     Attributes:
-      model, hook: whose step (``id`` of tower 0's model; a model's own
-        step's hook, "" for the built-in one), which names its draws.
+      hook: a model's own step's (``train_step``...), "" for the built-in one.
+      learned: what the engine's runner learned of its model's draws
+        (``places.Learned``: its probe's readings, the draws named).
       batch_rows: the (global) batch's rows; ``worker_first``: a cluster
         worker's first row in it; ``unplaced``: a worker whose rows nothing
         placed (its model holds no seed generator).
@@ -63,8 +64,8 @@ class TracedStep:
         None where nothing runs them.
     """
 
-    model: int = 0
     hook: str = ""
+    learned: Any = None  # rules/places.Learned, which imports this module
     batch_rows: Any = None
     worker_first: Any = 0
     unplaced: bool = False

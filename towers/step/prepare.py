@@ -47,7 +47,8 @@ class Preparing:
             self.placement.model,
         )
         batch, own = (x, y, sample_weight), self.builtin.own_loss
-        coupled.probe(model, batch, own, self.device, jit.strict, training)
+        learned = self.runner.learned  # what the step's traces read of it
+        coupled.probe(model, batch, own, self.device, jit.strict, training, learned)
         if coupled.gathered and jit.enabled:  # "auto": gathered rows, in turns
             self.builtin.jit = xla.without("the model's compute_loss gathers the batch")
         if self.own is not None:

@@ -45,7 +45,6 @@ import numpy as np
 
 from towers._keras import global_seed_kept
 from towers.step.rules.loss_kinds import coupling_layer
-from towers.step.rules.places import named_for
 from towers.training.check_state import (
     Kept,
     Watched,
@@ -222,7 +221,7 @@ def checked(
     before = kept.read(entries)
     grads = with_slots(grads, entries, placement.model.trainable_variables)
     out = run()
-    unplaced = named_for(placement.model)
+    unplaced = engine.step.runner.learned.draws_named()
     why = f"towers named draws it cannot make one device's: {unplaced}"
     if not unplaced and not _finite(out):  # its policy, declared: not Keras'
         why = "its gradients were not finite and towers applied nothing"

@@ -136,6 +136,7 @@ class CoupledLosses:
         device: str,
         jit: bool = False,
         training: bool = True,
+        learned: Any = None,
     ) -> None:
         """Probes the model's other loss terms once, on the first batch of two or
         more examples: a coupled ``compute_loss`` is gathered under ``"exact"``;
@@ -149,7 +150,9 @@ class CoupledLosses:
             return
         if self.terms and not self.exact and training:
             self._warn_per_tower(model, batch[0], device)
-        probed = probe_terms(model, batch, own_loss, device, training, self.towers)
+        probed = probe_terms(
+            model, batch, own_loss, device, training, self.towers, learned
+        )
         self._check_sums(probed.sums)
         found = probed.coupled
         named = "; ".join(str(term) for term in found)

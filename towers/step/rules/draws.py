@@ -206,11 +206,16 @@ def _categorical(own, logits, num_samples, *args, **kwargs):
 
 @contextlib.contextmanager
 def drawing(
-    workers: Workers | None, models: list[Any], examples: Any, hook: str = ""
+    workers: Workers | None,
+    models: list[Any],
+    examples: Any,
+    hook: str = "",
+    learned: places.Learned | None = None,
 ) -> Iterator[None]:
-    """Within, Keras' draws are routed to :func:`route`, the towers' rows placed."""
+    """Within, Keras' draws are routed to :func:`route`, the towers' rows placed
+    (``places.placing``)."""
     draw = any(state_variables(model) for model in models)
-    placed = places.placing(workers, models, examples, draw, hook)
+    placed = places.placing(workers, examples, draw, hook, learned)
     with routed_draws(route), placed:
         yield
 

@@ -36,14 +36,16 @@ def probe_terms(
     device: str,
     training: bool = True,
     towers: int = 2,
+    learned: Any = None,
 ) -> Probed:
     """The built-in step's loss terms that are not a mean over the examples
     of ``batch`` (x, y, sample_weight), by :func:`probe` on ``device``:
     every layer's ``add_loss`` terms and, with ``own_loss``, the model's
     ``compute_loss`` (called with ``training``: True as Keras' fit calls it,
-    False as its evaluate does). An ``add_loss`` term that sums over the
-    examples is a sum (each tower's adds up to one device's, unweighted); a
-    ``compute_loss`` that sums couples them (it is weighted by the shares).
+    False as its evaluate does; ``learned``: the runner's, of its draws). An
+    ``add_loss`` term that sums over the examples is a sum (each tower's adds
+    up to one device's, unweighted); a ``compute_loss`` that sums couples
+    them (it is weighted by the shares).
 
     A model of Keras' own layers only, none with an activity regulariser,
     and no ``compute_loss`` of its own adds no term: it is not called.
@@ -73,7 +75,7 @@ def probe_terms(
 
     terms.kept = []
     with tf.device(device):
-        found = probe(model, batch, ("call", terms), towers)
+        found = probe(model, batch, ("call", terms), towers, learned)
     if found.losses is None:
         return Probed([], [])
     probed = Probed([], [], not rows_match(*found.outputs))

@@ -9,10 +9,10 @@ A tower's trace draws from Python's ``random`` as one device's would."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import random
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,14 +30,22 @@ def _here() -> TracedStep:
     return this_tower().step or IDLE
 
 
-# By (model, hook), how its draws over a number of rows that is both the
-# batch's and k blocks of the shard's read it, in call order: True as the
-# batch's (a fixed batch_size), False as blocks (2 * ops.shape(x)[0]); a bool
-# for all. Learned by the probe, whose parts differ in rows: a fixed number
-# stays, a count from the shape moves with them.
-_readings: dict[tuple[int, str], Any] = {}
-_unlearned: set[tuple[int, str]] = set()  # asked for one with none learned
-_named: set[tuple[int, str, str]] = set()  # (id(model), draw, reason) warned
+@dataclasses.dataclass
+class Learned:
+    """What an engine's runner learned of its model's draws, kept across its
+    steps' traces: by hook, how a draw over a number of rows that is both the
+    batch's and k blocks of the shard's reads it, in call order (True: as the
+    batch's, a fixed batch_size; False: as blocks, ``2 * ops.shape(x)[0]``; a
+    bool for all), learned by the probe, whose parts differ in rows; the hooks
+    asked for one with none learned; the draws named, with why (warned once)."""
+
+    readings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unlearned: set[str] = dataclasses.field(default_factory=set)
+    named: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+
+    def draws_named(self) -> list[str]:
+        """The draws named so far."""
+        return sorted({draw for draw, _ in self.named})
 
 
 class RowsUnknown(Exception):
@@ -140,32 +148,32 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
 
 
 def _fixed(index: int) -> bool:
-    # Whether the index-th draw reads such a number as the batch's (_readings).
-    key = (_here().model, _here().hook)
-    reading = _readings.get(key, True)
+    # Whether the index-th draw reads such a number as the batch's (Learned).
+    step = _here()
+    reading = (
+        True if step.learned is None else step.learned.readings.get(step.hook, True)
+    )
     if isinstance(reading, bool):
-        _unlearned.add(key)
+        if step.learned is not None:
+            step.learned.unlearned.add(step.hook)
         return reading
     return reading[index] if index < len(reading) else True
 
 
 def learn(
-    model: Any, hook: str, parts: list[list[Any]] | None, reading: bool = True
+    learned: Learned, hook: str, parts: list[list[Any]] | None, reading: bool = True
 ) -> bool:
-    """Sets how ``model``'s ``hook`` reads a number of rows both the batch's and
-    blocks of the shard's: from each draw's row counts on the probe's
+    """Sets in ``learned`` how ``hook`` reads a number of rows both the batch's
+    and blocks of the shard's: from each draw's row counts on the probe's
     ``parts``, or ``reading`` for all (``parts`` None). Returns whether the
     step last traced asked for one with none learned."""
-    key = (id(model), hook)
-    if key not in _readings:  # forgotten with the model
-        weakref.finalize(model, _readings.pop, key, None)
-    asked = key in _unlearned
-    _unlearned.discard(key)
+    asked = hook in learned.unlearned
+    learned.unlearned.discard(hook)
     if parts is None:
-        _readings[key] = reading
+        learned.readings[hook] = reading
         return asked
     first, *others = parts
-    _readings[key] = [
+    learned.readings[hook] = [
         all(index < len(other) and other[index] == rows for other in others)
         for index, rows in enumerate(first)
     ]
@@ -189,16 +197,12 @@ def steady() -> Iterator[None]:
 
 
 def name(draw: str, why: str, reason: str = "") -> None:
-    """Warns once a model and ``reason`` that ``draw`` is not one device's."""
-    key = (_here().model, draw, reason)
-    if key not in _named:
-        _named.add(key)
+    """Warns once an engine and ``reason`` that ``draw`` is not one device's."""
+    learned = _here().learned
+    if learned is None or (draw, reason) not in learned.named:
+        if learned is not None:
+            learned.named.add((draw, reason))
         warnings.warn(f"towers: a draw of the step, {draw}: {why}.", stacklevel=4)
-
-
-def named_for(model: Any) -> list[str]:
-    """The draws named while ``model``'s step was traced."""
-    return sorted({draw for owner, draw, _ in _named if owner == id(model)})
 
 
 def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
@@ -229,19 +233,19 @@ def check_placed(draw: str, own: Callable[..., Any], args: tuple, kwargs: dict):
 @contextlib.contextmanager
 def placing(
     workers: Workers | None,
-    models: list[Any],
     examples: Any,
     draw: bool,
     hook: str = "",
+    learned: Learned | None = None,
 ) -> Iterator[None]:
-    """Within, draws name ``models`` and the batch has ``examples`` rows; in a
+    """Within, draws are ``hook``'s, read as ``learned`` says (None: as the
+    batch's, named each time), and the batch has ``examples`` rows; in a
     cluster the towers' rows follow the workers' before (one small sum) where
     the towers ``draw``, and a draw from Keras' global generator is refused
     where they do not. Python's ``random`` gives each tower's trace what one
     device's would draw, left as the first tower's left it."""
     outer = _here()
-    step = TracedStep(id(models[0]), hook, steady=outer.steady)
-    step.warm_ups = outer.warm_ups
+    step = TracedStep(hook, learned, steady=outer.steady, warm_ups=outer.warm_ups)
     step.batch_rows = examples if workers is None else None
     if workers is not None and draw:
         step.worker_first, step.batch_rows = workers.first_row(examples)

@@ -71,14 +71,19 @@ class Found:
 
 
 def probe(
-    model: keras.Model, batch: tuple, hook: Any = "train_step", towers: int = 2
+    model: keras.Model,
+    batch: tuple,
+    hook: Any = "train_step",
+    towers: int = 2,
+    learned: places.Learned | None = None,
 ) -> Found:
     """How ``hook`` (``"train_step"``, ``"test_step"``, or ``(name, work)``: a
     function of the packed data returning numbers by key) reads ``batch``.
     A loss with a value per example is a sum (the tape sums it). Parts of one
     example come first; a work that fails on them (a ``top_k`` over the
     batch) is probed on parts of a shard's rows; one that runs on neither is
-    not probed (``unprobed`` says why): the first-step check decides.
+    not probed (``unprobed`` says why): the first-step check decides. What
+    it learns of the work's draws goes to ``learned`` (the runner's).
 
     Raises:
       ValueError: a loss neither a mean nor a sum over the examples; a
@@ -89,7 +94,7 @@ def probe(
     failed = None
     for unit in tried:
         try:
-            return _probe(model, batch, hook, size, unit)
+            return _probe(model, batch, hook, size, unit, learned)
         except Exception as error:  # noqa: BLE001 - the model's, or ours: below
             if raised_in_towers(error):
                 raise
@@ -112,10 +117,12 @@ def probe(
     return Found(None, {}, unprobed=why)
 
 
-def _probe(model: keras.Model, batch: tuple, hook: Any, size: int, unit: int) -> Found:
+def _probe(
+    model: keras.Model, batch: tuple, hook: Any, size: int, unit: int, learned: Any
+) -> Found:
     """:func:`probe` on parts of ``2 * unit`` units together and ``unit``
     alone."""
-    trial = Trial(model, hook, places.size_of(batch[0]))
+    trial = Trial(model, hook, places.size_of(batch[0]), learned or places.Learned())
     kinds: list[Any] = []
     found = Found([], {})
     for first in range(0, size - 2 * unit + 1, 2 * unit)[:PAIRS]:

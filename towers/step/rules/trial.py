@@ -34,8 +34,8 @@ class Trial:
     nothing applied or kept; per part, each loss it takes the gradient of
     and each number it returns, less their batch-free terms."""
 
-    def __init__(self, model: keras.Model, hook: Any, rows: int | None):
-        self.model = model
+    def __init__(self, model: keras.Model, hook: Any, rows: int | None, learned: Any):
+        self.model, self.learned = model, learned  # places.Learned
         self.hook, self.work = hook if isinstance(hook, tuple) else (hook, None)
         self.rows = rows  # the batch's: a draw over them is over a part's
         self.leading: list[list[Any]] = []  # per part, each loss's first axis
@@ -59,7 +59,7 @@ class Trial:
         failed = None
         for reading in (True, False):
             if self._traced is None:
-                places.learn(self.model, self.hook, None, reading)
+                places.learn(self.learned, self.hook, None, reading)
                 self._traced = tf.function(self._part, autograph=False)
                 self._relax(parts)
             try:
@@ -67,10 +67,10 @@ class Trial:
             except ValueError as error:
                 self._traced = None
                 failed = failed or error
-                if places.learn(self.model, self.hook, None) and reading:
+                if places.learn(self.learned, self.hook, None) and reading:
                     continue  # read as blocks
                 raise failed from (None if failed is error else error)
-            places.learn(self.model, self.hook, self.drawn)
+            places.learn(self.learned, self.hook, self.drawn)
             return out
         raise AssertionError("both readings returned or raised")
 
@@ -107,7 +107,7 @@ class Trial:
         steady = Steady(self.model)
         with setting(trial=self):
             with routed_gradients(self._gradient), routed_applies(nothing):
-                drawing = draws.drawing(None, [self.model], 2, self.hook)
+                drawing = draws.drawing(None, [self.model], 2, self.hook, self.learned)
                 raw = Patch(lambda: stateless(self.model, self._raw)).applied()
                 with drawing, places.steady(), steady.patched(), raw:
                     yield

@@ -54,6 +54,7 @@ class Runner:
         self.builtin = builtin
         self.moving_statistics = moving_statistics
         self.workers = workers
+        self.learned = places.Learned()  # of the model's draws, across traces
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """The batch cut into the towers' shards ``(x_t, y_t, sw_t)``, on the
@@ -102,7 +103,7 @@ class Runner:
         ``weight_of(passes)``: this worker's weight in a cluster's sums."""
         working = self.placement.working_towers(shards)
         models = [self.placement.model_of(t) for t in working]
-        with draws.drawing(self.workers, models, shards.size):
+        with draws.drawing(self.workers, models, shards.size, "", self.learned):
             return self._train(shards, working, divisors_of, weight_of)
 
     def _train(self, shards, working, divisors_of, weight_of) -> list[TowerResult]:

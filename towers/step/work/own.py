@@ -84,7 +84,8 @@ class OwnStep:
         alone = len(self.placement.devices) == 1 and self.workers is None
         if self.applies.whole_batch or alone:
             return
-        found = probe.probe(self.model, batch, hook, len(self.placement.devices))
+        towers = len(self.placement.devices)
+        found = probe.probe(self.model, batch, hook, towers, self.runner.learned)
         if found.unprobed:  # read as means; the first-step check decides
             self._logs_found[hook] = {}
             self.applies.unprobed |= training
@@ -201,7 +202,13 @@ class OwnStep:
             with (
                 routed_applies(self.applies.meet),
                 routed_gradients(self.applies.gradient),
-                draws.drawing(self.workers, self.placement.models, shards.size, hook),
+                draws.drawing(
+                    self.workers,
+                    self.placement.models,
+                    shards.size,
+                    hook,
+                    self.runner.learned,
+                ),
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):
