@@ -15,6 +15,7 @@ from typing import Any, Literal
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.optimizers import Optimizer
 
 from towers._keras import built_symbolically, call_model, layers_of, own_losses
 from towers.combine import in_dtype
@@ -150,9 +151,7 @@ def as_mean(grads: list[Any], free_grads: list[Any], share: Any) -> list[Any]:
     return out
 
 
-def nothing(
-    optimizer: keras.optimizers.Optimizer, grads: Any, variables: Any, own: Any
-) -> None:
+def nothing(optimizer: Optimizer, grads: Any, variables: Any, own: Any) -> None:
     """An apply while probing: nothing applied."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.optimizers import Optimizer
 
 from towers._keras.current import Seat
 from towers._keras.optimizers import optimizer_variables
@@ -162,13 +163,7 @@ class Applies:
             "alone) or 'ignore'. Nothing was updated."
         )
 
-    def meet(
-        self,
-        optimizer: keras.optimizers.Optimizer,
-        grads: Any,
-        variables: Any,
-        apply: Any,
-    ) -> Any:
+    def meet(self, optimizer: Optimizer, grads: Any, variables: Any, apply: Any) -> Any:
         """An ``optimizer.apply(grads, variables)`` inside a tower's step
         (``apply``: the optimizer's own): met, combined, applied once."""
         here = current()
@@ -207,9 +202,7 @@ class Applies:
 
         return here.once(handed, once)
 
-    def _update_of(
-        self, optimizer: keras.optimizers.Optimizer, variables: list
-    ) -> Update:
+    def _update_of(self, optimizer: Optimizer, variables: list) -> Update:
         """``optimizer``'s update, made at its first apply (out of the trace:
         its accumulators are saved with checkpoints, ``saved``)."""
         update = self.updates.get(id(optimizer))
