@@ -15,6 +15,7 @@ from tests.tolerances import (
     MIXED_FLOAT16_RTOL,
 )
 from towers import Towers, split_sizes
+from towers.step.rules import batch_moments
 
 STEPS = 3
 
@@ -260,6 +261,27 @@ def test_by_default_batch_normalization_is_one_devices():
         np.testing.assert_allclose(
             got, want, rtol=EQUIVALENCE_RTOL, atol=EQUIVALENCE_ATOL
         )
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_tower_with_the_whole_batch_takes_keras_own_moments(model, monkeypatch):
+    # One tower and no cluster: the batch's moments are the tower's, so the
+    # layer takes Keras' own (no meeting, nothing traced for one), and
+    # "global" trains bit for bit as "tower" statistics; two towers meet.
+    meetings = []
+    own = batch_moments.moments_over_towers
+    monkeypatch.setattr(
+        batch_moments,
+        "moments_over_towers",
+        lambda *args: meetings.append(args) or own(*args),
+    )
+    keras_own = trained(model, "adam", 1, "tower", 7)
+    one = trained(model, "adam", 1, "global", 7)
+    assert meetings == []
+    for (name, want), (_, got) in zip(keras_own, one, strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    trained(model, "adam", 2, "global", 7)
+    assert len(meetings) >= 2  # both layers, each tower's trace
 
 
 def test_an_unknown_batch_statistics_is_named():

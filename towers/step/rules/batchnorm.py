@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from towers._keras import layers_of, patches
 from towers._keras.current import setting, this_tower
+from towers.step.rules import places
 from towers.step.rules.batch_moments import (
     batch_moments,
     count_of,
@@ -131,7 +132,9 @@ class MovingStatistics:
             kept = None if mask is None else kept_values(inputs, mask)
             # A masked layer divides by its count plus ε (Keras' _moments).
             self._epsilons[index] = 0.0 if kept is None else keras.config.epsilon()
-            if self.whole_batch(layer):  # over the towers its seat meets
+            # Over the towers its seat meets; a tower with the whole batch
+            # takes Keras' own, one device's.
+            if self.whole_batch(layer) and not places.has_whole_batch():
                 taken = global_moments(layer, inputs, kept)
             else:
                 mean, variance = moments_fn(inputs, mask)

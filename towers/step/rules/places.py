@@ -101,8 +101,7 @@ def place(rows: Any, draw: str, shaped: bool = True) -> tuple | None:
     if getattr(tower.trial, "relaxed", False):
         raise RowsUnknown(draw)
     size, first, total, others, batch = tower.rows
-    whole = isinstance(total, int) and total == size  # the whole batch: as drawn
-    if whole and not steadied():
+    if has_whole_batch() and not steadied():  # as drawn
         return None
     rows = static_dim(rows)
     tower.drawn.append(rows)
@@ -260,6 +259,13 @@ def placing(
 def batch_rows() -> Any:
     """The step's batch's rows (in a cluster, the global batch's; None: unknown)."""
     return _here().batch_rows
+
+
+def has_whole_batch() -> bool:
+    """Whether this thread's tower has the whole batch (one tower, no cluster):
+    what it takes of its rows is one device's as it is."""
+    rows = this_tower().rows
+    return rows is not None and isinstance(rows[2], int) and rows[0] == rows[2]
 
 
 def in_tower() -> bool:
