@@ -10,6 +10,7 @@ what the work needs, and dispatched in one place (:meth:`Runner._run`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal
@@ -34,27 +35,22 @@ NEXT: dict[str, Way] = {"shared": "alone", "phases": "turns"}
 Kind = Literal["train", "evaluate", "predict", "own"]
 
 
+@dataclasses.dataclass(eq=False)
 class Runner:
     """Runs the working towers' work of a step, the way :meth:`way` says.
 
-    Args:
+    Attributes:
       placement: where the variables live; each tower's device and model.
       builtin: the built-in pass (its needs: XLA, the coupled losses).
       moving_statistics: BatchNormalization's (whether the towers meet).
-      workers: the other workers of a cluster, or None."""
+      workers: the other workers of a cluster, or None.
+      learned: what the probe learned of the model's draws, across traces."""
 
-    def __init__(
-        self,
-        placement: Placement,
-        builtin: BuiltIn,
-        moving_statistics: MovingStatistics,
-        workers: Workers | None,
-    ):
-        self.placement = placement
-        self.builtin = builtin
-        self.moving_statistics = moving_statistics
-        self.workers = workers
-        self.learned = places.Learned()  # of the model's draws, across traces
+    placement: Placement
+    builtin: BuiltIn
+    moving_statistics: MovingStatistics
+    workers: Workers | None
+    learned: places.Learned = dataclasses.field(default_factory=places.Learned)
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """The batch cut into the towers' shards ``(x_t, y_t, sw_t)``, on the
