@@ -64,7 +64,9 @@ class Assignments(MetricUpdates):
       across: in a cluster, the step's handle on the workers (``seats.Across``).
       apart: the copies never meet (``placement="independent"``)."""
 
-    def __init__(self, models: list[Any], across: Across | None, apart: bool = False):
+    def __init__(
+        self, models: list[keras.Model], across: Across | None, apart: bool = False
+    ):
         super().__init__()
         self.models = models
         self.apart = apart
@@ -219,7 +221,7 @@ def alike(values: list[tf.Tensor], corresponding: Any = None, marks=None) -> boo
     return found[0] is not None and all(f == found[0] for f in found)
 
 
-def _corresponding(models: list[Any]) -> dict[int, int]:
+def _corresponding(models: list[keras.Model]) -> dict[int, int]:
     # Each captured handle of a copy's variable (by id) -> its place in its copy.
     place = {id(v.value.handle): i for m in models for i, v in enumerate(m.variables)}
     graph = tf.compat.v1.get_default_graph()

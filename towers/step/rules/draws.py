@@ -207,7 +207,7 @@ def _categorical(own, logits, num_samples, *args, **kwargs):
 @contextlib.contextmanager
 def drawing(
     workers: Workers | None,
-    models: list[Any],
+    models: list[keras.Model],
     examples: Any,
     hook: str = "",
     learned: places.Learned | None = None,
@@ -224,7 +224,7 @@ class Starts:
     """The seed states every tower of a step starts from, read once; the first
     tower's last states assigned once after (``models``: the towers')."""
 
-    def __init__(self, models: list[Any]):
+    def __init__(self, models: list[keras.Model]):
         self.models = {id(model): model for model in models}
         self.states = {
             key: [tf.identity(v) for v in state_variables(model)]
@@ -232,11 +232,11 @@ class Starts:
         }
         self._ends: dict[int, list[Any]] = {}
 
-    def of(self, model: Any) -> list[Any]:
+    def of(self, model: keras.Model) -> list[Any]:
         """The states ``model``'s towers start from."""
         return self.states[id(model)]
 
-    def ended(self, model: Any, states: list[Any]) -> None:
+    def ended(self, model: keras.Model, states: list[Any]) -> None:
         """A tower of ``model`` ended with ``states`` (the first one counts)."""
         self._ends.setdefault(id(model), states)
 

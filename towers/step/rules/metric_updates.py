@@ -30,7 +30,7 @@ class MetricUpdates:
     (which sets ``models``, ``across``, ``apart``, ``as_mean``, ``_own``
     and ``_metric_place``)."""
 
-    models: list[Any]
+    models: list[keras.Model]
     across: Across | None
     apart: bool
     _own: Any

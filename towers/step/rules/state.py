@@ -55,7 +55,7 @@ def rule_of(variable: Any) -> str:
     return name if name in RULES else "none"
 
 
-def raw_variables(model: Any) -> list[tuple[tf.Variable, str]]:
+def raw_variables(model: keras.layers.Layer) -> list[tuple[tf.Variable, str]]:
     """The ``tf.Variable``\\ s ``model``'s layers hold, named ``layer/attribute``,
     which ``model.variables`` omits and a model's own step may assign.
 
@@ -203,7 +203,7 @@ def exchanged(settled: list[Settled]) -> list[tf.Tensor]:
 
 
 def settle_apart_metrics(
-    passes: list[Any], sizes: list[Any], models: list[Any], cluster: Any
+    passes: list[Any], sizes: list[Any], models: list[keras.Model], cluster: Any
 ) -> list[Settled]:
     """:func:`settle`, the models' metrics' variables assigned at once (a
     cluster sums their changes with the other metrics'); returns the rest."""
@@ -230,7 +230,7 @@ def describe(rule: str) -> str:
     )
 
 
-def state_variables(model: Any) -> list[Any]:
+def state_variables(model: keras.layers.Layer) -> list[Any]:
     """``model``'s variables that are not weights: its layers' seed generators'
     states, which a layer assigns as it draws (Dropout in training)."""
     weights = {id(v) for v in model.weights}

@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -32,7 +33,7 @@ LOG2 = 0.6931471805599453  # ln 2
 
 
 def gathered_loss(
-    model: Any,
+    model: keras.Model,
     batch: tuple[Any, Any, Any, Any],
     share: tf.Tensor,
     scope: ReadScope,
@@ -64,7 +65,7 @@ def gathered_loss(
 
 
 @contextlib.contextmanager
-def whole_batch_loss(models: list[Any]) -> Iterator[None]:
+def whole_batch_loss(models: list[keras.Model]) -> Iterator[None]:
     """Within, a ``compute_loss`` called in a model's own step is the whole
     batch's: its term over ``w_t`` (the apply weighs it by ``w_t`` again); its
     second computation (``L_s``) quiet.
@@ -72,7 +73,7 @@ def whole_batch_loss(models: list[Any]) -> Iterator[None]:
     Raises:
       ValueError: with a copy per tower."""
 
-    def route(model: Any, own: Any, args: tuple, kwargs: dict) -> Any:
+    def route(model: keras.Model, own: Any, args: tuple, kwargs: dict) -> Any:
         here = seats.current()
         if not here.own or this_tower().in_loss:  # its own calls pass through
             return own(*args, **kwargs)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from towers.combine import in_dtype
@@ -113,7 +114,7 @@ def compute(
             first = tf.cast(firsts[t], tf.int32)
         return (x, y, sample_weight, first, total, starts.of(model), weights, scale)
 
-    def pass_of(model: Any) -> Callable[..., tuple]:
+    def pass_of(model: keras.Model) -> Callable[..., tuple]:
         return tower_pass(builtin, model, shards, divisors_of, traced)
 
     trace = dict(jit=builtin.jit.enabled, inline=builtin.inline, meets=meets)
@@ -148,7 +149,7 @@ def own(
             share = in_dtype(shares[t], tf.float64)  # a float64 model's digits
             return (x, y, sample_weight, tf.cast(firsts[t], tf.int32), share)
 
-    def pass_of(model: Any) -> Callable[..., Any]:
+    def pass_of(model: keras.Model) -> Callable[..., Any]:
         return partial(_own_pass, model, work, shards.normaliser)
 
     trace = dict(jit=False, inline=inline, own=True)
@@ -188,7 +189,7 @@ def _own_pass(model, work, examples, x, y, sample_weight, first, share) -> Any:
 
 def tower_pass(
     builtin: BuiltIn,
-    model: Any,
+    model: keras.Model,
     shards: Shards,
     divisors_of: Callable[[list], list[Any]],
     traced: list,

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import keras
 import tensorflow as tf
 
 from towers._keras import GlobalSeed, loss_ids_kept
@@ -148,7 +149,7 @@ def meeting(size: int, placement: Placement, across: Across | None) -> Rendezvou
     )  # fmt: skip
 
 
-def kept(models: list[Any]) -> Callable[[], Callable[[], None]]:
+def kept(models: list[keras.Model]) -> Callable[[], Callable[[], None]]:
     """What a tower keeps while the others trace: its layers' ids of the
     ``add_loss`` terms of its call, which each call clears (``towers/_keras``)."""
     return functools.partial(loss_ids_kept, models)

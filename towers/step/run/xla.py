@@ -40,7 +40,7 @@ class Jit:
 OFF = Jit()
 
 
-def resolve(option: JitCompile, model: Any, devices: Sequence[str]) -> Jit:
+def resolve(option: JitCompile, model: keras.Model, devices: Sequence[str]) -> Jit:
     """``Towers``' ``jit_compile`` for ``model`` on ``devices``.
 
     Raises:
@@ -132,7 +132,7 @@ def read_weights(model: keras.Model) -> list[tf.Tensor]:
     return [tf.identity(v) for v in model.weights]
 
 
-def uncompilable_error(error: tf.errors.OpError, model: Any) -> str | None:
+def uncompilable_error(error: tf.errors.OpError, model: keras.Model) -> str | None:
     """What a failed XLA compilation says, with the layer of each op it could
     not compile; None if ``error`` is not one."""
     message = error.message
@@ -153,7 +153,7 @@ def uncompilable_error(error: tf.errors.OpError, model: Any) -> str | None:
     return f"XLA cannot compile {where}{kinds}"
 
 
-def after_failure(jit: Jit, error: tf.errors.OpError, model: Any) -> Jit:
+def after_failure(jit: Jit, error: tf.errors.OpError, model: keras.Model) -> Jit:
     """What a step whose call failed with ``error`` runs with next: without XLA
     (warned) where "auto" chose it and XLA could not compile.
 

@@ -22,7 +22,7 @@ _PACKAGE = os.path.dirname(os.path.abspath(_runtime.__file__)) + os.sep  # tower
 HOOKS = ("train_step", "test_step", "predict_step", "compute_metrics")
 
 
-def overrides(model: Any, name: str) -> bool:
+def overrides(model: keras.Model, name: str) -> bool:
     """Whether ``model``'s class overrides Keras' ``Model.<name>`` (a hook).
 
     >>> class Own(keras.Model):
@@ -49,7 +49,7 @@ def raised_in_towers(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
-def own_hook(model: Any, name: str) -> Any:
+def own_hook(model: keras.Model, name: str) -> Any:
     """``model.<name>``, the model's own step; one it made an XLA
     ``tf.function`` is its Python function, traced in each tower's step
     (whose variables live on the variable device), said once."""

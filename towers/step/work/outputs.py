@@ -84,7 +84,7 @@ def targets_of(y: Any, names: list[str], with_loss: list[int]) -> Any:
     return spread
 
 
-def names_of(model: Any) -> list[str] | None:
+def names_of(model: keras.Model) -> list[str] | None:
     """The model's output names as ``compile`` maps a dict of losses onto
     them: a dict output's keys (two keys may name one tensor), else Keras'
     ``output_names``; None for a model not built on symbolic outputs."""
