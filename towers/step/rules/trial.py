@@ -34,8 +34,10 @@ class Trial:
     nothing applied or kept; per part, each loss it takes the gradient of
     and each number it returns, less their batch-free terms."""
 
-    def __init__(self, model: keras.Model, hook: Any, rows: int | None, learned: Any):
-        self.model, self.learned = model, learned  # places.Learned
+    def __init__(
+        self, model: keras.Model, hook: Any, rows: int | None, learned: places.Learned
+    ):
+        self.model, self.learned = model, learned
         self.hook, self.work = hook if isinstance(hook, tuple) else (hook, None)
         self.rows = rows  # the batch's: a draw over them is over a part's
         self.leading: list[list[Any]] = []  # per part, each loss's first axis
