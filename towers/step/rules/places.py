@@ -244,7 +244,9 @@ def placing(
     where they do not. Python's ``random`` gives each tower's trace what one
     device's would draw, left as the first tower's left it."""
     outer = _here()
-    step = TracedStep(hook, learned, steady=outer.steady, warm_ups=outer.warm_ups)
+    step = TracedStep(
+        hook=hook, learned=learned, steady=outer.steady, warm_ups=outer.warm_ups
+    )
     step.batch_rows = examples if workers is None else None
     if workers is not None and draw:
         step.worker_first, step.batch_rows = workers.first_row(examples)

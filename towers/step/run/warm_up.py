@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers._keras.current import TracedStep, setting, this_tower
+from towers._keras.current import IDLE, TracedStep, setting, this_tower
 
 _READS = {"ReadVariableOp", "VarHandleOp"}  # the stateful ops a warm-up may run
 
@@ -39,7 +39,7 @@ def queue_warm_up(traced: Any, args: tuple, device: str) -> None:
     the :func:`warm_up` tracing the step; not if none does, the pass holds a
     stateful op other than a variable's read (an assignment, a stateful draw)
     or an argument's shape is not known."""
-    queue = (this_tower().step or TracedStep()).warm_ups
+    queue = (this_tower().step or IDLE).warm_ups
     if queue is None:
         return
     concrete = traced.get_concrete_function(*args)

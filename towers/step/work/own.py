@@ -198,17 +198,13 @@ class OwnStep:
         assignments.loss_kind = self.applies.loss_kind
         self._assignments = assignments  # which logs are metrics' results
         weights = [share(shards, t) for t in working]
+        models, learned = self.placement.models, self.runner.learned
+        placed = draws.drawing(self.workers, models, shards.size, hook, learned)
         try:
             with (
                 routed_applies(self.applies.meet),
                 routed_gradients(self.applies.gradient),
-                draws.drawing(
-                    self.workers,
-                    self.placement.models,
-                    shards.size,
-                    hook,
-                    self.runner.learned,
-                ),
+                placed,
                 assignments.routed(),
                 self._whole_batch_loss(),
             ):
